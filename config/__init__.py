@@ -1,0 +1,1 @@
+"""The Django project of the platform (named `config`, not `platform`, which would shadow the stdlib)."""

@@ -1,0 +1,1 @@
+"""Nodes: hosts, the workers on them, and the agents that supervise those workers."""
