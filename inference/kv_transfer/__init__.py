@@ -1,0 +1,24 @@
+"""KV-cache transfer between prefill and decode workers (Django-free).
+
+`base` holds the transport-neutral interface (descriptor, layout, sender/receiver), `tcp` the default
+backend. Prefill writes the prompt's KV blocks straight into the blocks a decode worker reserved.
+"""
+from inference.kv_transfer.base import (
+    KVLayout,
+    KVReceiver,
+    KVSender,
+    KVTransferError,
+    TransferDescriptor,
+    TransferStats,
+    block_runs,
+)
+
+__all__ = [
+    "KVLayout",
+    "KVReceiver",
+    "KVSender",
+    "KVTransferError",
+    "TransferDescriptor",
+    "TransferStats",
+    "block_runs",
+]

@@ -1,0 +1,184 @@
+"""Transport-neutral KV transfer interface: what a decode worker hands out and a prefill worker uses."""
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+class KVTransferError(Exception):
+    """A transfer failed: peer unreachable, refused, timed out, or sent malformed data."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one KV block; both ends must agree on it byte for byte."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes in one block: every layer's keys and values for `block_size` tokens."""
+        itemsize = torch.empty((), dtype=dtype_of(self.dtype)).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVLayout:
+        """Parse a layout from JSON, raising ValueError on missing or malformed fields."""
+        try:
+            layout = cls(
+                num_layers=int(data["num_layers"]),
+                block_size=int(data["block_size"]),
+                num_kv_heads=int(data["num_kv_heads"]),
+                head_dim=int(data["head_dim"]),
+                dtype=str(data["dtype"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed KV layout: {exc}") from exc
+        dtype_of(layout.dtype)
+        return layout
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe form."""
+        return asdict(self)
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype named in a layout; unknown names are a ValueError."""
+    try:
+        return _DTYPES[name.removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unsupported KV dtype {name!r}") from None
+
+
+@dataclass
+class TransferDescriptor:
+    """Where and into which blocks a prefill worker must write a request's KV (issued by decode)."""
+
+    request_id: str
+    transport: str
+    host: str
+    port: int
+    block_ids: list[int]
+    num_tokens: int
+    layout: KVLayout
+    lease_expires_at: float
+    token: str
+    rdma: dict[str, Any] | None = field(default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe form, as sent through the router."""
+        data = asdict(self)
+        data["layout"] = self.layout.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any) -> TransferDescriptor:
+        """Parse and sanity-check a descriptor from JSON; ValueError names what is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError("descriptor must be a JSON object")
+        try:
+            descriptor = cls(
+                request_id=str(data["request_id"]),
+                transport=str(data["transport"]),
+                host=str(data["host"]),
+                port=int(data["port"]),
+                block_ids=[int(b) for b in data["block_ids"]],
+                num_tokens=int(data["num_tokens"]),
+                layout=KVLayout.from_dict(data["layout"]),
+                lease_expires_at=float(data["lease_expires_at"]),
+                token=str(data["token"]),
+                rdma=data.get("rdma"),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed descriptor: missing or bad field {exc}") from exc
+        needed = -(-descriptor.num_tokens // descriptor.layout.block_size)
+        if descriptor.num_tokens <= 0 or len(descriptor.block_ids) != needed:
+            raise ValueError(
+                f"descriptor has {len(descriptor.block_ids)} blocks for {descriptor.num_tokens} tokens "
+                f"(block size {descriptor.layout.block_size} needs {needed})"
+            )
+        if not 0 < descriptor.port < 65536:
+            raise ValueError(f"descriptor port {descriptor.port} out of range")
+        return descriptor
+
+    def lease_remaining(self) -> float:
+        """Seconds until the decode worker frees the reserved blocks."""
+        return self.lease_expires_at - time.time()
+
+
+@dataclass
+class TransferStats:
+    """What one transfer moved and how long it took."""
+
+    nbytes: int
+    seconds: float
+
+
+def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """Split block ids into runs of consecutive ids: each run is one contiguous memory range."""
+    runs: list[tuple[int, int]] = []
+    for block in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == block:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block, 1))
+    return runs
+
+
+# Called on the decode side when a request's KV has fully arrived: (request_id, first_token, stats).
+OnKVReceived = Callable[[str, int, TransferStats], None]
+
+
+class KVReceiver(abc.ABC):
+    """Decode side: accepts writes into reserved blocks of the local KV tensor."""
+
+    transport: str
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Begin accepting transfers."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop accepting transfers and release resources."""
+
+    @abc.abstractmethod
+    def expect(
+        self, request_id: str, block_ids: list[int], num_tokens: int, lease_s: float, host: str
+    ) -> TransferDescriptor:
+        """Register an incoming transfer for `request_id` and return the descriptor for the prefill side."""
+
+    @abc.abstractmethod
+    def cancel(self, request_id: str) -> None:
+        """Forget a registered transfer (aborted or expired): later writes for it are refused."""
+
+
+class KVSender(abc.ABC):
+    """Prefill side: writes local KV blocks into a decode worker's reserved blocks."""
+
+    transport: str
+
+    @abc.abstractmethod
+    def send(
+        self,
+        descriptor: TransferDescriptor,
+        src_block_ids: list[int],
+        first_token: int,
+        timeout: float,
+    ) -> TransferStats:
+        """Write the blocks and the first token; return once the decode side acknowledged them."""

@@ -1,0 +1,56 @@
+"""`python -m inference.launch_server`: start one prefill or decode worker (flags as in the guide).
+
+    CUDA_VISIBLE_DEVICES=0 python -m inference.launch_server --model-path ./model_cache/prefill_weights \
+        --service-type prefill --port 30000 --rdma-device mlx5_roce0 --context-length 4096 --batch-size 32
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+
+from inference.server.args import parse_args
+from inference.server.errors import StartupError
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags, load the model, open the KV port, serve HTTP until stopped."""
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    log = logging.getLogger("inference.launch_server")
+    # Imported after parsing so that --help and flag errors answer without loading torch.
+    from inference.server.app import create_app
+    from inference.server.worker import Worker
+
+    try:
+        worker = Worker(args)
+        worker.start()
+    except StartupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    log.info(
+        "%s worker for %s on %s:%d (device %s, CPUs %s, %d KV blocks)",
+        args.service_type, worker.model_name, args.host, args.port, worker.device, worker.cpus,
+        worker.engine.kv_cache.num_blocks,
+    )
+    if worker.receiver is not None:
+        log.info("KV transfers accepted on port %d (%s)", worker.receiver.port, args.kv_transport)  # type: ignore[attr-defined]
+    config = uvicorn.Config(
+        create_app(worker), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+    try:
+        server.run()
+    except OSError as exc:
+        print(f"error: cannot serve on --port {args.port}: {exc}", file=sys.stderr)
+        worker.stop()
+        return 1
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""The worker's HTTP API (Starlette): health, metrics, info, and the internal prefill/decode calls."""
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from inference.server.errors import WorkerError, bad_request
+from inference.server.worker import Worker
+
+MAX_BODY_BYTES = 8 * 2**20
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _error(exc: WorkerError) -> JSONResponse:
+    return JSONResponse(exc.to_json(), status_code=exc.status)
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise WorkerError(413, f"request body over {MAX_BODY_BYTES} bytes", "request_too_large")
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise WorkerError(413, f"request body over {MAX_BODY_BYTES} bytes", "request_too_large")
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise bad_request(f"body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise bad_request("body must be a JSON object")
+    return body
+
+
+def create_app(worker: Worker) -> Starlette:
+    """The Starlette application serving one worker."""
+
+    def internal(handler: Handler) -> Handler:
+        """Internal endpoints accept only callers holding the platform's shared secret (when set)."""
+
+        async def wrapped(request: Request) -> Response:
+            secret = worker.args.shared_secret
+            if secret:
+                given = request.headers.get("x-platform-secret", "")
+                if not hmac.compare_digest(given, secret):
+                    return JSONResponse(
+                        {"error": {"message": "missing or wrong X-Platform-Secret", "type": "unauthorized"}},
+                        status_code=401,
+                    )
+            try:
+                return await handler(request)
+            except WorkerError as exc:
+                return _error(exc)
+
+        return wrapped
+
+    async def health(request: Request) -> Response:
+        return JSONResponse(worker.health())
+
+    async def metrics(request: Request) -> Response:
+        return Response(worker.render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def info(request: Request) -> Response:
+        return JSONResponse(worker.info())
+
+    async def models(request: Request) -> Response:
+        return JSONResponse(
+            {"object": "list", "data": [{"id": worker.model_name, "object": "model", "owned_by": "platform"}]}
+        )
+
+    async def decode(request: Request) -> Response:
+        if worker.role != "decode":
+            raise WorkerError(404, "this is a prefill worker: /internal/decode lives on decode workers")
+        body = await _json_body(request)
+        server = request.scope.get("server") or ("127.0.0.1", 0)
+        events = await worker.open_decode(body, str(server[0]))
+
+        async def ndjson() -> AsyncIterator[bytes]:
+            async for event in events:
+                yield (json.dumps(event, separators=(",", ":")) + "\n").encode()
+
+        return StreamingResponse(ndjson(), media_type="application/x-ndjson")
+
+    async def prefill(request: Request) -> Response:
+        if worker.role != "prefill":
+            raise WorkerError(404, "this is a decode worker: /internal/prefill lives on prefill workers")
+        body = await _json_body(request)
+        return JSONResponse(await worker.prefill(body))
+
+    async def abort(request: Request) -> Response:
+        body = await _json_body(request)
+        request_id = body.get("request_id")
+        if not isinstance(request_id, str) or not request_id:
+            raise bad_request("'request_id' must be a non-empty string")
+        await worker.abort(request_id)
+        return JSONResponse({"aborted": request_id})
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        worker.stop()
+
+    return Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/info", info, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/internal/decode", internal(decode), methods=["POST"]),
+            Route("/internal/prefill", internal(prefill), methods=["POST"]),
+            Route("/internal/abort", internal(abort), methods=["POST"]),
+        ],
+        lifespan=lifespan,
+    )

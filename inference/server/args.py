@@ -1,0 +1,146 @@
+"""Command-line flags of a worker, as in the deployment guide, validated into ServerArgs."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class ServerArgs:
+    """A worker's validated configuration."""
+
+    model_path: Path
+    service_type: str
+    host: str
+    port: int
+    rdma_device: str | None
+    kv_transport: str
+    kv_port: int
+    kv_advertise_host: str | None
+    context_length: int | None
+    batch_size: int
+    base_cpu_id: int | None
+    num_threads: int | None
+    max_sequence_length: int | None
+    block_size: int
+    num_kv_blocks: int | None
+    kv_cache_memory_mb: int | None
+    kv_lease_timeout: float
+    max_queue: int
+    max_tokens_limit: int
+    served_model_name: str | None
+    shared_secret: str
+    log_level: str
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The worker's argument parser (flags named as in the deployment guide)."""
+    p = argparse.ArgumentParser(
+        prog="python -m inference.launch_server",
+        description="Run a prefill or decode worker of a disaggregated deployment.",
+    )
+    p.add_argument("--model-path", required=True, help="folder with config.json, safetensors and tokenizer")
+    p.add_argument("--service-type", required=True, choices=["prefill", "decode"])
+    p.add_argument("--port", type=int, default=30000, help="HTTP port (default 30000)")
+    p.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
+    p.add_argument("--rdma-device", default=None, help="RDMA device for KV transfer, e.g. mlx5_roce0")
+    p.add_argument(
+        "--kv-transport",
+        choices=["auto", "tcp", "rdma"],
+        default="auto",
+        help="KV transport: rdma when --rdma-device is given, else tcp (auto); tcp is the fallback",
+    )
+    p.add_argument("--kv-port", type=int, default=0, help="decode: TCP port for KV writes (0: any free)")
+    p.add_argument("--kv-advertise-host", default=None, help="decode: address prefill workers connect to")
+    p.add_argument("--context-length", type=int, default=None, help="longest prompt accepted (tokens)")
+    p.add_argument("--batch-size", type=int, default=32, help="max sequences batched together")
+    p.add_argument("--base-cpu-id", type=int, default=None, help="first CPU to pin the worker to")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads / CPUs pinned")
+    p.add_argument(
+        "--max-sequence-length",
+        type=int,
+        default=None,
+        help="longest prompt+output a sequence may reach; output is cut there (finish_reason=length)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (same on both roles)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks in the pool")
+    p.add_argument("--kv-cache-memory-mb", type=int, default=None, help="KV pool size in MiB")
+    p.add_argument("--kv-lease-timeout", type=float, default=30.0, help="decode: seconds to wait for KV")
+    p.add_argument("--max-queue", type=int, default=256, help="requests queued before answering 429")
+    p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted")
+    p.add_argument("--served-model-name", default=None, help="model name in /v1/models (default: folder)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    """Parse and validate flags; problems exit with a message naming the flag (argparse's exit 2)."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    model_path = Path(ns.model_path)
+    if not (model_path / "config.json").is_file():
+        parser.error(
+            f"--model-path {model_path}: no config.json there "
+            "(prepare one with `python manage.py prepare_model`)"
+        )
+    for flag, value, minimum in [
+        ("--port", ns.port, 1),
+        ("--batch-size", ns.batch_size, 1),
+        ("--block-size", ns.block_size, 1),
+        ("--max-queue", ns.max_queue, 1),
+        ("--max-tokens-limit", ns.max_tokens_limit, 1),
+        ("--context-length", ns.context_length, 1),
+        ("--max-sequence-length", ns.max_sequence_length, 2),
+        ("--num-kv-blocks", ns.num_kv_blocks, 2),
+        ("--kv-cache-memory-mb", ns.kv_cache_memory_mb, 1),
+        ("--num-threads", ns.num_threads, 1),
+        ("--base-cpu-id", ns.base_cpu_id, 0),
+        ("--kv-port", ns.kv_port, 0),
+    ]:
+        if value is not None and value < minimum:
+            parser.error(f"{flag} must be >= {minimum}, got {value}")
+    if ns.port > 65535 or ns.kv_port > 65535:
+        parser.error("--port and --kv-port must be <= 65535")
+    if ns.kv_lease_timeout <= 0:
+        parser.error("--kv-lease-timeout must be > 0")
+    if ns.base_cpu_id is not None:
+        cpus = os.cpu_count() or 1
+        if ns.base_cpu_id >= cpus:
+            parser.error(f"--base-cpu-id {ns.base_cpu_id}: this host has CPUs 0..{cpus - 1}")
+    if (
+        ns.context_length is not None
+        and ns.max_sequence_length is not None
+        and ns.max_sequence_length < 2
+    ):
+        parser.error("--max-sequence-length must be >= 2")
+    transport = ns.kv_transport
+    if transport == "auto":
+        transport = "rdma" if ns.rdma_device else "tcp"
+    if transport == "rdma" and not ns.rdma_device:
+        parser.error("--kv-transport rdma needs --rdma-device (e.g. mlx5_roce0; list them with ibv_devices)")
+    return ServerArgs(
+        model_path=model_path,
+        service_type=ns.service_type,
+        host=ns.host,
+        port=ns.port,
+        rdma_device=ns.rdma_device,
+        kv_transport=transport,
+        kv_port=ns.kv_port,
+        kv_advertise_host=ns.kv_advertise_host,
+        context_length=ns.context_length,
+        batch_size=ns.batch_size,
+        base_cpu_id=ns.base_cpu_id,
+        num_threads=ns.num_threads,
+        max_sequence_length=ns.max_sequence_length,
+        block_size=ns.block_size,
+        num_kv_blocks=ns.num_kv_blocks,
+        kv_cache_memory_mb=ns.kv_cache_memory_mb,
+        kv_lease_timeout=ns.kv_lease_timeout,
+        max_queue=ns.max_queue,
+        max_tokens_limit=ns.max_tokens_limit,
+        served_model_name=ns.served_model_name,
+        shared_secret=os.environ.get("PLATFORM_SHARED_SECRET", ""),
+        log_level=ns.log_level,
+    )

@@ -1,0 +1,80 @@
+"""Prometheus metrics of a worker: latency histograms, queue and KV gauges, transfer counters."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class WorkerMetrics:
+    """One worker's metrics in its own registry (so several workers can live in one test process)."""
+
+    def __init__(self, role: str, model: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"role": role, "model": model}
+        self._labels = labels
+        r = self.registry
+        self.requests = Counter(
+            "worker_requests", "Requests handled, by outcome", ["role", "model", "outcome"], registry=r
+        )
+        self.ttft = Histogram(
+            "worker_time_to_first_token_seconds",
+            "Request receipt to first token (decode) / prompt processed (prefill)",
+            ["role", "model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(**labels)
+        self.itl = Histogram(
+            "worker_inter_token_latency_seconds",
+            "Gap between consecutive output tokens",
+            ["role", "model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(**labels)
+        self.e2e = Histogram(
+            "worker_e2e_request_latency_seconds",
+            "Request receipt to completion",
+            ["role", "model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(**labels)
+        self.prompt_tokens = Counter(
+            "worker_prompt_tokens", "Prompt tokens processed", ["role", "model"], registry=r
+        ).labels(**labels)
+        self.generation_tokens = Counter(
+            "worker_generation_tokens", "Tokens generated", ["role", "model"], registry=r
+        ).labels(**labels)
+        self.kv_transfer_bytes = Counter(
+            "worker_kv_transfer_bytes", "KV bytes sent (prefill) or received (decode)", ["role", "model"],
+            registry=r,
+        ).labels(**labels)
+        self.kv_transfer_seconds = Histogram(
+            "worker_kv_transfer_seconds",
+            "Duration of one KV transfer",
+            ["role", "model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(**labels)
+        self.queue_depth = Gauge(
+            "worker_queue_depth", "Requests waiting (incl. waiting for KV)", ["role", "model"], registry=r
+        ).labels(**labels)
+        self.running = Gauge(
+            "worker_running_requests", "Sequences in the running batch", ["role", "model"], registry=r
+        ).labels(**labels)
+        self.kv_usage = Gauge(
+            "worker_kv_cache_usage_ratio", "Fraction of KV blocks in use", ["role", "model"], registry=r
+        ).labels(**labels)
+        self.cpu_utilization = Gauge(
+            "worker_cpu_utilization_ratio", "Busy fraction of the worker's CPUs", ["role", "model"], registry=r
+        ).labels(**labels)
+        self.gpu_utilization = Gauge(
+            "worker_gpu_utilization_ratio", "Busy fraction of the worker's GPU", ["role", "model"], registry=r
+        ).labels(**labels)
+
+    def outcome(self, outcome: str) -> None:
+        """Count a finished request by outcome (ok, error, aborted, rejected, ...)."""
+        self.requests.labels(outcome=outcome, **self._labels).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,389 @@
+"""A prefill or decode worker: the engine, its KV transport, metrics, and the request flows.
+
+Decode: reserve blocks → hand out a transfer descriptor → wait (under a lease) for a prefill worker
+to write the prompt's KV → continue generation in the continuous batch, streaming tokens.
+Prefill: run the prompt (batched with other prefills), sample the first token, write the KV blocks
+into the decode worker's reserved blocks, answer with the first token and timings.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from inference.engine import AsyncEngine, LLMEngine, NoFreeBlocks, SamplingParams
+from inference.kv_transfer import (
+    KVLayout,
+    KVReceiver,
+    KVSender,
+    KVTransferError,
+    TransferDescriptor,
+    TransferStats,
+)
+from inference.kv_transfer.tcp import TcpKVReceiver, TcpKVSender
+from inference.server.args import ServerArgs
+from inference.server.errors import StartupError, WorkerError, bad_request, overloaded
+from inference.server.metrics import WorkerMetrics
+from inference.server.requests import parse_sampling, parse_token_ids, prompt_token_ids
+from inference.server.resources import Utilization, pin_cpus, select_device
+
+logger = logging.getLogger(__name__)
+
+# How long a decode stream waits for the next engine output before declaring the engine stuck.
+OUTPUT_TIMEOUT_S = 120.0
+
+
+@dataclass
+class _KVWaiter:
+    """A decode request waiting for its KV: the event is set from the receiver thread."""
+
+    loop: asyncio.AbstractEventLoop
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    stats: TransferStats | None = None
+
+
+class Worker:
+    """One worker process's state; the HTTP app (inference.server.app) calls its methods."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.role = args.service_type
+        self.cpus = pin_cpus(args.base_cpu_id, args.num_threads)
+        self.device = select_device()
+        if args.kv_transport == "rdma":
+            self._check_rdma(args.rdma_device or "")
+        try:
+            self.engine = LLMEngine(
+                str(args.model_path),
+                block_size=args.block_size,
+                num_blocks=args.num_kv_blocks,
+                max_num_seqs=args.batch_size,
+                max_model_len=args.max_sequence_length or args.context_length,
+                kv_cache_bytes=(args.kv_cache_memory_mb * 2**20) if args.kv_cache_memory_mb else None,
+            )
+        except (OSError, ValueError) as exc:
+            raise StartupError(f"cannot load the model from --model-path {args.model_path}: {exc}") from exc
+        model_max = self.engine.config.max_position_embeddings
+        self.context_length = min(args.context_length or model_max, model_max)
+        self.max_sequence_length = min(args.max_sequence_length or self.context_length, model_max)
+        self.model_name = args.served_model_name or args.model_path.name
+        self.metrics = WorkerMetrics(self.role, self.model_name)
+        self.utilization = Utilization(self.cpus, self.device)
+        self.layout = KVLayout.from_dict(self.engine.kv_cache.layout())
+        self.async_engine = AsyncEngine(self.engine)
+        self._kv_waiters: dict[str, _KVWaiter] = {}
+        self.receiver: KVReceiver | None = None
+        self.sender: KVSender | None = None
+        if self.role == "decode":
+            self.receiver = TcpKVReceiver(
+                self.engine.kv_cache.data,
+                self.layout,
+                self._on_kv_received,
+                bind_host=args.host,
+                port=args.kv_port,
+                secret=args.shared_secret,
+            )
+        else:
+            self.sender = TcpKVSender(self.engine.kv_cache.data, self.layout, secret=args.shared_secret)
+        self.started_at = time.time()
+
+    @staticmethod
+    def _check_rdma(device: str) -> None:
+        """Fail at startup, naming the device and the tools to inspect it, when RDMA is unusable."""
+        from inference.kv_transfer.rdma_detect import rdma_available
+
+        ok, reason, devices = rdma_available()
+        hint = "check `ibstat` / `ibv_devices`, or start with --kv-transport tcp"
+        if not ok:
+            raise StartupError(f"--rdma-device {device}: RDMA is not usable here ({reason}); {hint}")
+        if device not in devices:
+            raise StartupError(f"--rdma-device {device}: no such device (found {devices}); {hint}")
+        raise StartupError(
+            f"--rdma-device {device}: the RDMA KV transport is not available in this build; "
+            "start with --kv-transport tcp"
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Open the KV port (decode)."""
+        if self.receiver is not None:
+            try:
+                self.receiver.start()
+            except KVTransferError as exc:
+                raise StartupError(f"--kv-port {self.args.kv_port}: {exc}") from exc
+
+    def stop(self) -> None:
+        """Stop the KV port and the engine thread."""
+        if self.receiver is not None:
+            self.receiver.stop()
+        self.async_engine.shutdown()
+
+    # ------------------------------------------------------------------ status
+    def health(self) -> dict[str, Any]:
+        """The guide's health answer plus role, model, queue depth, running and KV usage."""
+        body: dict[str, Any] = {"status": "healthy"}
+        gpu = self.utilization.gpu()
+        if gpu is not None:
+            body["gpu_utilization"] = gpu
+        else:
+            body["cpu_utilization"] = self.utilization.cpu()
+        body.update(
+            role=self.role,
+            model=self.model_name,
+            queue_depth=self.engine.num_waiting,
+            running=self.engine.num_running,
+            kv_usage=round(self.engine.kv_usage(), 4),
+        )
+        return body
+
+    def info(self) -> dict[str, Any]:
+        """Static facts the router and control plane read."""
+        info: dict[str, Any] = {
+            "role": self.role,
+            "model": self.model_name,
+            "model_path": str(self.args.model_path),
+            "context_length": self.context_length,
+            "max_sequence_length": self.max_sequence_length,
+            "block_size": self.layout.block_size,
+            "num_kv_blocks": self.engine.kv_cache.num_blocks,
+            "kv_transport": self.args.kv_transport,
+            "max_tokens_limit": self.args.max_tokens_limit,
+            "device": str(self.device),
+            "cpus": self.cpus,
+            "started_at": self.started_at,
+        }
+        if self.receiver is not None:
+            info["kv_port"] = self.receiver.port  # type: ignore[attr-defined]
+        return info
+
+    def render_metrics(self) -> bytes:
+        """Prometheus text with gauges refreshed now."""
+        m = self.metrics
+        m.queue_depth.set(self.engine.num_waiting)
+        m.running.set(self.engine.num_running)
+        m.kv_usage.set(self.engine.kv_usage())
+        m.cpu_utilization.set(self.utilization.cpu())
+        gpu = self.utilization.gpu()
+        if gpu is not None:
+            m.gpu_utilization.set(gpu)
+        return m.render()
+
+    # ------------------------------------------------------------------ shared
+    def _check_prompt_length(self, n: int) -> None:
+        if n > self.context_length:
+            raise bad_request(
+                f"prompt has {n} tokens, longer than the context length of {self.context_length} "
+                "(--context-length); shorten the prompt"
+            )
+        if n >= self.max_sequence_length:
+            raise bad_request(
+                f"prompt has {n} tokens, leaving no room to generate within --max-sequence-length "
+                f"{self.max_sequence_length}"
+            )
+
+    def _clamp(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """Cut max_tokens so prompt+output stays within --max-sequence-length (finish_reason=length)."""
+        room = self.max_sequence_length - prompt_len
+        if params.max_tokens > room:
+            params.max_tokens = room
+        return params
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request in any state and free its blocks (idempotent)."""
+        if self.receiver is not None:
+            await asyncio.to_thread(self.receiver.cancel, request_id)
+        self._kv_waiters.pop(request_id, None)
+        self.async_engine.abort(request_id)
+
+    # ------------------------------------------------------------------ decode
+    def _on_kv_received(self, request_id: str, first_token: int, stats: TransferStats) -> None:
+        """Receiver thread: the prompt's KV is in place; start decoding (raises if aborted meanwhile)."""
+        waiter = self._kv_waiters.get(request_id)
+        if waiter is None:
+            raise KVTransferError(f"request {request_id} is no longer waiting")
+        self.async_engine.kv_received(request_id, first_token)
+        waiter.stats = stats
+        self.metrics.kv_transfer_bytes.inc(stats.nbytes)
+        self.metrics.kv_transfer_seconds.observe(stats.seconds)
+        waiter.loop.call_soon_threadsafe(waiter.event.set)
+
+    async def open_decode(self, body: dict[str, Any], server_host: str) -> AsyncIterator[dict[str, Any]]:
+        """Validate and reserve; return the NDJSON event stream (descriptor first) of a decode request.
+
+        Raises WorkerError (400/429) before anything is reserved, so the router sees a plain status.
+        """
+        received_at = time.perf_counter()
+        request_id = str(body.get("request_id") or uuid.uuid4().hex)
+        params = parse_sampling(body.get("sampling"), self.args.max_tokens_limit)
+        ids = prompt_token_ids(body, self.engine.tokenizer, self.engine.config.vocab_size)
+        self._check_prompt_length(len(ids))
+        params = self._clamp(params, len(ids))
+        if self.engine.num_waiting + len(self._kv_waiters) >= self.args.max_queue:
+            self.metrics.outcome("rejected")
+            raise overloaded(f"decode queue is full ({self.args.max_queue} waiting); retry later")
+        try:
+            block_ids = await asyncio.to_thread(self.async_engine.reserve, request_id, ids, params)
+        except NoFreeBlocks as exc:
+            self.metrics.outcome("rejected")
+            raise overloaded(f"KV cache is full ({exc}); retry later") from exc
+        except ValueError as exc:
+            raise bad_request(str(exc)) from exc
+        waiter = _KVWaiter(loop=asyncio.get_running_loop())
+        self._kv_waiters[request_id] = waiter
+        host = self.args.kv_advertise_host or server_host
+        assert self.receiver is not None
+        descriptor = self.receiver.expect(request_id, block_ids, len(ids), self.args.kv_lease_timeout, host)
+        self.metrics.prompt_tokens.inc(len(ids))
+        return self._decode_events(request_id, ids, descriptor, waiter, received_at)
+
+    async def _decode_events(
+        self,
+        request_id: str,
+        ids: list[int],
+        descriptor: TransferDescriptor,
+        waiter: _KVWaiter,
+        received_at: float,
+    ) -> AsyncIterator[dict[str, Any]]:
+        finished = False
+        outcome = "aborted"
+        try:
+            yield {"type": "descriptor", "descriptor": descriptor.to_dict(), "prompt_token_ids": ids}
+            try:
+                await asyncio.wait_for(waiter.event.wait(), timeout=self.args.kv_lease_timeout)
+            except TimeoutError:
+                outcome = "kv_timeout"
+                yield {
+                    "type": "error",
+                    "message": f"KV cache did not arrive within the {self.args.kv_lease_timeout:.0f}s "
+                    "lease (prefill worker down or slow?)",
+                }
+                return
+            kv_wait = time.perf_counter() - received_at
+            decode_started = time.perf_counter()
+            last_token_at: float | None = None
+            completion_tokens = 0
+            stream = self.async_engine.stream(request_id)
+            while True:
+                try:
+                    out = await asyncio.wait_for(anext(stream), timeout=OUTPUT_TIMEOUT_S)
+                except StopAsyncIteration:
+                    break
+                now = time.perf_counter()
+                if out.new_token_ids:
+                    if last_token_at is None:
+                        self.metrics.ttft.observe(now - received_at)
+                    else:
+                        self.metrics.itl.observe((now - last_token_at) / len(out.new_token_ids))
+                    last_token_at = now
+                    completion_tokens += len(out.new_token_ids)
+                    self.metrics.generation_tokens.inc(len(out.new_token_ids))
+                    yield {"type": "token", "token_ids": out.new_token_ids, "text": out.new_text}
+                elif out.new_text:
+                    yield {"type": "token", "token_ids": [], "text": out.new_text}
+                if out.finished:
+                    finished = True
+                    if out.finish_reason in ("abort", "error"):
+                        outcome = out.finish_reason
+                        yield {"type": "error", "message": f"request ended: {out.finish_reason}"}
+                        return
+                    outcome = "ok"
+                    self.metrics.e2e.observe(time.perf_counter() - received_at)
+                    yield {
+                        "type": "done",
+                        "finish_reason": out.finish_reason,
+                        "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens},
+                        "timings": {
+                            "kv_wait_s": round(kv_wait, 6),
+                            "decode_s": round(time.perf_counter() - decode_started, 6),
+                            "kv_transfer_s": round(waiter.stats.seconds, 6) if waiter.stats else None,
+                            "kv_bytes": waiter.stats.nbytes if waiter.stats else 0,
+                        },
+                    }
+                    return
+            outcome = "error"
+            yield {"type": "error", "message": "engine stream ended without finishing"}
+        except TimeoutError:
+            outcome = "error"
+            yield {"type": "error", "message": f"no output from the engine for {OUTPUT_TIMEOUT_S:.0f}s"}
+        finally:
+            self._kv_waiters.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+            self.metrics.outcome(outcome)
+
+    # ------------------------------------------------------------------ prefill
+    async def prefill(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Run the prompt, write its KV into the decode worker's blocks, answer with the first token."""
+        started = time.perf_counter()
+        request_id = body.get("request_id")
+        if not isinstance(request_id, str) or not request_id:
+            raise bad_request("'request_id' must be a non-empty string")
+        ids = parse_token_ids(body.get("prompt_token_ids"), self.engine.config.vocab_size, "prompt_token_ids")
+        params = parse_sampling(body.get("sampling"), self.args.max_tokens_limit)
+        try:
+            descriptor = TransferDescriptor.from_dict(body.get("descriptor"))
+        except ValueError as exc:
+            raise bad_request(f"invalid 'descriptor': {exc}") from exc
+        if descriptor.num_tokens != len(ids):
+            raise bad_request(
+                f"descriptor covers {descriptor.num_tokens} tokens but the prompt has {len(ids)}"
+            )
+        if descriptor.transport != self.sender.transport:  # type: ignore[union-attr]
+            raise bad_request(
+                f"decode asked for the {descriptor.transport} transport; this prefill worker uses "
+                f"{self.args.kv_transport} (--kv-transport)"
+            )
+        self._check_prompt_length(len(ids))
+        remaining = descriptor.lease_remaining()
+        if remaining <= 0:
+            raise WorkerError(409, f"the decode lease of {request_id} has expired", "lease_expired")
+        # The first token is sampled here with the request's own parameters (seeded streams continue
+        # on the decode side), but only one token: decode owns the rest.
+        first_params = SamplingParams.from_dict({**params.to_dict(), "max_tokens": 1})
+        first_token: int | None = None
+        block_ids: list[int] = []
+        try:
+            try:
+                async with asyncio.timeout(remaining):
+                    async for out in self.async_engine.generate(request_id, ids, first_params, prefill_only=True):
+                        if out.new_token_ids:
+                            first_token = out.new_token_ids[0]
+                        if out.finished:
+                            if out.finish_reason != "prefilled":
+                                raise WorkerError(500, f"prefill ended with {out.finish_reason}", "engine_error")
+                            block_ids = list(out.block_ids or [])
+            except TimeoutError as exc:
+                self.metrics.outcome("timeout")
+                raise WorkerError(504, f"prefill of {request_id} outlived the decode lease", "timeout") from exc
+            if first_token is None or not block_ids:
+                raise WorkerError(500, "prefill produced no first token", "engine_error")
+            prefill_s = time.perf_counter() - started
+            self.metrics.ttft.observe(prefill_s)
+            self.metrics.prompt_tokens.inc(len(ids))
+            try:
+                stats = await asyncio.to_thread(
+                    self.sender.send,  # type: ignore[union-attr]
+                    descriptor,
+                    block_ids,
+                    first_token,
+                    max(descriptor.lease_remaining(), 0.01),
+                )
+            except KVTransferError as exc:
+                self.metrics.outcome("transfer_failed")
+                raise WorkerError(502, f"KV transfer failed: {exc}", "kv_transfer_error") from exc
+        finally:
+            await asyncio.to_thread(self.async_engine.release, request_id)
+        self.metrics.kv_transfer_bytes.inc(stats.nbytes)
+        self.metrics.kv_transfer_seconds.observe(stats.seconds)
+        self.metrics.e2e.observe(time.perf_counter() - started)
+        self.metrics.outcome("ok")
+        return {
+            "first_token": first_token,
+            "kv_bytes": stats.nbytes,
+            "prefill_s": round(prefill_s, 6),
+            "transfer_s": round(stats.seconds, 6),
+        }

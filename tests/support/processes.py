@@ -1,0 +1,127 @@
+"""Start real worker and router processes for end-to-end tests, and stop them whatever happens."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """A child process with its log file; `stop()` terminates it (then kills it) and closes the log."""
+
+    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115  closed in stop()
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.popen = subprocess.Popen(
+            args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
+
+    def log(self) -> str:
+        """Everything the process printed so far."""
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        """Whether the process is still running."""
+        return self.popen.poll() is None
+
+    def wait_http(self, url: str, timeout: float = 120.0) -> None:
+        """Wait until `url` answers 200; fail with the process log if it dies or times out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.log()[-3000:]}")
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} not ready at {url} after {timeout}s:\n{self.log()[-3000:]}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to the whole process group (gunicorn has children)."""
+        if self.alive():
+            os.killpg(self.popen.pid, sig)
+
+    def stop(self) -> None:
+        """Terminate, wait a little, then kill."""
+        if self.alive():
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(timeout=10)
+        self._log.close()
+
+
+def start_worker(
+    role: str,
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    port: int | None = None,
+    extra: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    name: str | None = None,
+) -> tuple[Proc, str]:
+    """Start `python -m inference.launch_server` and wait for /health; returns (process, base URL)."""
+    port = port or free_port()
+    args = [
+        sys.executable, "-m", "inference.launch_server",
+        "--model-path", str(model_dir), "--service-type", role, "--port", str(port),
+        "--host", "127.0.0.1", "--num-threads", "1", *(extra or []),
+    ]
+    worker_env = {"CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    proc = Proc(name or f"{role}-{port}", args, log_dir, worker_env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc.wait_http(url + "/health")
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, url
+
+
+def start_router(
+    prefill: list[str],
+    decode: list[str],
+    log_dir: Path,
+    *,
+    policy: str = "round-robin",
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+) -> tuple[Proc, str]:
+    """Start `python -m inference.launch_router` (gunicorn + uvicorn) and wait for /health."""
+    port = port or free_port()
+    args = [sys.executable, "-m", "inference.launch_router", "--listen-port", str(port), "--host", "127.0.0.1",
+            "--load-balance-strategy", policy]
+    for url in prefill:
+        args += ["--prefill-endpoint", url]
+    for url in decode:
+        args += ["--decode-endpoint", url]
+    proc = Proc(f"router-{port}", args, log_dir, env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc.wait_http(url + "/health", timeout=60)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, url
