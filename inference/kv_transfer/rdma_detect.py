@@ -1,46 +1,43 @@
-"""Clean 'is RDMA usable here?' check. Never raises; returns (ok, reason, device_names)."""
+"""Is RDMA usable on this host? A check that never raises: (ok, reason, device names)."""
+from __future__ import annotations
+
 import ctypes
 import ctypes.util
 import errno
 import os
 
 
-def rdma_available():
+def rdma_available() -> tuple[bool, str, list[str]]:
+    """Whether pyverbs imports, the kernel has verbs support and at least one device exists."""
     try:
         from pyverbs.device import get_device_list
         from pyverbs.pyverbs_error import PyverbsError
-    except ImportError as e:                       # pyverbs not installed / libibverbs ABI mismatch
-        return False, f"pyverbs not importable: {e}", []
+    except ImportError as exc:  # pyverbs not installed, or a libibverbs ABI mismatch
+        return False, f"pyverbs not importable: {exc}", []
     if not os.path.isdir("/sys/class/infiniband_verbs"):
-        # kernel has no ib_uverbs (CONFIG_INFINIBAND unset or module not loaded):
-        # ibv_get_device_list() fails with ENOSYS and pyverbs raises PyverbsRDMAError
+        # Without ib_uverbs, ibv_get_device_list() fails with ENOSYS and pyverbs raises.
         return False, "kernel has no RDMA verbs support (/sys/class/infiniband_verbs missing)", []
     try:
-        devs = get_device_list()
-    except PyverbsError as e:                      # PyverbsRDMAError('Failed to get devices list')
-        return False, f"ibv_get_device_list failed: {e} (errno {_ibv_errno()})", []
-    if not devs:
-        return False, "no RDMA devices (try: rdma link add rxe0 type rxe netdev <if>)", []
-    return True, "ok", [d.name.decode() for d in devs]
+        devices = get_device_list()
+    except PyverbsError as exc:
+        return False, f"ibv_get_device_list failed: {exc} (errno {ibv_errno()})", []
+    if not devices:
+        return False, "no RDMA devices (see ibv_devices; Soft-RoCE: rdma link add rxe0 type rxe netdev IF)", []
+    return True, "ok", [d.name.decode() for d in devices]
 
 
-def _ibv_errno():
-    """errno left by ibv_get_device_list, read via ctypes (pyverbs does not expose it)."""
+def ibv_errno() -> str | None:
+    """The errno ibv_get_device_list leaves behind, read through ctypes (pyverbs hides it)."""
     name = ctypes.util.find_library("ibverbs") or "libibverbs.so.1"
     try:
         lib = ctypes.CDLL(name, use_errno=True)
     except OSError:
         return None
     lib.ibv_get_device_list.restype = ctypes.c_void_p
-    n = ctypes.c_int(0)
-    p = lib.ibv_get_device_list(ctypes.byref(n))
+    count = ctypes.c_int(0)
+    devices = lib.ibv_get_device_list(ctypes.byref(count))
     err = ctypes.get_errno()
-    if p:
-        lib.ibv_free_device_list(ctypes.c_void_p(p))
-        return 0
+    if devices:
+        lib.ibv_free_device_list(ctypes.c_void_p(devices))
+        return "0"
     return f"{err} {errno.errorcode.get(err, '?')}"
-
-
-if __name__ == "__main__":
-    import sys
-    print(sys.executable, "->", rdma_available(), "| raw ibv errno:", _ibv_errno())
