@@ -1,0 +1,213 @@
+"""Models served, deployments of them, their scaling rules, scale events and metric samples."""
+from __future__ import annotations
+
+from django.core.exceptions import ValidationError
+from django.db import models
+
+
+class ModelSource(models.TextChoices):
+    """Where `prepare_model` takes a model's weights from."""
+
+    SMOLLM2 = "smollm2", "SmolLM2-135M-Instruct (packaged, offline)"
+    TINY = "tiny", "Tiny random Llama (tests)"
+    LOCAL = "local", "Local Hugging Face folder"
+    HUB = "hub", "Hugging Face hub"
+
+
+class Model(models.Model):
+    """A model checkpoint the platform can serve; prepared into `path` on every node that runs it."""
+
+    name = models.SlugField(max_length=100, unique=True)
+    source = models.CharField(max_length=16, choices=ModelSource.choices, default=ModelSource.SMOLLM2)
+    source_ref = models.CharField(max_length=500, blank=True, help_text="local folder or hub repo id")
+    path = models.CharField(max_length=500, help_text="checkpoint folder on each node (relative: to the checkout)")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class RouterPolicy(models.TextChoices):
+    """How the router picks a prefill and a decode worker for each request."""
+
+    ROUND_ROBIN = "round-robin", "Round robin"
+    LEAST_CONNECTIONS = "least-connections", "Least connections"
+    POWER_OF_TWO = "power-of-two", "Power of two choices"
+
+
+class KVTransport(models.TextChoices):
+    """How KV blocks move from prefill to decode."""
+
+    TCP = "tcp", "TCP"
+    RDMA = "rdma", "RDMA (pyverbs)"
+
+
+class DeploymentStatus(models.TextChoices):
+    """Whether the controller keeps a deployment's workers running."""
+
+    ACTIVE = "active", "Active"
+    STOPPED = "stopped", "Stopped"
+
+
+class Deployment(models.Model):
+    """A model served disaggregated: desired prefill/decode replicas within min/max, and worker flags."""
+
+    name = models.SlugField(max_length=100, unique=True)
+    model = models.ForeignKey(Model, on_delete=models.PROTECT, related_name="deployments")
+    status = models.CharField(max_length=16, choices=DeploymentStatus.choices, default=DeploymentStatus.ACTIVE)
+    prefill_replicas = models.PositiveIntegerField(default=1)
+    prefill_min = models.PositiveIntegerField(default=1)
+    prefill_max = models.PositiveIntegerField(default=4)
+    decode_replicas = models.PositiveIntegerField(default=1)
+    decode_min = models.PositiveIntegerField(default=1)
+    decode_max = models.PositiveIntegerField(default=4)
+    router_policy = models.CharField(max_length=32, choices=RouterPolicy.choices, default=RouterPolicy.ROUND_ROBIN)
+    context_length = models.PositiveIntegerField(default=2048)
+    max_sequence_length = models.PositiveIntegerField(null=True, blank=True)
+    batch_size = models.PositiveIntegerField(default=32)
+    block_size = models.PositiveIntegerField(default=16)
+    kv_transport = models.CharField(max_length=8, choices=KVTransport.choices, default=KVTransport.TCP)
+    threads_per_worker = models.PositiveIntegerField(default=1)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def clean(self) -> None:
+        """min <= replicas <= max for both roles."""
+        for role in ("prefill", "decode"):
+            low, want, high = (getattr(self, f"{role}_{k}") for k in ("min", "replicas", "max"))
+            if low > high:
+                raise ValidationError({f"{role}_min": f"{role}_min ({low}) exceeds {role}_max ({high})"})
+            if not low <= want <= high:
+                raise ValidationError(
+                    {f"{role}_replicas": f"{role}_replicas must be within [{low}, {high}], got {want}"}
+                )
+
+    def replicas(self, role: str) -> int:
+        """Desired replicas of a role."""
+        return int(getattr(self, f"{role}_replicas"))
+
+    def bounds(self, role: str) -> tuple[int, int]:
+        """(min, max) replicas of a role."""
+        return int(getattr(self, f"{role}_min")), int(getattr(self, f"{role}_max"))
+
+
+class RuleKind(models.TextChoices):
+    """Threshold rules react to load; schedule rules set replicas in a time window."""
+
+    THRESHOLD = "threshold", "Threshold"
+    SCHEDULE = "schedule", "Schedule"
+
+
+class Comparison(models.TextChoices):
+    """Direction of a threshold rule."""
+
+    ABOVE = "above", "above"
+    BELOW = "below", "below"
+
+
+class ScalingRule(models.Model):
+    """A load- or time-based rule changing a deployment's replicas of one role.
+
+    Threshold: when the role's load (see inference.scaling) stays `comparison` `threshold` for
+    `duration_s`, add `step` replicas (negative to remove), then wait `cooldown_s`.
+    Schedule: between `start_time` and `end_time` (may wrap midnight) hold `target_replicas`.
+    The deployment's min/max always bound the result.
+    """
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="rules")
+    name = models.CharField(max_length=100)
+    kind = models.CharField(max_length=16, choices=RuleKind.choices)
+    role = models.CharField(max_length=16, choices=[("prefill", "Prefill"), ("decode", "Decode")])
+    enabled = models.BooleanField(default=True)
+    threshold = models.FloatField(null=True, blank=True)
+    comparison = models.CharField(max_length=8, choices=Comparison.choices, default=Comparison.ABOVE)
+    duration_s = models.PositiveIntegerField(default=60)
+    cooldown_s = models.PositiveIntegerField(default=300)
+    step = models.IntegerField(default=1)
+    start_time = models.TimeField(null=True, blank=True)
+    end_time = models.TimeField(null=True, blank=True)
+    target_replicas = models.PositiveIntegerField(null=True, blank=True)
+    breach_started_at = models.DateTimeField(null=True, blank=True)
+    last_triggered_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["deployment_id", "name"]
+        constraints = [models.UniqueConstraint(fields=["deployment", "name"], name="unique_rule_name")]
+
+    def __str__(self) -> str:
+        return f"{self.deployment.name}: {self.name}"
+
+    def clean(self) -> None:
+        """Each kind needs its own fields."""
+        if self.kind == RuleKind.THRESHOLD:
+            if self.threshold is None:
+                raise ValidationError({"threshold": "a threshold rule needs a threshold"})
+            if self.step == 0:
+                raise ValidationError({"step": "step must not be 0"})
+        elif self.kind == RuleKind.SCHEDULE:
+            missing = [f for f in ("start_time", "end_time", "target_replicas") if getattr(self, f) is None]
+            if missing:
+                raise ValidationError({f: "required for a schedule rule" for f in missing})
+
+
+class ScaleSource(models.TextChoices):
+    """What asked for a scale change."""
+
+    MANUAL = "manual", "Admin"
+    API = "api", "REST API"
+    THRESHOLD = "threshold", "Threshold rule"
+    SCHEDULE = "schedule", "Schedule rule"
+    RECOVERY = "recovery", "Recovery"
+
+
+class ScaleEvent(models.Model):
+    """One change of a deployment's replicas, with its reason."""
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="scale_events")
+    role = models.CharField(max_length=16)
+    from_replicas = models.PositiveIntegerField()
+    to_replicas = models.PositiveIntegerField()
+    source = models.CharField(max_length=16, choices=ScaleSource.choices)
+    rule = models.ForeignKey(ScalingRule, null=True, blank=True, on_delete=models.SET_NULL)
+    reason = models.TextField()
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.deployment.name} {self.role} {self.from_replicas}->{self.to_replicas}"
+
+
+class MetricSample(models.Model):
+    """A deployment's role-level metrics at one moment (charts and scaling read these); pruned by age."""
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="metric_samples")
+    role = models.CharField(max_length=16)
+    at = models.DateTimeField(db_index=True)
+    workers = models.PositiveIntegerField(default=0)
+    load = models.FloatField(default=0.0)
+    ttft_s = models.FloatField(null=True, blank=True)
+    itl_s = models.FloatField(null=True, blank=True)
+    throughput_tps = models.FloatField(default=0.0)
+    queue_depth = models.FloatField(default=0.0)
+    running = models.FloatField(default=0.0)
+    kv_usage = models.FloatField(default=0.0)
+    cpu_utilization = models.FloatField(null=True, blank=True)
+    gpu_utilization = models.FloatField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-at"]
+        indexes = [models.Index(fields=["deployment", "role", "at"])]
+
+    def __str__(self) -> str:
+        return f"{self.deployment.name}/{self.role}@{self.at:%H:%M:%S}"
