@@ -35,7 +35,10 @@ up: venv
 down:
 	bash platform/local_down.sh
 
+# Tests use the PostgreSQL and Redis on 127.0.0.1 when they answer (as in CI), else embedded defaults.
 test: venv
+	DATABASE_URL=$${DATABASE_URL:-$$(pg_isready -h 127.0.0.1 -q 2>/dev/null && echo postgres://postgres@127.0.0.1:5432/platform)} \
+	REDIS_URL=$${REDIS_URL:-$$(redis-cli -h 127.0.0.1 ping 2>/dev/null | grep -q PONG && echo redis://127.0.0.1:6379/9)} \
 	$(BIN)/python -m pytest -q
 
 lint: venv
