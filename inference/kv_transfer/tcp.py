@@ -32,12 +32,27 @@ logger = logging.getLogger(__name__)
 
 
 def _block_bytes(kv_data: torch.Tensor, first: int, count: int) -> memoryview:
-    """A writable byte view of `count` consecutive blocks starting at `first`."""
+    """A byte view of `count` consecutive blocks starting at `first` (a host copy for a GPU cache)."""
     region = kv_data[first : first + count]
     if not region.is_contiguous():
         raise KVTransferError("KV tensor blocks are not contiguous")
+    if region.device.type != "cpu":
+        region = region.cpu()  # sockets need host memory; RDMA is the zero-copy path for GPUs
     array = region.numpy()
     return memoryview(array).cast("B")  # type: ignore[arg-type]  # ndarray supports the buffer protocol
+
+
+def _receive_blocks(sock: socket.socket, kv_data: torch.Tensor, first: int, count: int) -> int:
+    """Receive `count` blocks straight into the KV tensor (through a host buffer for a GPU cache)."""
+    if kv_data.device.type == "cpu":
+        view = _block_bytes(kv_data, first, count)
+        recv_exact_into(sock, view)
+        return len(view)
+    staging = torch.empty_like(kv_data[first : first + count], device="cpu")
+    view = memoryview(staging.numpy()).cast("B")  # type: ignore[arg-type]
+    recv_exact_into(sock, view)
+    kv_data[first : first + count].copy_(staging)
+    return len(view)
 
 
 @dataclass
@@ -219,9 +234,7 @@ class TcpKVReceiver(KVReceiver):
                 return False
             nbytes = 0
             for first, count in runs:
-                view = _block_bytes(self._kv, first, count)
-                recv_exact_into(conn, view)
-                nbytes += len(view)
+                nbytes += _receive_blocks(conn, self._kv, first, count)
             with self._lock:
                 self._pending.pop(request_id, None)
         stats = TransferStats(nbytes=nbytes, seconds=time.perf_counter() - started)

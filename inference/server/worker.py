@@ -64,6 +64,7 @@ class Worker:
                 max_num_seqs=args.batch_size,
                 max_model_len=args.max_sequence_length or args.context_length,
                 kv_cache_bytes=(args.kv_cache_memory_mb * 2**20) if args.kv_cache_memory_mb else None,
+                device=self.device,
             )
         except (OSError, ValueError) as exc:
             raise StartupError(f"cannot load the model from --model-path {args.model_path}: {exc}") from exc
