@@ -1,0 +1,257 @@
+"""AsyncEngine: drives `LLMEngine.step()` in a background thread and streams outputs to asyncio."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from .engine import LLMEngine
+from .sampling_params import SamplingParams
+from .sequence import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class _Stream:
+    """Output channel of one request: an asyncio.Queue fed from the engine thread.
+
+    A reserved request gets its channel before any event loop is known (reserve() may run in a plain
+    thread); outputs are buffered until `stream()` binds the loop.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Bind to `loop` now, or later via `bind`."""
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.buffer: list[RequestOutput] = []
+        self.lock = threading.Lock()
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Attach the consumer's loop (called on that loop) and flush buffered outputs into the queue."""
+        with self.lock:
+            self.loop = loop
+            for out in self.buffer:
+                self.queue.put_nowait(out)
+            self.buffer.clear()
+
+    def deliver(self, out: RequestOutput) -> None:
+        """Hand an output to the consumer (from any thread)."""
+        with self.lock:
+            if self.loop is None:
+                self.buffer.append(out)
+                return
+            try:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+                pass
+
+
+def _error_output(request_id: str, message: str) -> RequestOutput:
+    """A final output that fails a request."""
+    return RequestOutput(
+        request_id=request_id,
+        new_token_ids=[],
+        new_text="",
+        finished=True,
+        finish_reason="error",
+        num_prompt_tokens=0,
+        num_output_tokens=0,
+        error=message,
+    )
+
+
+class AsyncEngine:
+    """Runs an `LLMEngine` in a daemon thread.
+
+    The thread loops `step()` while there is work and sleeps on an Event otherwise. `generate()` and
+    `stream()` never block the event loop: new requests, aborts and releases go through an inbox the
+    engine thread drains before each step. `reserve()` and `kv_received()` return results, so they
+    take the engine lock directly (blocking for at most one step); call them from a worker thread
+    (e.g. `asyncio.to_thread`) when that matters.
+    """
+
+    def __init__(self, engine: LLMEngine, *, idle_poll_s: float = 0.02) -> None:
+        """Wrap `engine` and start the stepping thread."""
+        self.engine = engine
+        self.idle_poll_s = idle_poll_s
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._inbox: list[Callable[[], None]] = []
+        self._inbox_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------------ public API
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prefill_only: bool = False,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Add a request and yield its outputs until the finished one. Invalid requests raise
+        ValueError before the first yield; leaving the iteration early aborts the request."""
+        prompt = self.engine.check_request(prompt_token_ids, params)
+        stream = self._open(request_id, asyncio.get_running_loop())
+
+        def add() -> None:
+            self.engine.add_request(request_id, prompt, params, prefill_only=prefill_only)
+
+        self._submit(add, request_id)
+        async for out in self._consume(request_id, stream):
+            yield out
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """Decode side: reserve blocks for the prompt KV (see `LLMEngine.reserve`); outputs start after
+        `kv_received` and are read with `stream()`. Raises NoFreeBlocks / ValueError."""
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"request {request_id!r} already exists")
+            self._streams[request_id] = _Stream(None)
+        try:
+            return self.engine.reserve(request_id, prompt_token_ids, params)
+        except BaseException:
+            self._close(request_id)
+            raise
+
+    def kv_received(self, request_id: str, first_token_id: int) -> None:
+        """The reserved request's KV arrived: it joins the decode batch (see `LLMEngine.kv_received`)."""
+        self.engine.kv_received(request_id, first_token_id)
+        self._wake.set()
+
+    async def stream(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the outputs of a reserved request until the finished one (leaving early aborts it)."""
+        with self._streams_lock:
+            stream = self._streams.get(request_id)
+        if stream is None:
+            raise KeyError(f"unknown request {request_id!r} (reserve it first)")
+        stream.bind(asyncio.get_running_loop())
+        async for out in self._consume(request_id, stream):
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (non-blocking; its blocks are freed before the next step)."""
+        self._submit(lambda: self.engine.abort(request_id), None)
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks a prefill-only request kept for its KV transfer (non-blocking)."""
+        self._submit(lambda: self.engine.release(request_id), None)
+
+    def has_stream(self, request_id: str) -> bool:
+        """Whether a consumer channel exists for the request."""
+        with self._streams_lock:
+            return request_id in self._streams
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the stepping thread is alive."""
+        return self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the thread and fail every request still streaming."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+        with self._streams_lock:
+            streams = list(self._streams.items())
+        for request_id, stream in streams:
+            stream.deliver(_error_output(request_id, "engine shut down"))
+
+    def __getattr__(self, name: str) -> Any:
+        """Pass read-only queries (num_waiting, kv_usage, config, ...) through to the engine."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    # ------------------------------------------------------------------------------------ internals
+
+    def _open(self, request_id: str, loop: asyncio.AbstractEventLoop) -> _Stream:
+        """Create the channel of a new request (duplicate ids are refused)."""
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"request {request_id!r} already exists")
+            stream = _Stream(loop)
+            self._streams[request_id] = stream
+            return stream
+
+    def _close(self, request_id: str) -> None:
+        """Drop a request's channel."""
+        with self._streams_lock:
+            self._streams.pop(request_id, None)
+
+    async def _consume(self, request_id: str, stream: _Stream) -> AsyncGenerator[RequestOutput, None]:
+        """Yield from a channel until the final output; abort the request if the consumer leaves early."""
+        finished = False
+        try:
+            while True:
+                out = await stream.queue.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._close(request_id)
+            if not finished:
+                self.abort(request_id)
+
+    def _submit(self, action: Callable[[], None], request_id: str | None) -> None:
+        """Queue an engine mutation for the stepping thread; a failure fails `request_id`'s stream."""
+
+        def run() -> None:
+            try:
+                action()
+            except Exception as exc:  # a bad request must not take the engine thread down
+                logger.warning("engine request %s failed: %s", request_id, exc)
+                if request_id is not None:
+                    self._dispatch([_error_output(request_id, str(exc))])
+
+        with self._inbox_lock:
+            self._inbox.append(run)
+        self._wake.set()
+
+    def _drain_inbox(self) -> None:
+        """Apply queued mutations in submission order."""
+        with self._inbox_lock:
+            actions, self._inbox = self._inbox, []
+        for action in actions:
+            action()
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Route outputs to their channels (outputs nobody listens to are dropped)."""
+        if not outputs:
+            return
+        with self._streams_lock:
+            targets = [(self._streams.get(out.request_id), out) for out in outputs]
+        for stream, out in targets:
+            if stream is not None:
+                stream.deliver(out)
+
+    def _run(self) -> None:
+        """The stepping loop."""
+        engine = self.engine
+        while not self._stopping:
+            self._wake.clear()
+            self._drain_inbox()
+            if not engine.has_work():
+                self._wake.wait()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:
+                # step() already turns forward-pass errors into error outputs; reaching here means the
+                # engine state itself is broken, so fail everything rather than spin on the same error.
+                logger.exception("engine step raised; failing all requests")
+                try:
+                    outputs = engine.fail_all(f"engine error: {exc}")
+                except Exception:
+                    logger.exception("could not fail requests cleanly")
+                    outputs = []
+            self._dispatch(outputs)
+            if not outputs and engine.num_running == 0:
+                # Waiting requests that cannot be admitted yet (blocks held by transfers): poll slowly.
+                self._wake.wait(self.idle_poll_s)

@@ -1,0 +1,96 @@
+"""Incremental detokenization with stop-string handling."""
+from __future__ import annotations
+
+from .tokenizer import Tokenizer
+
+# Prompt tokens kept as decoding context: tokenizers that drop a word's leading space at the start of a
+# string (SentencePiece) need a few preceding tokens to render the first output token correctly.
+_PROMPT_CONTEXT = 6
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas.
+
+    Re-decodes only a short window of tokens per step (prefix/read offsets, as in HF's TextStreamer
+    and vLLM), holds back text that ends in an incomplete UTF-8 character ("\\ufffd"), finds stop
+    strings (truncating the text before them) and holds back a suffix that might still grow into a
+    stop string. Without a tokenizer it produces no text and stop strings never match.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: list[int], stop: list[str]) -> None:
+        """Start after the prompt; `stop` are the request's stop strings."""
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.stop = [s for s in stop if s]
+        self.max_stop_len = max((len(s) for s in self.stop), default=0)
+        self.text = ""  # output text so far (cut before the stop string once one matched)
+        self.emitted = 0  # characters of `text` already handed out
+        self.stopped = False
+
+    def append(self, token_id: int) -> bool:
+        """Add one generated token; return True when the text now contains a stop string."""
+        self.ids.append(token_id)
+        tok = self.tokenizer
+        if tok is None or self.stopped:
+            return False
+        prefix_text = tok.decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = tok.decode(self.ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            # Nothing printable yet (special token, or a multi-byte character still incomplete).
+            return False
+        self._add_text(new_text[len(prefix_text) :])
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return self.stopped
+
+    def _add_text(self, delta: str) -> None:
+        """Append decoded text and look for a stop string in the part that could contain a new match."""
+        start = max(0, len(self.text) - self.max_stop_len + 1)
+        self.text += delta
+        if not self.stop:
+            return
+        best = -1
+        for s in self.stop:
+            idx = self.text.find(s, start)
+            if idx != -1 and (best == -1 or idx < best):
+                best = idx
+        if best != -1:
+            self.text = self.text[:best]
+            self.stopped = True
+
+    def flush(self) -> None:
+        """At the end of generation: decode any still-undecoded tail (even if it is an incomplete
+        character, the stream ends here) unless a stop string already ended the text."""
+        tok = self.tokenizer
+        if tok is None or self.stopped or self.read_offset >= len(self.ids):
+            return
+        prefix_text = tok.decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = tok.decode(self.ids[self.prefix_offset :])
+        if len(new_text) > len(prefix_text):
+            self._add_text(new_text[len(prefix_text) :])
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+
+    def _holdback(self) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+        if not self.stop or self.stopped:
+            return 0
+        text = self.text
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def take_delta(self, final: bool = False) -> str:
+        """Text that is safe to emit now (everything, when `final`)."""
+        end = len(self.text) if final else len(self.text) - self._holdback()
+        if end <= self.emitted:
+            return ""
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta

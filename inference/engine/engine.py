@@ -1,0 +1,473 @@
+"""LLMEngine: requests in, one scheduler iteration per `step()`, RequestOutputs out."""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .block_manager import BlockManager, NoFreeBlocks
+from .config import ModelConfig
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache import KVCache
+from .model import BatchMetadata, LlamaForCausalLM
+from .sampler import sample
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import RequestOutput, Sequence, SequenceStatus
+from .tokenizer import Tokenizer
+from .weights import load_model
+
+logger = logging.getLogger(__name__)
+
+# Default cap on the KV pool when `num_blocks` is not given.
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class CompletionResult:
+    """A finished request as returned by the offline `LLMEngine.generate` helper."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
+class LLMEngine:
+    """A paged-KV, continuously batching inference engine for Llama-family checkpoints.
+
+    Every public method takes `self.lock` (an RLock), so a server thread may call `reserve`,
+    `kv_received` or `abort` while another thread loops `step()`.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_num_seqs: int = 32,
+        max_model_len: int | None = None,
+        kv_cache_bytes: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        load_tokenizer: bool = True,
+    ) -> None:
+        """Load config, weights (and the tokenizer, if the folder has one) and allocate the KV pool.
+
+        `num_blocks` defaults to enough blocks for `max_num_seqs * max_model_len` tokens, capped by
+        `kv_cache_bytes` (default 1 GiB). `max_model_len` defaults to the model's
+        `max_position_embeddings`.
+        """
+        if block_size <= 0 or max_num_seqs <= 0:
+            raise ValueError("block_size and max_num_seqs must be positive")
+        self.model_path = model_path
+        self.config = ModelConfig.from_pretrained(model_path)
+        self.device = torch.device(device)
+        self.tokenizer = Tokenizer.maybe_from_pretrained(model_path) if load_tokenizer else None
+        self.model: LlamaForCausalLM = load_model(model_path, self.config, self.device, dtype)
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
+
+        cfg = self.config
+        if num_blocks is None:
+            per_block = KVCache.bytes_per_block(
+                cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype
+            )
+            wanted = -(-max_num_seqs * self.max_model_len // block_size)
+            cap = max(1, (kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // per_block)
+            num_blocks = int(min(wanted, cap))
+        self.kv_cache = KVCache(
+            num_blocks,
+            cfg.num_hidden_layers,
+            block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype,
+            self.device,
+        )
+        self.block_manager = BlockManager(num_blocks)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            block_size,
+            max_num_seqs,
+            int(max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))),
+        )
+
+        eos = list(cfg.eos_token_ids)
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.append(self.tokenizer.eos_token_id)
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+
+        self.lock = threading.RLock()
+        self._seqs: dict[str, Sequence] = {}
+        self._pending: list[RequestOutput] = []  # outputs produced outside step() (kv_received, abort)
+        self._inflight: list[Sequence] = []  # the batch of the step being executed (failed on error)
+        self._arrival = 0
+        self.num_preemptions = 0  # total, for metrics and tests
+        logger.info(
+            "engine ready: %s (%s), %d KV blocks x %d tokens (%.1f MiB), max_model_len %d",
+            model_path,
+            cfg.architecture,
+            num_blocks,
+            block_size,
+            self.kv_cache.nbytes / 2**20,
+            self.max_model_len,
+        )
+
+    # ----------------------------------------------------------------------------------------- queries
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued for prefill."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Sequences in the decode batch."""
+        return len(self.scheduler.running)
+
+    @property
+    def num_reserved(self) -> int:
+        """Decode-side sequences waiting for their prompt KV."""
+        with self.lock:
+            return sum(1 for s in self._seqs.values() if s.status == SequenceStatus.WAITING_FOR_KV)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free KV blocks."""
+        return self.block_manager.num_free
+
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use."""
+        return self.block_manager.usage()
+
+    def has_work(self) -> bool:
+        """Whether `step()` has anything to do (queued/running sequences or undelivered outputs)."""
+        return bool(self.scheduler.waiting or self.scheduler.running or self._pending)
+
+    def get_sequence(self, request_id: str) -> Sequence | None:
+        """The live sequence of a request (None once it finished and was dropped)."""
+        return self._seqs.get(request_id)
+
+    # ---------------------------------------------------------------------------------------- mutators
+
+    def _new_sequence(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill_only: bool
+    ) -> Sequence:
+        """Validate a request and build its Sequence (not queued yet)."""
+        prompt = self.check_request(prompt_token_ids, params)
+        if request_id in self._seqs:
+            raise ValueError(f"request {request_id!r} already exists")
+        self._arrival += 1
+        seq = Sequence(request_id, prompt, params, self._arrival, prefill_only=prefill_only)
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt, params.stop)
+        return seq
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """Validate a request without queuing it (no lock needed: reads only fixed configuration).
+        Returns the prompt as a list of ints; raises ValueError naming the problem."""
+        params.validate()
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        vocab = self.config.vocab_size
+        prompt = [int(t) for t in prompt_token_ids]
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
+        if len(prompt) > self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens, more than the context length {self.max_model_len}"
+            )
+        if self.scheduler.blocks_for(len(prompt)) > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens needs more than the {self.block_manager.num_blocks} "
+                f"KV blocks of {self.block_size} tokens this engine has"
+            )
+        return prompt
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        prefill_only: bool = False,
+    ) -> None:
+        """Queue a request. With `prefill_only`, it finishes after the prompt with the first token,
+        `finish_reason="prefilled"` and its `block_ids`, and keeps its blocks until `release()`.
+
+        Raises ValueError for invalid params or a prompt that can never fit.
+        """
+        with self.lock:
+            seq = self._new_sequence(request_id, prompt_token_ids, params or SamplingParams(), prefill_only)
+            self._seqs[request_id] = seq
+            self.scheduler.add(seq)
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """Decode side: allocate blocks for the prompt's KV and park the request (`WAITING_FOR_KV`) until
+        `kv_received`. Returns the block ids; raises `NoFreeBlocks` if the pool cannot hold them now."""
+        with self.lock:
+            seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only=False)
+            seq.block_ids = self.block_manager.allocate(self.scheduler.blocks_for(seq.num_prompt_tokens))
+            seq.status = SequenceStatus.WAITING_FOR_KV
+            self._seqs[request_id] = seq
+            return list(seq.block_ids)
+
+    def kv_received(self, request_id: str, first_token_id: int) -> None:
+        """The prompt KV of a reserved request is in its blocks: append the first token (sampled by the
+        prefill worker; its output is delivered by the next `step()`), then join the decode batch."""
+        with self.lock:
+            seq = self._seqs.get(request_id)
+            if seq is None:
+                raise KeyError(f"unknown request {request_id!r}")
+            if seq.status != SequenceStatus.WAITING_FOR_KV:
+                raise ValueError(f"request {request_id!r} is {seq.status.value}, not waiting for KV")
+            if not 0 <= int(first_token_id) < self.config.vocab_size:
+                raise ValueError(f"first_token_id {first_token_id} is outside the vocabulary")
+            seq.num_cached = seq.num_prompt_tokens
+            self._append_token(seq, int(first_token_id))
+            if seq.finish_reason is not None:
+                self._finish(seq, seq.finish_reason)
+            else:
+                self.scheduler.add_running(seq)
+            self._pending.append(seq.take_output())
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks a prefill-only request kept for the KV transfer (abort if it is still live)."""
+        with self.lock:
+            seq = self._seqs.get(request_id)
+            if seq is None:
+                return
+            if seq.status == SequenceStatus.PREFILLED:
+                self._free_blocks(seq)
+                seq.status = SequenceStatus.FINISHED
+                del self._seqs[request_id]
+            else:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request in any state and free its blocks; a not yet finished request gets a final
+        output with `finish_reason="abort"` (delivered by the next `step()`). Unknown ids are ignored."""
+        with self.lock:
+            seq = self._seqs.get(request_id)
+            if seq is None:
+                return
+            if seq.status == SequenceStatus.PREFILLED:
+                self.release(request_id)
+                return
+            self._fail(seq, "abort")
+
+    def _fail(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Finish a live sequence early (abort/error) and queue its final output."""
+        self.scheduler.remove(seq)
+        seq.pending_token_ids = []
+        seq.pending_text = ""
+        self._finish(seq, reason)
+        out = seq.take_output()
+        out.error = error
+        self._pending.append(out)
+
+    def fail_inflight(self, error: str) -> list[RequestOutput]:
+        """Fail the sequences of the batch that was executing (after an exception) and return their
+        error outputs plus anything pending."""
+        with self.lock:
+            for seq in self._inflight:
+                if seq.request_id in self._seqs and not seq.is_finished:
+                    self._fail(seq, "error", error)
+            self._inflight = []
+            out, self._pending = self._pending, []
+            return out
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """Fail every live request (last resort when the engine itself is broken)."""
+        with self.lock:
+            for seq in list(self._seqs.values()):
+                if seq.status == SequenceStatus.PREFILLED:
+                    self.release(seq.request_id)
+                elif not seq.is_finished:
+                    self._fail(seq, "error", error)
+            out, self._pending = self._pending, []
+            return out
+
+    # ------------------------------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler iteration: a prefill batch if any waiting prompt fits, else one decode step for
+        every running sequence. Returns the outputs produced (including ones queued by `kv_received` /
+        `abort`). An exception in the forward pass fails that batch's requests (finish_reason "error")."""
+        with self.lock:
+            outputs, self._pending = self._pending, []
+            plan = self.scheduler.schedule()
+            for seq in plan.too_long:
+                self._finish(seq, "length")
+                outputs.append(seq.take_output())
+            batch = plan.prefill or plan.decode
+            if not batch:
+                return outputs
+            self.num_preemptions += len(plan.preempted)
+            self._inflight = list(batch)
+            try:
+                outputs.extend(self._execute(batch, is_prefill=bool(plan.prefill)))
+            except Exception as exc:
+                logger.exception("engine step failed; failing %d request(s)", len(batch))
+                outputs.extend(self.fail_inflight(f"engine error: {exc}"))
+            self._inflight = []
+            return outputs
+
+    @torch.inference_mode()
+    def _execute(self, batch: list[Sequence], is_prefill: bool) -> list[RequestOutput]:
+        """Run the forward pass for `batch`, sample, and apply the results."""
+        input_ids, meta = self._prepare(batch, is_prefill)
+        logits = self.model(input_ids, meta, self.kv_cache)
+        tokens = sample(logits, [s.params for s in batch], [len(s.output_token_ids) for s in batch])
+        outputs: list[RequestOutput] = []
+        for seq, tok in zip(batch, tokens, strict=True):
+            seq.num_cached = seq.num_tokens
+            if seq.prefill_only and not seq.output_token_ids:
+                # Prefill side of a disaggregated request: report the first token and keep the blocks.
+                # Stop checks happen on the decode side (kv_received), which owns the stream.
+                seq.output_token_ids.append(tok)
+                seq.pending_token_ids.append(tok)
+                seq.status = SequenceStatus.PREFILLED
+                seq.finish_reason = "prefilled"
+                outputs.append(seq.take_output())
+                continue
+            self._append_token(seq, tok)
+            if seq.finish_reason is not None:
+                self.scheduler.remove(seq)
+                self._finish(seq, seq.finish_reason)
+            elif is_prefill:
+                self.scheduler.add_running(seq)
+            outputs.append(seq.take_output())
+        return outputs
+
+    def _prepare(self, batch: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, BatchMetadata]:
+        """Flatten the batch's new tokens and compute slot/gather indices and the attention mask."""
+        bs = self.block_size
+        b = len(batch)
+        if is_prefill:
+            # Every admitted sequence starts from an empty cache (new, or preempted and recomputed).
+            q_lens = [s.num_tokens for s in batch]
+            flat: list[int] = []
+            for s in batch:
+                flat.extend(s.prompt_token_ids)
+                flat.extend(s.output_token_ids)
+        else:
+            q_lens = [1] * b
+            flat = [s.last_token_id for s in batch]
+        ctx_lens = [s.num_tokens for s in batch]
+        max_q = max(q_lens)
+        max_blocks = max(len(s.block_ids) for s in batch)
+        table = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in batch])
+        q_len_t = torch.tensor(q_lens)
+        ctx_t = torch.tensor(ctx_lens)
+        t = torch.arange(max_q)
+        # Position of query t of sequence b; padding rows are clamped onto the last real position.
+        pos = torch.minimum((ctx_t - q_len_t)[:, None] + t[None, :], (ctx_t - 1)[:, None])
+        pad_index = None
+        if max_q > 1 and any(q != max_q for q in q_lens):
+            pad_index = (t[None, :] < q_len_t[:, None]).flatten().nonzero().squeeze(1)
+        stride = self.kv_cache.block_stride
+        write_rows = (table.gather(1, pos // bs) * stride + pos % bs).flatten()
+        positions = pos.flatten()
+        if pad_index is not None:
+            write_rows = write_rows[pad_index]
+            positions = positions[pad_index]
+        if is_prefill:
+            max_k = max_q
+            j = torch.arange(max_k)
+            mask = (j[None, None, :] <= pos[:, :, None]) & (j[None, None, :] < q_len_t[:, None, None])
+            gather_rows = None
+        else:
+            max_k = max(ctx_lens)
+            j = torch.arange(max_k)
+            gather_rows = (table[:, j // bs] * stride + (j % bs)[None, :]).flatten()
+            mask = j[None, None, :] <= pos[:, :, None]
+        dev = self.device
+        meta = BatchMetadata(
+            batch_size=b,
+            max_q=max_q,
+            max_k=max_k,
+            positions=positions.to(dev),
+            pad_index=pad_index.to(dev) if pad_index is not None else None,
+            write_rows=write_rows.to(dev),
+            gather_rows=gather_rows.to(dev) if gather_rows is not None else None,
+            mask=mask[:, None, :, :].to(dev),
+            last_index=(torch.cumsum(q_len_t, 0) - 1).to(dev),
+        )
+        return torch.tensor(flat, device=dev), meta
+
+    # ---------------------------------------------------------------------------------------- helpers
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        """Append a generated token, update the text and decide whether the request is finished."""
+        seq.output_token_ids.append(token)
+        seq.pending_token_ids.append(token)
+        params = seq.params
+        detok = seq.detokenizer
+        reason: str | None = None
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            reason = "stop"  # the stop token is reported in token ids but not rendered into text
+        elif detok is not None and detok.append(token):
+            reason = "stop"
+        if reason is None and (
+            len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        if detok is not None:
+            if reason is not None:
+                detok.flush()
+            seq.pending_text += detok.take_delta(final=reason is not None)
+        if reason is not None:
+            seq.finish_reason = reason
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """Mark finished, free blocks and forget the sequence."""
+        seq.finish_reason = reason
+        seq.status = SequenceStatus.FINISHED
+        self._free_blocks(seq)
+        self._seqs.pop(seq.request_id, None)
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        """Return a sequence's blocks to the pool."""
+        if seq.block_ids:
+            self.block_manager.free(seq.block_ids)
+            seq.block_ids = []
+        seq.num_cached = 0
+
+    # ------------------------------------------------------------------------------------ offline use
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[CompletionResult]:
+        """Run prompts to completion (offline helper; not for use while another thread drives step())."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [f"gen-{self._arrival + 1}-{i}" for i in range(len(prompts))]
+        results = {rid: CompletionResult(rid, [], "", None) for rid in ids}
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+        remaining = set(ids)
+        idle_steps = 0
+        while remaining:
+            outs = self.step()
+            # Two empty steps in a row mean nothing can be scheduled (e.g. the pool is held by transfers).
+            idle_steps = 0 if outs else idle_steps + 1
+            if idle_steps > 2:
+                raise RuntimeError(f"requests {sorted(remaining)} cannot make progress")
+            for out in outs:
+                res = results.get(out.request_id)
+                if res is None:
+                    continue
+                res.token_ids.extend(out.new_token_ids)
+                res.text += out.new_text
+                if out.finished:
+                    res.finish_reason = out.finish_reason
+                    remaining.discard(out.request_id)
+        return [results[rid] for rid in ids]
+
+
+__all__ = ["CompletionResult", "LLMEngine", "NoFreeBlocks"]

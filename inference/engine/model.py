@@ -1,0 +1,252 @@
+"""Llama-family decoder (Llama, SmolLM, Qwen2) with paged attention over `KVCache`.
+
+Tokens of a batch travel flattened (`[num_tokens, hidden]`) through every projection and MLP so that
+no FLOPs are spent on padding; only attention pads the batch to `[batch, max_q]` queries against
+`[batch, max_k]` keys with a boolean mask.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .kv_cache import KVCache
+
+
+@dataclass
+class BatchMetadata:
+    """Where each token of a flattened batch lives, computed once per step and shared by all layers.
+
+    - `pad_index`: position of each flat token in the padded `[batch * max_q]` layout (None when the
+      batch has no padding, e.g. decode).
+    - `write_rows`: layer-0 K row in `KVCache.rows` for each new token (its slot in its block).
+    - `gather_rows`: layer-0 K rows of every key position `[batch * max_k]`, or None when every sequence
+      is a fresh prefill: then the keys are just this step's own K/V (no read-back from the cache).
+    - `mask`: `[batch, 1, max_q, max_k]`, True where the query may attend to the key.
+    - `last_index`: flat index of each sequence's last token (the only rows that get logits).
+    """
+
+    batch_size: int
+    max_q: int
+    max_k: int
+    positions: torch.Tensor
+    pad_index: torch.Tensor | None
+    write_rows: torch.Tensor
+    gather_rows: torch.Tensor | None
+    mask: torch.Tensor
+    last_index: torch.Tensor
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (computed in fp32, as in HF)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        """`dim` features, `eps` added to the mean square."""
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dimension."""
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies, with llama3 frequency scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.get("rope_type") != "llama3":
+        raise ValueError(f"unsupported rope scaling {scaling!r}")
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    old_context_len = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are divided by `factor`, short ones kept, and the band between interpolated.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding in the HF "rotate half" convention."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        """Precompute inverse frequencies (cos/sin are computed per step for the step's positions only:
+        a table for 128k positions would cost more memory than it saves)."""
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.inv_freq: torch.Tensor
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[num_tokens, 1, head_dim]` for the given positions."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) over the halves of the last dimension."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `[num_tokens, heads, head_dim]` by the per-token angles."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def _pad(x: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+    """Flat `[num_tokens, ...]` to padded `[batch, max_q, ...]` (padding rows are zeros)."""
+    if meta.pad_index is None:
+        return x.view(meta.batch_size, meta.max_q, *x.shape[1:])
+    out = x.new_zeros((meta.batch_size * meta.max_q, *x.shape[1:]))
+    out[meta.pad_index] = x
+    return out.view(meta.batch_size, meta.max_q, *x.shape[1:])
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with fused q/k/v projection and paged KV."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        """Build projections for layer `layer_idx`."""
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: BatchMetadata,
+        kv_cache: KVCache | None,
+    ) -> torch.Tensor:
+        """Attend for the flat tokens `x` `[num_tokens, hidden]`; writes their K/V into the cache."""
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+
+        if kv_cache is not None:
+            k_rows = meta.write_rows + self.layer_idx * kv_cache.layer_stride
+            kv_cache.rows.index_copy_(0, k_rows, k.to(kv_cache.dtype))
+            kv_cache.rows.index_copy_(0, k_rows + kv_cache.block_size, v.to(kv_cache.dtype))
+
+        b = meta.batch_size
+        if meta.gather_rows is None:
+            keys, values = _pad(k, meta), _pad(v, meta)
+        else:
+            if kv_cache is None:
+                raise ValueError("attention over cached context needs a KV cache")
+            rows = meta.gather_rows + self.layer_idx * kv_cache.layer_stride
+            keys = kv_cache.rows.index_select(0, rows).view(b, meta.max_k, self.num_kv_heads, self.head_dim)
+            values = kv_cache.rows.index_select(0, rows + kv_cache.block_size).view(
+                b, meta.max_k, self.num_kv_heads, self.head_dim
+            )
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+
+        out = F.scaled_dot_product_attention(
+            _pad(q, meta).transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=meta.mask,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        out = out.transpose(1, 2).reshape(b * meta.max_q, self.q_size)
+        if meta.pad_index is not None:
+            out = out[meta.pad_index]
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP with fused gate/up projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        """Build projections."""
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x))."""
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        """Build attention, MLP and the two norms."""
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: BatchMetadata,
+        kv_cache: KVCache | None,
+    ) -> torch.Tensor:
+        """x + attn(norm(x)), then + mlp(norm(.))."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder stack plus LM head; returns logits for the last token of each sequence only."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        """Build all modules (weights come from `weights.load_model`)."""
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the LM head when the config says so."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, kv_cache: KVCache | None) -> torch.Tensor:
+        """Logits `[batch, vocab]` (fp32) for the last token of each sequence in the flat batch."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta, kv_cache)
+        x = self.norm(x[meta.last_index])
+        return self.lm_head(x).float()

@@ -1,0 +1,83 @@
+"""Per-request sampling and stopping parameters."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    temperature 0 means greedy. top_k -1 (or 0) disables top-k; top_p 1.0 disables nucleus sampling.
+    With `seed` set, output token i is sampled with a generator seeded from (seed, i), so a prefill
+    worker and a decode worker continue one deterministic stream.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        """Whether this request decodes greedily (argmax)."""
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= 1, or -1/0 to disable, got {self.top_k!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or null, got {self.seed!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(
+                f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}"
+            )
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dictionary (lists copied)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        """Build from a dictionary; unknown keys raise ValueError naming them, a bare string `stop` is
+        accepted as a one-element list (the OpenAI API allows both). Call `validate()` afterwards."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling field(s): {', '.join(unknown)}")
+        kwargs = {k: v for k, v in data.items() if v is not None or k == "seed"}
+        stop = kwargs.get("stop")
+        if isinstance(stop, str):
+            kwargs["stop"] = [stop]
+        for key in ("stop", "stop_token_ids"):
+            if key in kwargs and isinstance(kwargs[key], tuple):
+                kwargs[key] = list(kwargs[key])
+        for key in ("temperature", "top_p"):
+            # JSON clients send 1 for 1.0; keep the dataclass types honest.
+            if key in kwargs and _is_number(kwargs[key]):
+                kwargs[key] = float(kwargs[key])
+        return cls(**kwargs)
+
+
+def _is_number(value: Any) -> bool:
+    """True for int/float but not bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,0 +1,143 @@
+"""Continuous-batching scheduler: which sequences run in the next forward pass."""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: a prefill batch or a decode batch (never both), plus sequences that were
+    preempted or had to be finished because they can never fit."""
+
+    prefill: list[Sequence] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    too_long: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    """Waiting queue + running list over a `BlockManager`.
+
+    Each step first admits waiting sequences (FCFS) whose blocks fit, as one prefill batch; when none
+    can be admitted it decodes every running sequence. A decode that needs a new block while none is
+    free preempts the newest running sequence (its blocks are freed and it is recomputed later).
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        """Limits: `max_num_seqs` sequences in flight, `max_num_batched_tokens` prompt tokens per prefill."""
+        self.block_manager = block_manager
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens of KV."""
+        return -(-num_tokens // self.block_size)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence for prefill."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Put a sequence whose KV is already cached (decode side, after the transfer) into the batch."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        # Keep arrival order so that "the newest" (the preemption victim) is always the last element.
+        self.running.sort(key=lambda s: s.arrival)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence from whichever queue holds it."""
+        if seq.status == SequenceStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        elif seq.status == SequenceStatus.RUNNING:
+            try:
+                self.running.remove(seq)
+            except ValueError:
+                pass
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step (allocating the blocks it needs)."""
+        out = SchedulerOutput()
+        self._admit(out)
+        if out.prefill:
+            return out
+        self._plan_decode(out)
+        return out
+
+    def _admit(self, out: SchedulerOutput) -> None:
+        """Move waiting sequences into a prefill batch while blocks, slots and the token budget allow."""
+        tokens = 0
+        bm = self.block_manager
+        while self.waiting and len(self.running) + len(out.prefill) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = seq.num_tokens  # a preempted sequence recomputes its generated tokens too
+            need = self.blocks_for(n)
+            if need > bm.num_blocks:
+                # Can only happen to a preempted sequence that grew past the whole pool.
+                self.waiting.popleft()
+                out.too_long.append(seq)
+                continue
+            # Always admit one, even over the token budget, or a long prompt would never run.
+            if out.prefill and tokens + n > self.max_num_batched_tokens:
+                break
+            if not bm.can_allocate(need):
+                break  # FCFS: do not let later (smaller) prompts overtake the head of the queue
+            self.waiting.popleft()
+            seq.block_ids = bm.allocate(need)
+            seq.num_cached = 0
+            out.prefill.append(seq)
+            tokens += n
+
+    def _plan_decode(self, out: SchedulerOutput) -> None:
+        """Make sure every running sequence has a slot for its next token, preempting when the pool is dry."""
+        bm = self.block_manager
+        queue = deque(self.running)  # sorted by arrival: oldest first
+        scheduled: list[Sequence] = []
+        while queue:
+            seq = queue.popleft()
+            need = self.blocks_for(seq.num_tokens) - len(seq.block_ids)
+            if need <= 0:
+                scheduled.append(seq)
+                continue
+            if self.blocks_for(seq.num_tokens) > bm.num_blocks:
+                out.too_long.append(seq)
+                continue
+            while not bm.can_allocate(need) and queue:
+                self._preempt(queue.pop(), out)  # the newest running sequence
+            if bm.can_allocate(need):
+                seq.block_ids.extend(bm.allocate(need))
+                scheduled.append(seq)
+            else:
+                # Nothing left to preempt but itself (the rest of the pool is held by transfers).
+                self._preempt(seq, out)
+        self.running = scheduled
+        out.decode = list(scheduled)  # a copy: the engine removes finished sequences from running
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Free a running sequence's blocks and queue it (first) for recomputation."""
+        logger.debug("preempting %s (%d tokens)", seq.request_id, seq.num_tokens)
+        self.block_manager.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_cached = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)

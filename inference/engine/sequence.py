@@ -1,0 +1,102 @@
+"""A request's state inside the engine."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .detokenizer import IncrementalDetokenizer
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Lifecycle of a sequence."""
+
+    WAITING = "waiting"  # queued for prefill (new, or preempted and to be recomputed)
+    RUNNING = "running"  # in the decode batch
+    WAITING_FOR_KV = "waiting_for_kv"  # decode side: blocks reserved, prompt KV not yet received
+    PREFILLED = "prefilled"  # prefill side: done, blocks kept until release()
+    FINISHED = "finished"  # done, blocks freed
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request.
+
+    `new_token_ids` / `new_text` are deltas since the previous output. `block_ids` is set on the
+    output of a prefill-only request (the blocks holding its prompt KV). `error` carries the message
+    when `finish_reason == "error"`.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    block_ids: list[int] | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request: its tokens, blocks, stopping state and detokenizer.
+
+    `num_cached` counts tokens whose KV is in `block_ids`. A preempted sequence drops its blocks and
+    is recomputed from `prompt_token_ids + output_token_ids` as one prefill.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    prefill_only: bool = False
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    finish_reason: str | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    # Outputs not yet reported (tokens and text since the last RequestOutput).
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_text: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        """The newest token (the input of the next decode step)."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by the generated tokens."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether the request reached a final state (PREFILLED counts: it will not produce more)."""
+        return self.status in (SequenceStatus.FINISHED, SequenceStatus.PREFILLED)
+
+    def take_output(self) -> RequestOutput:
+        """Build the RequestOutput for what is pending and reset the pending deltas."""
+        out = RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=self.pending_token_ids,
+            new_text=self.pending_text,
+            finished=self.is_finished,
+            finish_reason=self.finish_reason,
+            num_prompt_tokens=len(self.prompt_token_ids),
+            num_output_tokens=len(self.output_token_ids),
+            block_ids=list(self.block_ids) if self.status == SequenceStatus.PREFILLED else None,
+        )
+        self.pending_token_ids = []
+        self.pending_text = ""
+        return out

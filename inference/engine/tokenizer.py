@@ -1,0 +1,73 @@
+"""A thin wrapper over a Hugging Face tokenizer (optional: the engine also works on token ids only)."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+# Any of these files means the checkpoint folder ships a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class Tokenizer:
+    """encode / decode / chat template over `transformers.AutoTokenizer`."""
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        """Wrap an already loaded HF tokenizer."""
+        self.hf = hf_tokenizer
+
+    @staticmethod
+    def available(path: str) -> bool:
+        """Whether `path` contains tokenizer files."""
+        return any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES)
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> Tokenizer:
+        """Load the tokenizer in `path` (local files only: workers never reach the network)."""
+        # Imported here so that token-id-only engines never pay for importing transformers.
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(path, local_files_only=True))
+
+    @classmethod
+    def maybe_from_pretrained(cls, path: str) -> Tokenizer | None:
+        """Load the tokenizer if `path` has one, else None."""
+        return cls.from_pretrained(path) if cls.available(path) else None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The tokenizer's EOS id, if it has one."""
+        tok = self.hf.eos_token_id
+        return int(tok) if tok is not None else None
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer knows (added tokens included)."""
+        return len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text to token ids."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Token ids to text."""
+        return str(self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer defines a chat template."""
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Render chat messages with the model's template and tokenize them.
+
+        Rendered to text first, then encoded without extra special tokens: the template already holds
+        them, and transformers versions differ in what `tokenize=True` returns.
+        """
+        if not self.has_chat_template:
+            raise ValueError("this model's tokenizer has no chat template")
+        text = self.hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return self.encode(str(text), add_special_tokens=False)
