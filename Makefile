@@ -6,7 +6,7 @@ PORT ?= 8000
 PREFILL_PORT ?= 30000
 DECODE_PORT ?= 30001
 MODEL ?= smollm2
-MODEL_DIR ?= model_cache/smollm2-135m-instruct
+MODEL_DIR ?= model_cache/SmolLM2-135M-Instruct
 
 .PHONY: venv up down test lint bench demo-model
 
@@ -24,11 +24,11 @@ $(BIN)/activate: requirements.txt requirements-dev.txt pyproject.toml
 venv: $(BIN)/activate
 
 demo-model: venv
-	$(BIN)/python manage.py prepare_model --model-name $(MODEL) --save-path $(MODEL_DIR)
+	$(BIN)/python manage.py prepare_model --model-name $(MODEL)
 
 up: venv
 	$(BIN)/python manage.py migrate --noinput
-	$(BIN)/python manage.py prepare_model --model-name $(MODEL) --save-path $(MODEL_DIR)
+	$(BIN)/python manage.py prepare_model --model-name $(MODEL)
 	PORT=$(PORT) PREFILL_PORT=$(PREFILL_PORT) DECODE_PORT=$(DECODE_PORT) MODEL_DIR=$(MODEL_DIR) \
 		bash platform/local_up.sh
 
