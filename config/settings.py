@@ -78,7 +78,7 @@ else:
     DATABASES = {
         "default": {
             "ENGINE": "django.db.backends.sqlite3",
-            "NAME": VAR_DIR / "platform.sqlite3",
+            "NAME": str(VAR_DIR / "platform.sqlite3"),
             # WAL plus a busy timeout lets the router, agents and admin share the file.
             "OPTIONS": {"timeout": 20, "init_command": "PRAGMA journal_mode=WAL;"},
         }
@@ -117,13 +117,28 @@ else:
         "data_folder_in": str(_broker_dir / "queue"),
         "data_folder_out": str(_broker_dir / "queue"),
         "processed_folder": str(_broker_dir / "processed"),
+        # kombu keeps exchange bindings in "control_folder", relative to the cwd unless set.
+        "control_folder": str(_broker_dir / "control"),
         "store_processed": False,
     }
     CELERY_RESULT_BACKEND = f"file://{_broker_dir / 'results'}"
-CELERY_TASK_DEFAULT_QUEUE = "control"
+    # kombu's filesystem transport and Celery's file result backend fail when their folders are missing.
+    for _sub in ("queue", "processed", "results", "control"):
+        try:
+            (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
+        except OSError:  # a read-only checkout: the first send names the folder
+            pass
+# The controller's queue. Agents consume only their own queue node.<name>. Another name lets two
+# platforms share one Redis (the multi-host test uses it to stay apart from other test runs).
+CELERY_TASK_DEFAULT_QUEUE = env_str("PLATFORM_CONTROL_QUEUE", "control") or "control"
+# nodes.tasks.* go to the queue of the worker's node even when called with a bare .delay().
+CELERY_TASK_ROUTES = ["nodes.tasks.route_node_task"]
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_TIMEZONE = TIME_ZONE
+
+# Metric samples (charts, scaling) older than this are pruned (inference.actions.prune_metric_samples).
+METRICS_RETENTION_HOURS = env_int("METRICS_RETENTION_HOURS", 72, minimum=1)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
@@ -152,6 +167,40 @@ ROUTER_MAX_BODY_BYTES = env_int("ROUTER_MAX_BODY_BYTES", 1_000_000, minimum=1024
 DATA_UPLOAD_MAX_MEMORY_SIZE = ROUTER_MAX_BODY_BYTES
 # Shared secret that internal worker endpoints and KV ports accept (empty: no check, dev only).
 PLATFORM_SHARED_SECRET = env_str("PLATFORM_SHARED_SECRET", "") or ""
+
+# Control plane: agents (nodes.agent), controller (inference.controller), scaling (inference.scaling).
+# A node whose agent has not sent a heartbeat for this long goes OFFLINE; its workers are re-placed.
+NODE_HEARTBEAT_TIMEOUT_S = env_float("NODE_HEARTBEAT_TIMEOUT_S", 15.0)
+AGENT_HEARTBEAT_INTERVAL_S = env_float("AGENT_HEARTBEAT_INTERVAL_S", 2.0)
+AGENT_HEALTH_INTERVAL_S = env_float("AGENT_HEALTH_INTERVAL_S", 2.0)
+AGENT_HEALTH_TIMEOUT_S = env_float("AGENT_HEALTH_TIMEOUT_S", 2.0)
+# Consecutive failed health checks before a RUNNING worker is UNHEALTHY (one slow answer is no failure).
+AGENT_HEALTH_FAILURES = env_int("AGENT_HEALTH_FAILURES", 3, minimum=1)
+# Loading a large model takes a while; a worker not healthy by then is killed and restarted.
+AGENT_STARTUP_TIMEOUT_S = env_float("AGENT_STARTUP_TIMEOUT_S", 180.0)
+# A live process failing health checks this long is killed and restarted.
+AGENT_UNHEALTHY_TIMEOUT_S = env_float("AGENT_UNHEALTHY_TIMEOUT_S", 30.0)
+# Crash restarts wait BACKOFF * 2^(n-1) (capped at BACKOFF_MAX) for the n-th crash in the window;
+# the (MAX_RESTARTS + 1)-th crash within the window marks the worker FAILED.
+AGENT_RESTART_BACKOFF_S = env_float("AGENT_RESTART_BACKOFF_S", 1.0)
+AGENT_RESTART_BACKOFF_MAX_S = env_float("AGENT_RESTART_BACKOFF_MAX_S", 60.0)
+AGENT_MAX_RESTARTS = env_int("AGENT_MAX_RESTARTS", 5, minimum=0)
+AGENT_RESTART_WINDOW_S = env_float("AGENT_RESTART_WINDOW_S", 600.0)
+# SIGTERM, then SIGKILL after this long.
+AGENT_STOP_TIMEOUT_S = env_float("AGENT_STOP_TIMEOUT_S", 10.0)
+# A draining worker is stopped once idle, or after this long whatever it still runs.
+AGENT_DRAIN_TIMEOUT_S = env_float("AGENT_DRAIN_TIMEOUT_S", 120.0)
+# How often an agent compares its processes with the database (covers lost Celery messages).
+AGENT_SYNC_INTERVAL_S = env_float("AGENT_SYNC_INTERVAL_S", 5.0)
+AGENT_LOG_DIR = Path(env_str("AGENT_LOG_DIR", str(VAR_DIR / "logs")) or VAR_DIR / "logs")
+# A PENDING worker's start request is sent again when its agent has not picked it up after this long.
+CONTROLLER_PENDING_RESEND_S = env_float("CONTROLLER_PENDING_RESEND_S", 60.0)
+# After a worker FAILED on a node, the controller places that deployment+role elsewhere for this long.
+CONTROLLER_FAILURE_COOLDOWN_S = env_float("CONTROLLER_FAILURE_COOLDOWN_S", 300.0)
+# collect_metrics: per-request timeout when scraping a worker's /metrics and /health.
+METRICS_SCRAPE_TIMEOUT_S = env_float("METRICS_SCRAPE_TIMEOUT_S", 2.0)
+# Scaling ignores a worker's load when its last health report is older than this.
+SCALING_HEALTH_MAX_AGE_S = env_float("SCALING_HEALTH_MAX_AGE_S", 30.0)
 
 LOGGING = {
     "version": 1,

@@ -1,0 +1,410 @@
+"""State changes of the inference app: scaling, deployment and rule saves, metric samples.
+
+The admin, the REST API, Celery tasks and consumers call these functions instead of saving models
+themselves, so that every replica change is locked, bounded, recorded as a ScaleEvent and followed
+by a reconcile of the deployment, whoever asked for it.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from inference.models import Deployment, MetricSample, ScaleEvent, ScaleSource, ScalingRule
+from nodes.models import WorkerRole
+
+logger = logging.getLogger(__name__)
+
+ROLES: tuple[str, ...] = tuple(WorkerRole.values)
+
+# Metric fields of MetricSample the charts and the API return, with a label and a unit for each.
+SERIES_FIELDS: dict[str, dict[str, str]] = {
+    "ttft_s": {"label": "Time to first token", "unit": "s"},
+    "itl_s": {"label": "Inter-token latency", "unit": "s"},
+    "throughput_tps": {"label": "Throughput", "unit": "tokens/s"},
+    "queue_depth": {"label": "Queue depth", "unit": "requests"},
+    "load": {"label": "Load", "unit": "ratio"},
+    "cpu_utilization": {"label": "CPU utilisation", "unit": "ratio"},
+    "gpu_utilization": {"label": "GPU utilisation", "unit": "ratio"},
+    "running": {"label": "Running requests", "unit": "requests"},
+    "kv_usage": {"label": "KV cache usage", "unit": "ratio"},
+    "workers": {"label": "Workers", "unit": "workers"},
+}
+
+# Deployment fields that a save must not silently revert when the caller did not change them:
+# the autoscaler may have moved them between the caller's read and its save.
+_REPLICA_FIELDS = {f"{role}_replicas" for role in ROLES}
+
+
+class DeploymentInUse(Exception):
+    """A deployment cannot be deleted while it still has live workers (they would be orphaned)."""
+
+
+def validate_role(role: str) -> str:
+    """Return `role` if it is a worker role, else raise ValueError naming the valid ones."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    return role
+
+
+def _validate_source(source: str) -> str:
+    if source not in ScaleSource.values:
+        raise ValueError(f"source must be one of {', '.join(ScaleSource.values)}, got {source!r}")
+    return source
+
+
+def _enqueue_reconcile(deployment_id: int) -> None:
+    """Ask the controller to reconcile a deployment's workers with its desired replicas.
+
+    Runs after the commit so the controller reads the new desired counts. The task module belongs
+    to the controller; it is imported here, lazily, so that this module imports without it.
+    """
+    try:
+        from inference.tasks import reconcile_deployment
+    except ModuleNotFoundError as exc:
+        if exc.name not in {"inference.tasks"}:
+            raise  # a broken import inside inference.tasks must surface, not be mistaken for absence
+        logger.warning(
+            "inference.tasks is not installed: deployment %s was saved but no reconcile was enqueued",
+            deployment_id,
+        )
+        return
+    try:
+        reconcile_deployment.delay(deployment_id=deployment_id)
+    except Exception:
+        # The desired state is committed; a broker outage must not turn a saved change into an
+        # error page. The controller's periodic reconcile picks the change up later.
+        logger.exception("could not enqueue reconcile_deployment for deployment %s", deployment_id)
+
+
+def _on_commit_reconcile(deployment_id: int) -> None:
+    transaction.on_commit(lambda: _enqueue_reconcile(deployment_id))
+
+
+def scale_deployment(
+    deployment: Deployment,
+    role: str,
+    replicas: int,
+    *,
+    source: str,
+    reason: str,
+    rule: ScalingRule | None = None,
+) -> ScaleEvent | None:
+    """Set a role's desired replicas, clamped to the deployment's [min, max] for that role.
+
+    Returns the ScaleEvent recorded, or None when the (clamped) count equals the current one, in
+    which case nothing is written. The row is locked while it is read and written so concurrent
+    scalers (rules, admin, API) each see the other's result; a reconcile is enqueued on commit.
+    """
+    validate_role(role)
+    _validate_source(source)
+    field = f"{role}_replicas"
+    with transaction.atomic():
+        locked = Deployment.objects.select_for_update().get(pk=deployment.pk)
+        low, high = locked.bounds(role)
+        target = min(max(int(replicas), low), high)
+        current = locked.replicas(role)
+        # Keep the caller's instance in step with the database either way.
+        setattr(deployment, field, current)
+        if target == current:
+            return None
+        setattr(locked, field, target)
+        locked.save(update_fields=[field, "updated_at"])
+        text = reason.strip() or f"{source} scale"
+        if target != replicas:
+            text += f" (requested {replicas}, clamped to {target} by {role} bounds [{low}, {high}])"
+        event = ScaleEvent.objects.create(
+            deployment=locked,
+            role=role,
+            from_replicas=current,
+            to_replicas=target,
+            source=source,
+            rule=rule,
+            reason=text,
+        )
+        _on_commit_reconcile(locked.pk)
+    setattr(deployment, field, target)
+    deployment.updated_at = locked.updated_at
+    logger.info("scaled %s %s %s -> %s (%s): %s", locked.name, role, current, target, source, text)
+    return event
+
+
+def scale_deployment_by(
+    deployment: Deployment,
+    role: str,
+    delta: int,
+    *,
+    source: str,
+    reason: str,
+    rule: ScalingRule | None = None,
+) -> ScaleEvent | None:
+    """Add `delta` (may be negative) to a role's desired replicas, reading the count under the lock.
+
+    Unlike `scale_deployment(d, role, d.replicas(role) + delta)`, the base count is the one in the
+    database, not a possibly stale instance's.
+    """
+    validate_role(role)
+    with transaction.atomic():
+        current = Deployment.objects.select_for_update().get(pk=deployment.pk).replicas(role)
+        return scale_deployment(deployment, role, current + delta, source=source, reason=reason, rule=rule)
+
+
+def save_deployment(
+    deployment: Deployment,
+    *,
+    changed_fields: Iterable[str] | None = None,
+    source: str = "manual",
+    reason: str = "",
+) -> list[ScaleEvent]:
+    """Create or update a deployment (already validated by its form or serializer).
+
+    `changed_fields` names the fields the caller meant to change (None: all of them). Replica counts
+    the caller did not change keep their current database value, so an admin form opened before an
+    autoscale does not revert it; a replica count outside new min/max bounds is clamped into them.
+    Every replica change, creation included (from 0), is recorded as a ScaleEvent, and a reconcile
+    is enqueued on commit. Returns the events recorded.
+    """
+    _validate_source(source)
+    changed = None if changed_fields is None else set(changed_fields)
+    events: list[ScaleEvent] = []
+    with transaction.atomic():
+        before: dict[str, int] = {role: 0 for role in ROLES}
+        creating = deployment.pk is None
+        if not creating:
+            locked = Deployment.objects.select_for_update().get(pk=deployment.pk)
+            before = {role: locked.replicas(role) for role in ROLES}
+            for field in _REPLICA_FIELDS:
+                if changed is not None and field not in changed:
+                    setattr(deployment, field, getattr(locked, field))
+        notes: dict[str, str] = {}
+        for role in ROLES:
+            low, high = deployment.bounds(role)
+            want = deployment.replicas(role)
+            if not low <= want <= high:
+                clamped = min(max(want, low), high)
+                notes[role] = f" (clamped {want} to {clamped} by {role} bounds [{low}, {high}])"
+                setattr(deployment, f"{role}_replicas", clamped)
+        deployment.save()
+        base = reason.strip() or ("deployment created" if creating else "deployment edited")
+        for role in ROLES:
+            after = deployment.replicas(role)
+            if after != before[role]:
+                events.append(
+                    ScaleEvent.objects.create(
+                        deployment=deployment,
+                        role=role,
+                        from_replicas=before[role],
+                        to_replicas=after,
+                        source=source,
+                        reason=base + notes.get(role, ""),
+                    )
+                )
+        # Any saved change (replicas, flags, status) may need workers started, restarted or stopped.
+        _on_commit_reconcile(deployment.pk)
+    return events
+
+
+def live_worker_count(deployment: Deployment) -> int:
+    """Workers of the deployment that are not stopped or failed (they own processes on nodes)."""
+    from nodes.models import WorkerStatus
+
+    return int(deployment.workers.exclude(status__in=[WorkerStatus.STOPPED, WorkerStatus.FAILED]).count())
+
+
+def delete_deployment(deployment: Deployment) -> None:
+    """Delete a deployment that has no live workers; raise DeploymentInUse otherwise.
+
+    Deleting the rows of running workers would leave their processes running with nobody to stop
+    them, so a deployment is stopped (status "stopped", the controller drains its workers) first.
+    """
+    with transaction.atomic():
+        locked = Deployment.objects.select_for_update().get(pk=deployment.pk)
+        live = live_worker_count(locked)
+        if live:
+            raise DeploymentInUse(
+                f"deployment {locked.name} still has {live} live worker(s); set its status to stopped "
+                "and wait for the workers to stop before deleting it"
+            )
+        locked.delete()
+
+
+# Fields whose change makes a threshold rule's ongoing breach meaningless.
+_RULE_CONDITION_FIELDS = {"kind", "role", "threshold", "comparison", "duration_s", "enabled", "deployment"}
+
+
+def save_rule(rule: ScalingRule, *, changed_fields: Iterable[str] | None = None) -> ScalingRule:
+    """Create or update a scaling rule (already validated with its `clean()`).
+
+    When the rule's condition changes, its breach timer restarts: a breach measured against the
+    old threshold must not trigger the new rule early.
+    """
+    changed = None if changed_fields is None else set(changed_fields)
+    if rule.pk is not None and (changed is None or changed & _RULE_CONDITION_FIELDS):
+        rule.breach_started_at = None
+    rule.save()
+    return rule
+
+
+def update_rule(rule: ScalingRule, changes: Mapping[str, Any]) -> ScalingRule:
+    """Apply `changes` to a rule, validate it (model `clean()` included) and save it.
+
+    Raises django.core.exceptions.ValidationError naming the fields at fault.
+    """
+    for field, value in changes.items():
+        setattr(rule, field, value)
+    rule.full_clean()
+    return save_rule(rule, changed_fields=changes.keys())
+
+
+def create_deployment(**fields: Any) -> Deployment:
+    """Create a deployment from model field values, validated (`full_clean`), with its ScaleEvents.
+
+    Raises django.core.exceptions.ValidationError naming the fields at fault.
+    """
+    deployment = Deployment(**fields)
+    deployment.full_clean()
+    save_deployment(deployment, source="manual", reason="deployment created")
+    return deployment
+
+
+def record_metric_sample(
+    deployment: Deployment | int,
+    role: str,
+    *,
+    at: datetime | None = None,
+    workers: int = 0,
+    load: float = 0.0,
+    ttft_s: float | None = None,
+    itl_s: float | None = None,
+    throughput_tps: float = 0.0,
+    queue_depth: float = 0.0,
+    running: float = 0.0,
+    kv_usage: float = 0.0,
+    cpu_utilization: float | None = None,
+    gpu_utilization: float | None = None,
+) -> MetricSample:
+    """Store one role-level metrics sample of a deployment (timestamped now unless `at` is given)."""
+    validate_role(role)
+    deployment_id = deployment if isinstance(deployment, int) else deployment.pk
+    return MetricSample.objects.create(
+        deployment_id=deployment_id,
+        role=role,
+        at=at or timezone.now(),
+        workers=workers,
+        load=load,
+        ttft_s=ttft_s,
+        itl_s=itl_s,
+        throughput_tps=throughput_tps,
+        queue_depth=queue_depth,
+        running=running,
+        kv_usage=kv_usage,
+        cpu_utilization=cpu_utilization,
+        gpu_utilization=gpu_utilization,
+    )
+
+
+def _downsample(rows: list[tuple[Any, ...]], since: datetime, until: datetime, max_points: int) -> list[list[Any]]:
+    """Average rows (timestamp first) into at most `max_points` equal time buckets, ignoring Nones."""
+    if len(rows) <= max_points:
+        return [list(row) for row in rows]
+    span = max((until - since).total_seconds(), 1e-6)
+    width = span / max_points
+    buckets: dict[int, list[tuple[Any, ...]]] = {}
+    for row in rows:
+        index = min(int((row[0] - since).total_seconds() / width), max_points - 1)
+        buckets.setdefault(max(index, 0), []).append(row)
+    out: list[list[Any]] = []
+    for index in sorted(buckets):
+        group = buckets[index]
+        point: list[Any] = [group[-1][0]]  # the bucket's last timestamp keeps "now" at the right edge
+        for column in range(1, len(group[0])):
+            values = [r[column] for r in group if r[column] is not None]
+            point.append(sum(values) / len(values) if values else None)
+        out.append(point)
+    return out
+
+
+def deployment_metric_series(
+    deployment: Deployment,
+    since: datetime | timedelta,
+    role: str | None = None,
+    *,
+    max_points: int = 600,
+) -> dict[str, Any]:
+    """Time series of a deployment's metrics since `since` (a datetime, or a timedelta back from now).
+
+    Shape (JSON-safe)::
+
+        {"deployment": {id, name, status, replicas: {role: {desired, min, max}}},
+         "since": iso, "now": iso, "metrics": {field: {label, unit}},
+         "series": {role: {"t": [epoch ms, ...], field: [value or null, ...], ...}},
+         "events": [{t, role, from, to, source, reason}, ...]}
+
+    Each role has at most `max_points` points: longer windows are averaged into time buckets.
+    """
+    now = timezone.now()
+    start = now - since if isinstance(since, timedelta) else since
+    roles = [validate_role(role)] if role else list(ROLES)
+    fields = list(SERIES_FIELDS)
+    series: dict[str, dict[str, list[Any]]] = {}
+    for name in roles:
+        rows = list(
+            MetricSample.objects.filter(deployment=deployment, role=name, at__gte=start)
+            .order_by("at")
+            .values_list("at", *fields)
+        )
+        points = _downsample(rows, start, now, max(int(max_points), 1))
+        data: dict[str, list[Any]] = {"t": [int(p[0].timestamp() * 1000) for p in points]}
+        for column, field in enumerate(fields, start=1):
+            data[field] = [p[column] for p in points]
+        series[name] = data
+    events = [
+        {
+            "t": int(e.created_at.timestamp() * 1000),
+            "role": e.role,
+            "from": e.from_replicas,
+            "to": e.to_replicas,
+            "source": e.source,
+            "reason": e.reason,
+        }
+        for e in ScaleEvent.objects.filter(deployment=deployment, created_at__gte=start, role__in=roles).order_by(
+            "created_at"
+        )[:500]
+    ]
+    return {
+        "deployment": {
+            "id": deployment.pk,
+            "name": deployment.name,
+            "status": deployment.status,
+            "replicas": {
+                name: {
+                    "desired": deployment.replicas(name),
+                    "min": deployment.bounds(name)[0],
+                    "max": deployment.bounds(name)[1],
+                }
+                for name in ROLES
+            },
+        },
+        "since": start.isoformat(),
+        "now": now.isoformat(),
+        "metrics": SERIES_FIELDS,
+        "series": series,
+        "events": events,
+    }
+
+
+def prune_metric_samples(older_than: timedelta | None = None) -> int:
+    """Delete metric samples older than `older_than` (default: settings.METRICS_RETENTION_HOURS).
+
+    Returns how many were deleted. MetricSample has no dependants, so this is one DELETE statement.
+    """
+    if older_than is None:
+        older_than = timedelta(hours=settings.METRICS_RETENTION_HOURS)
+    cutoff = timezone.now() - older_than
+    deleted, _ = MetricSample.objects.filter(at__lt=cutoff).delete()
+    return int(deleted)

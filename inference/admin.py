@@ -1,0 +1,448 @@
+"""Admin of models, deployments (rules, events, workers, scale actions, live metric charts) and metrics."""
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.db.models import Count, Q, QuerySet
+from django.forms.models import BaseInlineFormSet
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import get_object_or_404
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+
+from inference import actions
+from inference.models import Deployment, MetricSample, ScaleEvent, ScalingRule
+from inference.models import Model as ServedModel
+from nodes.admin import age_text, health_summary, status_badge
+from nodes.models import ACTIVE_WORKER_STATUSES, Worker, WorkerRole, WorkerStatus
+
+RECENT_EVENTS = 20
+
+
+@admin.register(ServedModel)
+class ServedModelAdmin(admin.ModelAdmin):
+    """Model checkpoints, with how many deployments serve each."""
+
+    list_display = ["name", "source", "source_ref", "path", "deployment_count", "created_at"]
+    list_filter = ["source"]
+    search_fields = ["name", "source_ref", "path"]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet:
+        """Models with their deployment count."""
+        return super().get_queryset(request).annotate(n_deployments=Count("deployments"))
+
+    @admin.display(description="deployments", ordering="n_deployments")
+    def deployment_count(self, model: ServedModel) -> int:
+        """Deployments serving this model (it cannot be deleted while any does)."""
+        return int(getattr(model, "n_deployments", 0))
+
+
+class ScalingRuleInline(admin.TabularInline):
+    """The deployment's scaling rules, editable in place (validated by ScalingRule.clean)."""
+
+    model = ScalingRule
+    extra = 0
+    fields = [
+        "name",
+        "kind",
+        "role",
+        "enabled",
+        "comparison",
+        "threshold",
+        "duration_s",
+        "cooldown_s",
+        "step",
+        "start_time",
+        "end_time",
+        "target_replicas",
+        "last_triggered_at",
+    ]
+    readonly_fields = ["last_triggered_at"]
+
+
+class RecentEventsFormSet(BaseInlineFormSet):
+    """The newest events only; a submitted page binds no forms, so events that arrived after the
+    page was rendered (autoscaling runs meanwhile) cannot disturb the deployment's save."""
+
+    def get_queryset(self) -> QuerySet:
+        """The newest RECENT_EVENTS events of the deployment."""
+        return super().get_queryset().order_by("-created_at", "-id")[:RECENT_EVENTS]
+
+    def initial_form_count(self) -> int:
+        """No existing forms on a submitted page: the inline is read-only."""
+        return 0 if self.is_bound else int(super().initial_form_count())
+
+    def total_form_count(self) -> int:
+        """No forms at all on a submitted page: the inline is read-only."""
+        return 0 if self.is_bound else int(super().total_form_count())
+
+
+class ScaleEventInline(admin.TabularInline):
+    """The deployment's most recent scale events, read-only."""
+
+    model = ScaleEvent
+    formset = RecentEventsFormSet
+    extra = 0
+    max_num = 0
+    can_delete = False
+    verbose_name_plural = f"recent scale events (newest {RECENT_EVENTS})"
+    fields = ["created_at", "role", "from_replicas", "to_replicas", "source", "rule", "reason"]
+    readonly_fields = fields
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Events are recorded by inference.actions, never typed in."""
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Events are history: read-only."""
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Events are history: kept."""
+        return False
+
+
+class DeploymentWorkerInline(admin.TabularInline):
+    """The deployment's live workers, read-only (the controller places them)."""
+
+    model = Worker
+    fk_name = "deployment"
+    extra = 0
+    can_delete = False
+    show_change_link = True
+    verbose_name_plural = "live workers"
+    fields = ["role", "node", "worker_url", "worker_status", "pid", "restarts", "health", "seen"]
+    readonly_fields = fields
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Scale the deployment instead: the controller places workers."""
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Read-only: agents report these fields."""
+        return False
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet:
+        """Live workers only, with their nodes."""
+        return super().get_queryset(request).filter(status__in=ACTIVE_WORKER_STATUSES).select_related("node")
+
+    @admin.display(description="URL")
+    def worker_url(self, worker: Worker) -> str:
+        """Base URL of the worker's HTTP API."""
+        return worker.url
+
+    @admin.display(description="status")
+    def worker_status(self, worker: Worker) -> SafeString:
+        """The status as a coloured badge."""
+        return status_badge(worker.status, worker.get_status_display())
+
+    @admin.display(description="last health")
+    def health(self, worker: Worker) -> str:
+        """Summary of the last /health answer."""
+        return health_summary(worker.last_health)
+
+    @admin.display(description="last seen")
+    def seen(self, worker: Worker) -> SafeString | str:
+        """Age of the agent's last report."""
+        return age_text(worker.last_seen)
+
+
+@admin.register(Deployment)
+class DeploymentAdmin(admin.ModelAdmin):
+    """Deployments: replicas per role, rules, events, workers, scale actions and live metric charts."""
+
+    change_form_template = "admin/inference/deployment/change_form.html"
+    list_display = [
+        "name",
+        "model",
+        "status",
+        "prefill",
+        "decode",
+        "router_policy",
+        "kv_transport",
+        "metrics_link",
+    ]
+    list_filter = ["status", "model", "router_policy", "kv_transport"]
+    list_select_related = ["model"]
+    search_fields = ["name", "model__name"]
+    actions = ["scale_prefill_up", "scale_prefill_down", "scale_decode_up", "scale_decode_down"]
+    inlines = [ScalingRuleInline, DeploymentWorkerInline, ScaleEventInline]
+    readonly_fields = ["created_at", "updated_at"]
+    fieldsets = [
+        (None, {"fields": ["name", "model", "status", "router_policy", "kv_transport"]}),
+        ("Prefill replicas", {"fields": [("prefill_replicas", "prefill_min", "prefill_max")]}),
+        ("Decode replicas", {"fields": [("decode_replicas", "decode_min", "decode_max")]}),
+        (
+            "Worker flags",
+            {"fields": ["context_length", "max_sequence_length", "batch_size", "block_size", "threads_per_worker"]},
+        ),
+        ("History", {"fields": ["created_at", "updated_at"], "classes": ["collapse"]}),
+    ]
+
+    def formfield_for_dbfield(self, db_field: Any, request: HttpRequest, **kwargs: Any) -> Any:
+        """Replica fields carry the value the page showed (a hidden "initial-" input), so that
+        `form.changed_data` tells an operator's edit from an autoscale that happened meanwhile."""
+        formfield = super().formfield_for_dbfield(db_field, request, **kwargs)
+        if formfield is not None and db_field.name in {f"{role}_replicas" for role in WorkerRole.values}:
+            formfield.show_hidden_initial = True
+        return formfield
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet:
+        """Deployments with their running workers per role (one query for the list)."""
+        running = {
+            f"running_{role}": Count("workers", filter=Q(workers__role=role, workers__status=WorkerStatus.RUNNING))
+            for role in WorkerRole.values
+        }
+        return super().get_queryset(request).annotate(**running)
+
+    def _role_cell(self, deployment: Deployment, role: str) -> str:
+        low, high = deployment.bounds(role)
+        running = getattr(deployment, f"running_{role}", None)
+        text = f"{deployment.replicas(role)} [{low}–{high}]"
+        return f"{text} · {running} running" if running is not None else text
+
+    @admin.display(description="prefill (desired [min–max])")
+    def prefill(self, deployment: Deployment) -> str:
+        """Desired prefill replicas, bounds and running workers."""
+        return self._role_cell(deployment, "prefill")
+
+    @admin.display(description="decode (desired [min–max])")
+    def decode(self, deployment: Deployment) -> str:
+        """Desired decode replicas, bounds and running workers."""
+        return self._role_cell(deployment, "decode")
+
+    @admin.display(description="metrics")
+    def metrics_link(self, deployment: Deployment) -> SafeString:
+        """Link to the deployment's live charts."""
+        url = reverse("admin:inference_deployment_metrics", args=[deployment.pk])
+        return format_html('<a href="{}">charts</a>', url)
+
+    # --- saving: through inference.actions so replica changes become ScaleEvents ---
+
+    def save_model(self, request: HttpRequest, obj: Deployment, form: Any, change: bool) -> None:
+        """Save through actions.save_deployment; replica counts not edited in the form keep their
+        current value (an autoscale since the page was opened is not reverted)."""
+        events = actions.save_deployment(
+            obj,
+            changed_fields=form.changed_data if change else None,
+            source="manual",
+            reason=f"{'edited' if change else 'created'} in the admin by {request.user}",
+        )
+        for event in events:
+            self.message_user(
+                request, f"{event.role}: {event.from_replicas} → {event.to_replicas} ({event.reason})", messages.INFO
+            )
+
+    def save_formset(self, request: HttpRequest, form: Any, formset: Any, change: bool) -> None:
+        """Rules go through actions.save_rule (a changed condition restarts the breach timer)."""
+        if formset.model is not ScalingRule:
+            super().save_formset(request, form, formset, change)
+            return
+        rules = formset.save(commit=False)
+        for rule in formset.deleted_objects:
+            rule.delete()
+        changed = {id(f.instance): f.changed_data for f in formset.forms}
+        for rule in rules:
+            actions.save_rule(rule, changed_fields=changed.get(id(rule)))
+        formset.save_m2m()
+
+    def has_delete_permission(self, request: HttpRequest, obj: Deployment | None = None) -> bool:
+        """A deployment with live workers cannot be deleted (stop it first)."""
+        if obj is not None and actions.live_worker_count(obj):
+            return False
+        return bool(super().has_delete_permission(request, obj))
+
+    def delete_model(self, request: HttpRequest, obj: Deployment) -> None:
+        """Delete through actions.delete_deployment (refuses while workers are live)."""
+        actions.delete_deployment(obj)
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet) -> None:
+        """Delete the selected deployments that have no live workers; report the others."""
+        for deployment in queryset:
+            try:
+                actions.delete_deployment(deployment)
+            except actions.DeploymentInUse as exc:
+                self.message_user(request, str(exc), messages.ERROR)
+
+    # --- scale actions ---
+
+    def _scale(self, request: HttpRequest, queryset: QuerySet, role: str, delta: int) -> None:
+        for deployment in queryset:
+            event = actions.scale_deployment_by(
+                deployment,
+                role,
+                delta,
+                source="manual",
+                reason=f"admin action {role} {delta:+d} by {request.user}",
+            )
+            if event is None:
+                low, high = deployment.bounds(role)
+                self.message_user(
+                    request,
+                    f"{deployment.name}: {role} stays at {deployment.replicas(role)} (bounds [{low}, {high}]).",
+                    messages.WARNING,
+                )
+            else:
+                self.message_user(
+                    request,
+                    f"{deployment.name}: {role} {event.from_replicas} → {event.to_replicas}.",
+                    messages.SUCCESS,
+                )
+
+    @admin.action(description="Scale prefill +1", permissions=["change"])
+    def scale_prefill_up(self, request: HttpRequest, queryset: QuerySet) -> None:
+        """Add one prefill replica (within the deployment's max)."""
+        self._scale(request, queryset, "prefill", +1)
+
+    @admin.action(description="Scale prefill -1", permissions=["change"])
+    def scale_prefill_down(self, request: HttpRequest, queryset: QuerySet) -> None:
+        """Remove one prefill replica (within the deployment's min)."""
+        self._scale(request, queryset, "prefill", -1)
+
+    @admin.action(description="Scale decode +1", permissions=["change"])
+    def scale_decode_up(self, request: HttpRequest, queryset: QuerySet) -> None:
+        """Add one decode replica (within the deployment's max)."""
+        self._scale(request, queryset, "decode", +1)
+
+    @admin.action(description="Scale decode -1", permissions=["change"])
+    def scale_decode_down(self, request: HttpRequest, queryset: QuerySet) -> None:
+        """Remove one decode replica (within the deployment's min)."""
+        self._scale(request, queryset, "decode", -1)
+
+    # --- metrics page and its JSON ---
+
+    def get_urls(self) -> list[URLPattern]:
+        """Adds <id>/metrics/ (charts page) and <id>/metrics/data/ (its JSON) before the defaults."""
+        extra = [
+            path(
+                "<path:object_id>/metrics/",
+                self.admin_site.admin_view(self.metrics_view),
+                name="inference_deployment_metrics",
+            ),
+            path(
+                "<path:object_id>/metrics/data/",
+                self.admin_site.admin_view(self.metrics_data_view),
+                name="inference_deployment_metrics_data",
+            ),
+        ]
+        return extra + list(super().get_urls())
+
+    def _viewable(self, request: HttpRequest, object_id: str) -> Deployment:
+        deployment = get_object_or_404(Deployment, pk=object_id)
+        if not self.has_view_or_change_permission(request, deployment):
+            raise PermissionDenied
+        return deployment
+
+    def metrics_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """The live charts page of one deployment (drawn by inference/static/inference/metrics.js)."""
+        deployment = self._viewable(request, object_id)
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "original": deployment,
+            "title": f"Metrics of {deployment.name}",
+            "data_url": reverse("admin:inference_deployment_metrics_data", args=[deployment.pk]),
+            "charts": [
+                {"field": field, **meta}
+                for field, meta in actions.SERIES_FIELDS.items()
+                if field not in {"running", "workers"}
+            ]
+            + [{"field": "workers", **actions.SERIES_FIELDS["workers"]}],
+            "roles": WorkerRole.values,
+        }
+        return TemplateResponse(request, "admin/inference/deployment/metrics.html", context)
+
+    def metrics_data_view(self, request: HttpRequest, object_id: str) -> JsonResponse:
+        """JSON of actions.deployment_metric_series (`?minutes=`, `?role=`, `?max_points=`), staff only."""
+        from rest_framework.exceptions import ValidationError
+
+        from inference.api.views import metric_series_for_request
+
+        deployment = self._viewable(request, object_id)
+        try:
+            data = metric_series_for_request(deployment, request.GET)
+        except ValidationError as exc:
+            return JsonResponse({"error": exc.detail}, status=400)
+        return JsonResponse(data)  # admin_view() already marks it never_cache: live data
+
+
+@admin.register(ScalingRule)
+class ScalingRuleAdmin(admin.ModelAdmin):
+    """Scaling rules of all deployments."""
+
+    list_display = ["name", "deployment", "kind", "role", "enabled", "condition", "last_triggered_at"]
+    list_filter = ["kind", "role", "enabled", "deployment"]
+    list_select_related = ["deployment"]
+    search_fields = ["name", "deployment__name"]
+    readonly_fields = ["breach_started_at", "last_triggered_at"]
+
+    @admin.display(description="condition")
+    def condition(self, rule: ScalingRule) -> str:
+        """The rule in words."""
+        if rule.kind == "threshold":
+            return (
+                f"load {rule.comparison} {rule.threshold} for {rule.duration_s}s → {rule.step:+d} "
+                f"(cooldown {rule.cooldown_s}s)"
+            )
+        return f"{rule.start_time}–{rule.end_time} → {rule.target_replicas} replicas"
+
+    def save_model(self, request: HttpRequest, obj: ScalingRule, form: Any, change: bool) -> None:
+        """Save through actions.save_rule (a changed condition restarts the breach timer)."""
+        actions.save_rule(obj, changed_fields=form.changed_data if change else None)
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """History the platform records: browsable, never typed in or edited."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        """Recorded by the platform only."""
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """History is not edited."""
+        return False
+
+
+@admin.register(ScaleEvent)
+class ScaleEventAdmin(ReadOnlyAdmin):
+    """Every replica change with its source and reason."""
+
+    list_display = ["created_at", "deployment", "role", "change", "source", "rule", "reason"]
+    list_filter = ["source", "role", "deployment"]
+    list_select_related = ["deployment", "rule"]
+    search_fields = ["deployment__name", "reason"]
+    date_hierarchy = "created_at"
+
+    @admin.display(description="replicas")
+    def change(self, event: ScaleEvent) -> str:
+        """from → to."""
+        return f"{event.from_replicas} → {event.to_replicas}"
+
+
+@admin.register(MetricSample)
+class MetricSampleAdmin(ReadOnlyAdmin):
+    """Raw role-level metric samples (charts are on each deployment's metrics page)."""
+
+    list_display = [
+        "at",
+        "deployment",
+        "role",
+        "workers",
+        "load",
+        "ttft_s",
+        "itl_s",
+        "throughput_tps",
+        "queue_depth",
+        "kv_usage",
+        "cpu_utilization",
+        "gpu_utilization",
+    ]
+    list_filter = ["role", "deployment"]
+    list_select_related = ["deployment"]
+    date_hierarchy = "at"
+    # The table grows by a row per role every few seconds: skip the exact total count.
+    show_full_result_count = False

@@ -1,0 +1,179 @@
+"""Serializers of the REST API; model `clean()` rules are enforced here so violations answer 400."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.utils import timezone
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
+from inference.models import Deployment, ScaleEvent, ScalingRule
+from inference.models import Model as ServedModel
+from nodes.models import ACTIVE_WORKER_STATUSES, Node, Worker, WorkerRole
+
+
+class ModelCleanMixin(serializers.ModelSerializer):
+    """Runs the model's `clean()` on the would-be instance and reports its errors per field.
+
+    DRF does not call `Model.clean()`; without this, a deployment with min > max or a threshold
+    rule without a threshold would be saved through the API although the admin refuses it.
+    """
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        """Apply `attrs` to a copy of the instance (or a new one) and run its `clean()`."""
+        attrs = super().validate(attrs)
+        # A copy, so that a refused update leaves the instance the view holds untouched.
+        candidate = copy.copy(self.instance) if self.instance is not None else self.Meta.model()
+        for field, value in attrs.items():
+            setattr(candidate, field, value)
+        self.prepare_candidate(candidate, attrs)
+        try:
+            candidate.clean()
+        except DjangoValidationError as exc:
+            detail = exc.message_dict if hasattr(exc, "error_dict") else {"non_field_errors": exc.messages}
+            raise serializers.ValidationError(detail) from exc
+        return attrs
+
+    def prepare_candidate(self, candidate: Any, attrs: dict[str, Any]) -> None:
+        """Adjust the would-be instance before `clean()` (hook for subclasses)."""
+
+
+class NodeSerializer(serializers.ModelSerializer):
+    """A host with the resources its agent registered, its heartbeat age and live worker count."""
+
+    queue_name = serializers.CharField(read_only=True)
+    heartbeat_age_s = serializers.SerializerMethodField()
+    worker_count = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Node
+        fields = [
+            "id", "name", "hostname", "address", "status", "cpu_count", "memory_bytes", "gpus",
+            "rdma_devices", "rdma_note", "labels", "port_range_start", "port_range_end", "last_heartbeat",
+            "heartbeat_age_s", "last_metrics", "registered_at", "queue_name", "worker_count",
+        ]  # fmt: skip
+        read_only_fields = fields
+
+    @extend_schema_field(serializers.FloatField(allow_null=True))
+    def get_heartbeat_age_s(self, node: Node) -> float | None:
+        """Seconds since the agent's last heartbeat (null: never)."""
+        if node.last_heartbeat is None:
+            return None
+        return round((timezone.now() - node.last_heartbeat).total_seconds(), 1)
+
+    @extend_schema_field(serializers.IntegerField())
+    def get_worker_count(self, node: Node) -> int:
+        """Workers on the node that are pending, starting, running or unhealthy."""
+        annotated = getattr(node, "live_workers", None)
+        if annotated is not None:
+            return int(annotated)
+        return int(node.workers.filter(status__in=ACTIVE_WORKER_STATUSES).count())
+
+
+class ServedModelSerializer(serializers.ModelSerializer):
+    """A model checkpoint the platform can serve."""
+
+    class Meta:
+        model = ServedModel
+        fields = ["id", "name", "source", "source_ref", "path", "created_at"]
+        read_only_fields = ["id", "created_at"]
+
+
+class DeploymentSerializer(ModelCleanMixin):
+    """A disaggregated deployment: replicas and bounds per role, router and worker flags."""
+
+    model_name = serializers.CharField(source="model.name", read_only=True)
+
+    class Meta:
+        model = Deployment
+        fields = [
+            "id", "name", "model", "model_name", "status",
+            "prefill_replicas", "prefill_min", "prefill_max", "decode_replicas", "decode_min", "decode_max",
+            "router_policy", "context_length", "max_sequence_length", "batch_size", "block_size",
+            "kv_transport", "threads_per_worker", "created_at", "updated_at",
+        ]  # fmt: skip
+        read_only_fields = ["id", "created_at", "updated_at"]
+
+    def prepare_candidate(self, candidate: Any, attrs: dict[str, Any]) -> None:
+        """An update changing only a role's bounds clamps its replicas instead of failing.
+
+        inference.actions.save_deployment applies the same clamp (and records it in the ScaleEvent)
+        to the current count, which an autoscaler may have moved since the client read it.
+        """
+        if self.instance is None:
+            return
+        for role in WorkerRole.values:
+            field = f"{role}_replicas"
+            if field not in attrs:
+                low, high = candidate.bounds(role)
+                if low <= high:
+                    setattr(candidate, field, min(max(candidate.replicas(role), low), high))
+
+
+class WorkerSerializer(serializers.ModelSerializer):
+    """A prefill or decode process of a deployment on a node, as its agent last reported it."""
+
+    url = serializers.CharField(read_only=True)
+    node_name = serializers.CharField(source="node.name", read_only=True)
+    deployment_name = serializers.CharField(source="deployment.name", read_only=True)
+
+    class Meta:
+        model = Worker
+        fields = [
+            "id", "deployment", "deployment_name", "node", "node_name", "role", "url", "port", "kv_port",
+            "pid", "status", "restarts", "cpu_ids", "gpu_ids", "last_health", "last_metrics", "last_error",
+            "last_seen", "created_at", "updated_at",
+        ]  # fmt: skip
+        read_only_fields = fields
+
+
+class ScalingRuleSerializer(ModelCleanMixin):
+    """A threshold or schedule rule changing one role's replicas of a deployment."""
+
+    class Meta:
+        model = ScalingRule
+        fields = [
+            "id", "deployment", "name", "kind", "role", "enabled", "threshold", "comparison", "duration_s",
+            "cooldown_s", "step", "start_time", "end_time", "target_replicas", "breach_started_at",
+            "last_triggered_at",
+        ]  # fmt: skip
+        read_only_fields = ["id", "breach_started_at", "last_triggered_at"]
+
+
+class ScaleEventSerializer(serializers.ModelSerializer):
+    """One recorded change of a deployment's replicas, with its source and reason."""
+
+    class Meta:
+        model = ScaleEvent
+        fields = ["id", "deployment", "role", "from_replicas", "to_replicas", "source", "rule", "reason", "created_at"]
+        read_only_fields = fields
+
+
+class ScaleRequestSerializer(serializers.Serializer):
+    """Body of `POST /api/deployments/{id}/scale/`; the count is clamped to the role's bounds later."""
+
+    role = serializers.ChoiceField(choices=WorkerRole.choices)
+    replicas = serializers.IntegerField(min_value=0, max_value=10_000)
+    reason = serializers.CharField(required=False, allow_blank=True, max_length=1000, default="")
+
+
+class ScaleQueuedSerializer(serializers.Serializer):
+    """Answer of the scale endpoint: the Celery task that will apply the change."""
+
+    queued = serializers.BooleanField()
+    task_id = serializers.CharField()
+
+
+class WorkerRestartSerializer(serializers.Serializer):
+    """Answer of the worker restart action."""
+
+    restarting = serializers.BooleanField()
+    worker = WorkerSerializer()
+
+
+class ErrorSerializer(serializers.Serializer):
+    """A refusal with its reason (e.g. 409 when a deleted object is still in use)."""
+
+    detail = serializers.CharField()

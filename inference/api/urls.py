@@ -1,0 +1,15 @@
+"""URLs of the REST API, mounted at /api/ by config/urls.py (before the router's api/generate)."""
+from django.urls import URLPattern, URLResolver
+from rest_framework.routers import DefaultRouter
+
+from inference.api import views
+
+router = DefaultRouter()
+router.register("nodes", views.NodeViewSet, basename="node")
+router.register("models", views.ServedModelViewSet, basename="model")
+router.register("deployments", views.DeploymentViewSet, basename="deployment")
+router.register("workers", views.WorkerViewSet, basename="worker")
+router.register("rules", views.ScalingRuleViewSet, basename="scalingrule")
+router.register("events", views.ScaleEventViewSet, basename="scaleevent")
+
+urlpatterns: list[URLPattern | URLResolver] = list(router.urls)

@@ -1,0 +1,348 @@
+"""REST API views: thin ViewSets whose state changes go through inference.actions and nodes.actions."""
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db.models import Count, ProtectedError, Q, QuerySet
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
+from rest_framework import status, viewsets
+from rest_framework.decorators import action
+from rest_framework.exceptions import APIException
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.serializers import BaseSerializer
+
+from inference import actions
+from inference.api.serializers import (
+    DeploymentSerializer,
+    ErrorSerializer,
+    NodeSerializer,
+    ScaleEventSerializer,
+    ScaleQueuedSerializer,
+    ScaleRequestSerializer,
+    ScalingRuleSerializer,
+    ServedModelSerializer,
+    WorkerRestartSerializer,
+    WorkerSerializer,
+)
+from inference.models import Deployment, ScaleEvent, ScaleSource, ScalingRule
+from inference.models import Model as ServedModel
+from nodes.models import ACTIVE_WORKER_STATUSES, Node, Worker, WorkerRole, WorkerStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Conflict(APIException):
+    """409: the request is valid but the object's current state refuses it."""
+
+    status_code = status.HTTP_409_CONFLICT
+    default_detail = "The object's current state does not allow this."
+    default_code = "conflict"
+
+
+class ServiceUnavailable(APIException):
+    """503: a component the request needs (task queue, controller code) is not available."""
+
+    status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+    default_detail = "A required service is unavailable."
+    default_code = "service_unavailable"
+
+
+def _actor(request: Request) -> str:
+    """Who made the request, for ScaleEvent reasons."""
+    return str(getattr(request.user, "username", "") or "anonymous")
+
+
+def _filter(queryset: QuerySet, request: Request, **lookups: str) -> QuerySet:
+    """Apply the query parameters named in `lookups` (param name -> ORM lookup) that are present."""
+    for param, lookup in lookups.items():
+        value = request.query_params.get(param)
+        if value not in (None, ""):
+            queryset = queryset.filter(**{lookup: value})
+    return queryset
+
+
+def _deployment_param(name: str = "deployment") -> OpenApiParameter:
+    return OpenApiParameter(name, OpenApiTypes.INT, description="only objects of this deployment id")
+
+
+def _role_param() -> OpenApiParameter:
+    return OpenApiParameter("role", OpenApiTypes.STR, enum=WorkerRole.values, description="only this role")
+
+
+@extend_schema_view(
+    list=extend_schema(summary="List nodes with their resources, heartbeat age and live worker count"),
+    retrieve=extend_schema(summary="One node"),
+)
+class NodeViewSet(viewsets.ReadOnlyModelViewSet):
+    """Hosts registered by their agents (read-only: agents own these rows) and the drain action."""
+
+    serializer_class = NodeSerializer
+    queryset = Node.objects.annotate(
+        live_workers=Count("workers", filter=Q(workers__status__in=ACTIVE_WORKER_STATUSES))
+    ).order_by("name")
+
+    @extend_schema(
+        summary="Drain a node: it takes no new workers and its workers are moved off it",
+        request=None,
+        responses={202: NodeSerializer},
+    )
+    @action(detail=True, methods=["post"])
+    def drain(self, request: Request, pk: str | None = None) -> Response:
+        """Drain the node through nodes.actions.drain_node (the agent/controller carry it out)."""
+        node = self.get_object()
+        from nodes.actions import drain_node  # the controller's module; imported when used
+
+        drain_node(node)
+        return Response(self.get_serializer(self.get_queryset().get(pk=node.pk)).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(
+        summary="Put a draining node back into service (new workers may be placed on it)",
+        request=None,
+        responses={200: NodeSerializer},
+    )
+    @action(detail=True, methods=["post"])
+    def activate(self, request: Request, pk: str | None = None) -> Response:
+        """Undo a drain through nodes.actions.activate_node."""
+        node = self.get_object()
+        from nodes.actions import activate_node  # the controller's module; imported when used
+
+        activate_node(node)
+        return Response(self.get_serializer(self.get_queryset().get(pk=node.pk)).data)
+
+
+@extend_schema_view(destroy=extend_schema(responses={204: None, 409: ErrorSerializer}))
+class ServedModelViewSet(viewsets.ModelViewSet):
+    """Model checkpoints the platform serves (a model used by a deployment cannot be deleted)."""
+
+    serializer_class = ServedModelSerializer
+    queryset = ServedModel.objects.order_by("name")
+
+    def perform_destroy(self, instance: ServedModel) -> None:
+        """Delete the model, answering 409 while deployments use it."""
+        try:
+            instance.delete()
+        except ProtectedError as exc:
+            names = ", ".join(sorted(d.name for d in exc.protected_objects))
+            raise Conflict(f"model {instance.name} is used by deployment(s): {names}") from exc
+
+
+@extend_schema_view(
+    list=extend_schema(parameters=[OpenApiParameter("status", OpenApiTypes.STR, description="only this status")]),
+    destroy=extend_schema(responses={204: None, 409: ErrorSerializer}),
+)
+class DeploymentViewSet(viewsets.ModelViewSet):
+    """Deployments: CRUD (replica changes are recorded as ScaleEvents), scale and metrics."""
+
+    serializer_class = DeploymentSerializer
+    queryset = Deployment.objects.select_related("model").order_by("name")
+
+    def get_queryset(self) -> QuerySet:
+        """Deployments, optionally filtered by `?status=`."""
+        return _filter(super().get_queryset(), self.request, status="status")
+
+    def perform_create(self, serializer: BaseSerializer) -> None:
+        """Create through inference.actions.save_deployment (records the initial ScaleEvents)."""
+        deployment = Deployment(**serializer.validated_data)
+        actions.save_deployment(
+            deployment, source="api", reason=f"deployment created through the API by {_actor(self.request)}"
+        )
+        serializer.instance = deployment
+
+    def perform_update(self, serializer: BaseSerializer) -> None:
+        """Update through inference.actions.save_deployment; unchanged replica counts are not reverted."""
+        deployment = serializer.instance
+        data = serializer.validated_data
+        for field, value in data.items():
+            setattr(deployment, field, value)
+        actions.save_deployment(
+            deployment,
+            changed_fields=data.keys(),
+            source="api",
+            reason=f"deployment edited through the API by {_actor(self.request)}",
+        )
+
+    def perform_destroy(self, instance: Deployment) -> None:
+        """Delete a deployment without live workers; 409 otherwise."""
+        try:
+            actions.delete_deployment(instance)
+        except actions.DeploymentInUse as exc:
+            raise Conflict(str(exc)) from exc
+
+    @extend_schema(
+        summary="Queue a scale operation for one role (the count is clamped to the role's min/max)",
+        request=ScaleRequestSerializer,
+        responses={202: ScaleQueuedSerializer, 503: ErrorSerializer},
+    )
+    @action(detail=True, methods=["post"])
+    def scale(self, request: Request, pk: str | None = None) -> Response:
+        """Validate the body and enqueue inference.tasks.scale_deployment_task; answer 202 with its id."""
+        deployment = self.get_object()
+        body = ScaleRequestSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        reason = body.validated_data["reason"].strip() or f"scale requested through the API by {_actor(request)}"
+        kwargs = {
+            "deployment_id": deployment.pk,
+            "role": body.validated_data["role"],
+            "replicas": body.validated_data["replicas"],
+            "source": "api",
+            "reason": reason,
+        }
+        try:
+            result = _enqueue_scale(kwargs)
+        except Exception as exc:  # kombu/redis raise many types when the broker is down
+            logger.exception("could not enqueue scale_deployment_task for %s", deployment.name)
+            raise ServiceUnavailable(f"could not queue the scale operation: {exc}") from exc
+        payload = ScaleQueuedSerializer({"queued": True, "task_id": str(result.id)}).data
+        return Response(payload, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(
+        summary="Time series of the deployment's metrics per role (TTFT, ITL, throughput, queue, load, CPU/GPU)",
+        parameters=[
+            OpenApiParameter("minutes", OpenApiTypes.INT, description="window back from now (default 60)"),
+            _role_param(),
+            OpenApiParameter("max_points", OpenApiTypes.INT, description="points per role (default 600)"),
+        ],
+        responses={200: OpenApiResponse(OpenApiTypes.OBJECT, description="see deployment_metric_series")},
+    )
+    @action(detail=True, methods=["get"])
+    def metrics(self, request: Request, pk: str | None = None) -> Response:
+        """Return inference.actions.deployment_metric_series for `?minutes=` back from now."""
+        deployment = self.get_object()
+        return Response(metric_series_for_request(deployment, request.query_params))
+
+
+SCALE_TASK = "inference.tasks.scale_deployment_task"
+
+
+def _enqueue_scale(kwargs: dict[str, Any]) -> Any:
+    """Send inference.tasks.scale_deployment_task with `kwargs`; returns Celery's AsyncResult.
+
+    The task module is the controller's and is imported here, when used. Should it be missing from
+    this process (a partial deployment), the same message is sent by task name so the controller
+    that does have it still runs it; nothing is stubbed.
+    """
+    # The project's Celery app must be the current one, so that the task publishes to the
+    # configured broker however inference.tasks declares it (shared_task binds to the current app).
+    from config.celery import app
+
+    try:
+        from inference.tasks import scale_deployment_task
+    except ModuleNotFoundError as exc:
+        if exc.name != "inference.tasks":
+            raise  # a broken import inside inference.tasks must surface
+        logger.warning("inference.tasks is not importable here; sending %s by name", SCALE_TASK)
+        return app.send_task(SCALE_TASK, kwargs=kwargs)
+    return scale_deployment_task.delay(**kwargs)
+
+
+def metric_series_for_request(deployment: Deployment, params: Any) -> dict[str, Any]:
+    """Read `minutes`, `role` and `max_points` from query parameters and build the series.
+
+    Shared by this API and the admin's chart endpoint; bad values answer 400 (DRF ValidationError).
+    """
+    from rest_framework.exceptions import ValidationError
+
+    def number(name: str, default: int, low: int, high: int) -> int:
+        raw = params.get(name)
+        if raw in (None, ""):
+            return default
+        try:
+            return min(max(int(str(raw)), low), high)
+        except ValueError as exc:
+            raise ValidationError({name: f"must be an integer, got {raw!r}"}) from exc
+
+    minutes = number("minutes", 60, 1, settings.METRICS_RETENTION_HOURS * 60)
+    max_points = number("max_points", 600, 10, 5000)
+    role = params.get("role") or None
+    if role is not None and role not in WorkerRole.values:
+        raise ValidationError({"role": f"must be one of {', '.join(WorkerRole.values)}"})
+    return actions.deployment_metric_series(deployment, timedelta(minutes=minutes), role, max_points=max_points)
+
+
+@extend_schema_view(
+    list=extend_schema(
+        parameters=[
+            _deployment_param(),
+            _role_param(),
+            OpenApiParameter("status", OpenApiTypes.STR, enum=WorkerStatus.values, description="only this status"),
+            OpenApiParameter("node", OpenApiTypes.INT, description="only workers on this node id"),
+        ]
+    )
+)
+class WorkerViewSet(viewsets.ReadOnlyModelViewSet):
+    """Worker processes (read-only: the controller and agents own them) and the restart action."""
+
+    serializer_class = WorkerSerializer
+    queryset = Worker.objects.select_related("node", "deployment").order_by("deployment_id", "role", "id")
+
+    def get_queryset(self) -> QuerySet:
+        """Workers, optionally filtered by deployment, role, status and node."""
+        lookups = {"deployment": "deployment_id", "role": "role", "status": "status", "node": "node_id"}
+        return _filter(super().get_queryset(), self.request, **lookups)
+
+    @extend_schema(
+        summary="Restart a worker process",
+        request=None,
+        responses={202: WorkerRestartSerializer, 409: ErrorSerializer},
+    )
+    @action(detail=True, methods=["post"])
+    def restart(self, request: Request, pk: str | None = None) -> Response:
+        """Restart the worker through nodes.actions.restart_worker (its agent carries it out)."""
+        worker = self.get_object()
+        from nodes.actions import restart_worker  # the agent side's module; imported when used
+
+        try:
+            restart_worker(worker)
+        except ValueError as exc:  # not live any more, or its node is offline
+            raise Conflict(str(exc)) from exc
+        worker.refresh_from_db()
+        payload = WorkerRestartSerializer({"restarting": True, "worker": worker}).data
+        return Response(payload, status=status.HTTP_202_ACCEPTED)
+
+
+@extend_schema_view(list=extend_schema(parameters=[_deployment_param(), _role_param()]))
+class ScalingRuleViewSet(viewsets.ModelViewSet):
+    """Threshold and schedule scaling rules; model validation failures answer 400 per field."""
+
+    serializer_class = ScalingRuleSerializer
+    queryset = ScalingRule.objects.select_related("deployment").order_by("deployment_id", "name")
+
+    def get_queryset(self) -> QuerySet:
+        """Rules, optionally filtered by deployment and role."""
+        return _filter(super().get_queryset(), self.request, deployment="deployment_id", role="role")
+
+    def perform_create(self, serializer: BaseSerializer) -> None:
+        """Create through inference.actions.save_rule."""
+        serializer.instance = actions.save_rule(ScalingRule(**serializer.validated_data))
+
+    def perform_update(self, serializer: BaseSerializer) -> None:
+        """Update through inference.actions.save_rule (a changed condition restarts the breach timer)."""
+        rule = serializer.instance
+        for field, value in serializer.validated_data.items():
+            setattr(rule, field, value)
+        actions.save_rule(rule, changed_fields=serializer.validated_data.keys())
+
+
+@extend_schema_view(
+    list=extend_schema(
+        parameters=[
+            _deployment_param(),
+            _role_param(),
+            OpenApiParameter("source", OpenApiTypes.STR, enum=ScaleSource.values, description="only this source"),
+        ]
+    )
+)
+class ScaleEventViewSet(viewsets.ReadOnlyModelViewSet):
+    """Recorded replica changes, newest first (read-only: actions.py writes them)."""
+
+    serializer_class = ScaleEventSerializer
+    queryset = ScaleEvent.objects.order_by("-created_at", "-id")
+
+    def get_queryset(self) -> QuerySet:
+        """Events, optionally filtered by deployment, role and source."""
+        return _filter(super().get_queryset(), self.request, deployment="deployment_id", role="role", source="source")

@@ -1,0 +1,362 @@
+"""inference.actions: scaling with clamping and events, deployment/rule saves, metric series, pruning."""
+from __future__ import annotations
+
+import base64
+import json
+import sys
+import threading
+import types
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.core.exceptions import ValidationError
+from django.db import connection
+from django.utils import timezone
+
+from inference import actions
+from inference.models import Deployment, MetricSample, ScaleEvent, ScalingRule
+from tests.support.control_plane import make_deployment, make_node, make_worker
+
+pytestmark = pytest.mark.django_db
+
+
+class FakeTask:
+    """Stands in for a Celery task: records `delay` calls (or raises, to simulate a broker outage)."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.error = error
+
+    def delay(self, **kwargs: Any) -> types.SimpleNamespace:
+        if self.error is not None:
+            raise self.error
+        self.calls.append(kwargs)
+        return types.SimpleNamespace(id="fake-task-id")
+
+
+@pytest.fixture
+def fake_tasks(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """A stand-in `inference.tasks` module, so these tests do not depend on the controller's code."""
+    module = types.ModuleType("inference.tasks")
+    module.reconcile_deployment = FakeTask()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "inference.tasks", module)
+    return module
+
+
+# --------------------------------------------------------------------------- scale_deployment
+
+
+def test_scale_within_bounds_saves_and_records_event() -> None:
+    deployment = make_deployment(prefill_replicas=1, prefill_min=1, prefill_max=4)
+    event = actions.scale_deployment(deployment, "prefill", 3, source="manual", reason="more prompts")
+    assert event is not None
+    assert (event.role, event.from_replicas, event.to_replicas, event.source) == ("prefill", 1, 3, "manual")
+    assert event.reason == "more prompts"
+    assert event.rule is None
+    assert deployment.prefill_replicas == 3  # the caller's instance follows
+    assert Deployment.objects.get(pk=deployment.pk).prefill_replicas == 3
+    assert ScaleEvent.objects.filter(deployment=deployment).count() == 1
+
+
+def test_scale_above_max_is_clamped_and_says_so() -> None:
+    deployment = make_deployment(decode_replicas=1, decode_min=1, decode_max=3)
+    event = actions.scale_deployment(deployment, "decode", 10, source="api", reason="burst")
+    assert event is not None
+    assert event.to_replicas == 3
+    assert "clamped" in event.reason and "requested 10" in event.reason and "[1, 3]" in event.reason
+    assert event.reason.startswith("burst")
+
+
+def test_scale_below_min_is_clamped() -> None:
+    deployment = make_deployment(prefill_replicas=3, prefill_min=2, prefill_max=4)
+    event = actions.scale_deployment(deployment, "prefill", 0, source="schedule", reason="night")
+    assert event is not None
+    assert (event.from_replicas, event.to_replicas) == (3, 2)
+    assert "clamped to 2" in event.reason
+
+
+def test_unchanged_count_records_nothing() -> None:
+    deployment = make_deployment(decode_replicas=4, decode_max=4)
+    assert actions.scale_deployment(deployment, "decode", 4, source="manual", reason="same") is None
+    # Clamped onto the current count: also no change.
+    assert actions.scale_deployment(deployment, "decode", 9, source="manual", reason="more") is None
+    assert not ScaleEvent.objects.exists()
+
+
+def test_scale_links_the_rule() -> None:
+    deployment = make_deployment()
+    rule = ScalingRule.objects.create(
+        deployment=deployment, name="hot", kind="threshold", role="prefill", threshold=0.8
+    )
+    event = actions.scale_deployment(deployment, "prefill", 2, source="threshold", reason="load 0.9", rule=rule)
+    assert event is not None and event.rule == rule
+
+
+@pytest.mark.parametrize(("role", "source"), [("embed", "manual"), ("prefill", "cron")])
+def test_scale_rejects_unknown_role_or_source(role: str, source: str) -> None:
+    deployment = make_deployment()
+    with pytest.raises(ValueError):
+        actions.scale_deployment(deployment, role, 2, source=source, reason="x")
+    assert not ScaleEvent.objects.exists()
+
+
+def test_scale_by_reads_the_current_count_under_the_lock() -> None:
+    deployment = make_deployment(decode_replicas=1)
+    stale = Deployment.objects.get(pk=deployment.pk)
+    actions.scale_deployment(deployment, "decode", 2, source="manual", reason="first")
+    event = actions.scale_deployment_by(stale, "decode", +1, source="manual", reason="second")
+    assert event is not None and (event.from_replicas, event.to_replicas) == (2, 3)
+
+
+def test_reconcile_is_enqueued_on_commit(fake_tasks: types.ModuleType, django_capture_on_commit_callbacks: Any) -> None:
+    deployment = make_deployment()
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        actions.scale_deployment(deployment, "prefill", 2, source="manual", reason="x")
+    assert fake_tasks.reconcile_deployment.calls == []  # not before the commit
+    for callback in callbacks:
+        callback()
+    assert fake_tasks.reconcile_deployment.calls == [{"deployment_id": deployment.pk}]
+
+
+def test_no_reconcile_when_nothing_changed(
+    fake_tasks: types.ModuleType, django_capture_on_commit_callbacks: Any
+) -> None:
+    deployment = make_deployment(prefill_replicas=1)
+    with django_capture_on_commit_callbacks(execute=True):
+        actions.scale_deployment(deployment, "prefill", 1, source="manual", reason="x")
+    assert fake_tasks.reconcile_deployment.calls == []
+
+
+def test_broker_outage_does_not_undo_the_scale(
+    monkeypatch: pytest.MonkeyPatch, django_capture_on_commit_callbacks: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    module = types.ModuleType("inference.tasks")
+    module.reconcile_deployment = FakeTask(error=ConnectionError("broker down"))  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "inference.tasks", module)
+    deployment = make_deployment()
+    with django_capture_on_commit_callbacks(execute=True):
+        event = actions.scale_deployment(deployment, "prefill", 2, source="manual", reason="x")
+    assert event is not None
+    assert "could not enqueue reconcile_deployment" in caplog.text
+
+
+def test_missing_task_module_is_reported_not_raised(
+    monkeypatch: pytest.MonkeyPatch, django_capture_on_commit_callbacks: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "inference.tasks", None)  # makes `import inference.tasks` fail
+    deployment = make_deployment()
+    with django_capture_on_commit_callbacks(execute=True):
+        actions.scale_deployment(deployment, "decode", 2, source="manual", reason="x")
+    assert "no reconcile was enqueued" in caplog.text
+
+
+def test_reconcile_reaches_the_real_task(
+    monkeypatch: pytest.MonkeyPatch, django_capture_on_commit_callbacks: Any, settings: Any
+) -> None:
+    """With the controller's inference.tasks present: the message is really sent (Redis) or delayed."""
+    tasks = pytest.importorskip("inference.tasks", reason="inference.tasks (controller) not written yet")
+    deployment = make_deployment()
+    if not settings.REDIS_URL:
+        fake = FakeTask()
+        monkeypatch.setattr(tasks.reconcile_deployment, "delay", fake.delay)
+        with django_capture_on_commit_callbacks(execute=True):
+            actions.scale_deployment(deployment, "decode", 2, source="manual", reason="x")
+        assert fake.calls == [{"deployment_id": deployment.pk}]
+        return
+    import redis
+
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    before = client.llen("control")
+    with django_capture_on_commit_callbacks(execute=True):
+        actions.scale_deployment(deployment, "decode", 2, source="manual", reason="x")
+    found: str | None = None
+    for raw in client.lrange("control", 0, -1):
+        message = json.loads(raw)
+        if message["headers"]["task"] != "inference.tasks.reconcile_deployment":
+            continue
+        _, kwargs, _ = json.loads(base64.b64decode(message["body"]))
+        if kwargs.get("deployment_id") == deployment.pk:
+            found = raw.decode() if isinstance(raw, bytes) else str(raw)
+    assert found is not None, f"no reconcile_deployment message in Redis list 'control' (had {before})"
+    client.lrem("control", 1, found)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_scalers_both_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two admins pressing "+1" at once: the row lock makes it +2 with two events (PostgreSQL)."""
+    if connection.vendor != "postgresql":
+        pytest.skip("row locks (select_for_update) need PostgreSQL")
+    # These transactions really commit: record the reconciles instead of sending them to the broker.
+    reconciles: list[int] = []
+    monkeypatch.setattr(actions, "_enqueue_reconcile", reconciles.append)
+    from django.db import connections
+
+    deployment = make_deployment(decode_replicas=1, decode_max=8)
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def bump() -> None:
+        try:
+            barrier.wait()
+            actions.scale_deployment_by(
+                Deployment.objects.get(pk=deployment.pk), "decode", 1, source="manual", reason="race"
+            )
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+        finally:
+            connections.close_all()  # this thread's connections, else the test database cannot be dropped
+
+    threads = [threading.Thread(target=bump) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert Deployment.objects.get(pk=deployment.pk).decode_replicas == 3
+    assert sorted(ScaleEvent.objects.values_list("to_replicas", flat=True)) == [2, 3]
+    assert reconciles == [deployment.pk, deployment.pk]  # one per committed change
+
+
+# --------------------------------------------------------------------------- deployments and rules
+
+
+def test_save_deployment_records_creation_events(fake_tasks: types.ModuleType) -> None:
+    from tests.support.control_plane import make_model
+
+    deployment = Deployment(name="new", model=make_model(), prefill_replicas=2, decode_replicas=1)
+    events = actions.save_deployment(deployment, source="api", reason="created by test")
+    assert {(e.role, e.from_replicas, e.to_replicas) for e in events} == {("prefill", 0, 2), ("decode", 0, 1)}
+    assert all(e.source == "api" and e.reason == "created by test" for e in events)
+
+
+def test_save_deployment_keeps_a_concurrent_scale(fake_tasks: types.ModuleType) -> None:
+    deployment = make_deployment(decode_replicas=1)
+    form_copy = Deployment.objects.get(pk=deployment.pk)  # an admin page opened now
+    actions.scale_deployment(deployment, "decode", 3, source="threshold", reason="load")
+    form_copy.batch_size = 64  # the admin only edits the batch size
+    events = actions.save_deployment(form_copy, changed_fields=["batch_size"], reason="edit")
+    fresh = Deployment.objects.get(pk=deployment.pk)
+    assert (fresh.batch_size, fresh.decode_replicas) == (64, 3)
+    assert events == []
+
+
+def test_save_deployment_clamps_into_new_bounds(fake_tasks: types.ModuleType) -> None:
+    deployment = make_deployment(prefill_replicas=4, prefill_max=4)
+    deployment.prefill_max = 2
+    events = actions.save_deployment(deployment, changed_fields=["prefill_max"], reason="smaller")
+    assert len(events) == 1
+    assert (events[0].from_replicas, events[0].to_replicas) == (4, 2)
+    assert "clamped" in events[0].reason
+    assert Deployment.objects.get(pk=deployment.pk).prefill_replicas == 2
+
+
+def test_create_deployment_validates() -> None:
+    from tests.support.control_plane import make_model
+
+    with pytest.raises(ValidationError) as info:
+        actions.create_deployment(name="bad", model=make_model(), decode_min=3, decode_max=2)
+    assert "decode_min" in info.value.message_dict
+
+
+def test_delete_deployment_refuses_live_workers() -> None:
+    deployment = make_deployment()
+    worker = make_worker(deployment, make_node())
+    with pytest.raises(actions.DeploymentInUse):
+        actions.delete_deployment(deployment)
+    worker.status = "stopped"
+    worker.save()
+    actions.delete_deployment(deployment)
+    assert not Deployment.objects.filter(pk=deployment.pk).exists()
+
+
+def test_rule_condition_change_restarts_the_breach_timer() -> None:
+    deployment = make_deployment()
+    rule = ScalingRule.objects.create(
+        deployment=deployment, name="hot", kind="threshold", role="decode", threshold=0.7,
+        breach_started_at=timezone.now(),
+    )  # fmt: skip
+    actions.update_rule(rule, {"cooldown_s": 10})
+    rule.refresh_from_db()
+    assert rule.breach_started_at is not None  # cooldown is not part of the condition
+    actions.update_rule(rule, {"threshold": 0.9})
+    rule.refresh_from_db()
+    assert rule.breach_started_at is None and rule.threshold == 0.9
+
+
+def test_update_rule_runs_model_clean() -> None:
+    deployment = make_deployment()
+    rule = ScalingRule.objects.create(deployment=deployment, name="night", kind="threshold", role="decode", threshold=1)
+    with pytest.raises(ValidationError) as info:
+        actions.update_rule(rule, {"kind": "schedule"})
+    assert set(info.value.message_dict) == {"start_time", "end_time", "target_replicas"}
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_metric_series_shape_and_filters() -> None:
+    deployment = make_deployment()
+    other = make_deployment()
+    now = timezone.now()
+    for i in range(5):
+        actions.record_metric_sample(
+            deployment, "prefill", at=now - timedelta(seconds=50 - i * 10), load=0.1 * i, ttft_s=0.2,
+            throughput_tps=100 + i, queue_depth=i, cpu_utilization=0.5, workers=2,
+        )  # fmt: skip
+    actions.record_metric_sample(deployment, "decode", at=now - timedelta(seconds=5), itl_s=0.03, gpu_utilization=0.7)
+    actions.record_metric_sample(deployment, "decode", at=now - timedelta(hours=2), itl_s=9.9)  # outside the window
+    actions.record_metric_sample(other, "decode", at=now, itl_s=5.0)  # another deployment
+    actions.scale_deployment(deployment, "decode", 2, source="manual", reason="test")
+
+    data = actions.deployment_metric_series(deployment, timedelta(minutes=10))
+    json.dumps(data)  # JSON-safe
+    prefill, decode = data["series"]["prefill"], data["series"]["decode"]
+    assert prefill["load"] == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
+    assert prefill["t"] == sorted(prefill["t"])
+    assert prefill["throughput_tps"] == [100, 101, 102, 103, 104]
+    assert prefill["itl_s"] == [None] * 5
+    assert decode["itl_s"] == [0.03] and decode["gpu_utilization"] == [0.7]
+    for field in ("ttft_s", "itl_s", "throughput_tps", "queue_depth", "load", "cpu_utilization", "gpu_utilization"):
+        assert field in prefill and field in data["metrics"]
+    assert data["deployment"]["replicas"]["decode"] == {"desired": 2, "min": 1, "max": 4}
+    assert [(e["role"], e["from"], e["to"]) for e in data["events"]] == [("decode", 1, 2)]
+
+    only_decode = actions.deployment_metric_series(deployment, now - timedelta(minutes=10), role="decode")
+    assert list(only_decode["series"]) == ["decode"]
+    with pytest.raises(ValueError):
+        actions.deployment_metric_series(deployment, timedelta(minutes=1), role="gpu")
+
+
+def test_metric_series_downsamples_long_windows() -> None:
+    deployment = make_deployment()
+    now = timezone.now()
+    MetricSample.objects.bulk_create(
+        MetricSample(deployment=deployment, role="decode", at=now - timedelta(seconds=i), load=1.0 if i % 2 else 0.0)
+        for i in range(1, 1001)
+    )
+    data = actions.deployment_metric_series(deployment, timedelta(seconds=1001), "decode", max_points=50)
+    loads = data["series"]["decode"]["load"]
+    assert 1 <= len(loads) <= 50
+    assert all(0.3 < value < 0.7 for value in loads)  # averages of alternating 0/1
+
+
+def test_prune_metric_samples(settings: Any) -> None:
+    deployment = make_deployment()
+    now = timezone.now()
+    actions.record_metric_sample(deployment, "prefill", at=now - timedelta(hours=100))
+    actions.record_metric_sample(deployment, "prefill", at=now - timedelta(hours=10))
+    actions.record_metric_sample(deployment, "decode", at=now)
+    assert actions.prune_metric_samples(timedelta(hours=50)) == 1
+    assert MetricSample.objects.count() == 2
+    settings.METRICS_RETENTION_HOURS = 5
+    assert actions.prune_metric_samples() == 1
+    assert MetricSample.objects.count() == 1
+
+
+def test_record_metric_sample_validates_role() -> None:
+    deployment = make_deployment()
+    with pytest.raises(ValueError):
+        actions.record_metric_sample(deployment, "both")
+    sample = actions.record_metric_sample(deployment.pk, "decode", load=0.5)
+    assert sample.deployment_id == deployment.pk and sample.at is not None

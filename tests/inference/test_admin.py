@@ -1,0 +1,247 @@
+"""Admin of the inference app: pages render, scale actions record events, metrics page and its JSON."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.contrib.staticfiles import finders
+from django.test import Client
+from django.urls import reverse
+from django.utils import timezone
+
+from inference import actions
+from inference.models import Deployment, MetricSample, ScaleEvent, ScalingRule
+from tests.support.control_plane import make_deployment, make_model, make_node, make_worker
+
+pytestmark = pytest.mark.django_db
+
+MODELS = ["model", "deployment", "scalingrule", "scaleevent", "metricsample"]
+
+
+@pytest.fixture
+def admin_client_logged_in() -> Client:
+    """A test client logged in as a superuser."""
+    user = get_user_model().objects.create_superuser("root", "root@example.com", None)
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def populated() -> Deployment:
+    """A deployment with a rule, a worker, an event and metric samples, so every page has rows."""
+    deployment = make_deployment(name="chat")
+    ScalingRule.objects.create(deployment=deployment, name="hot", kind="threshold", role="decode", threshold=0.7)
+    make_worker(deployment, make_node(last_heartbeat=timezone.now()), last_error="Traceback\nboom")
+    actions.scale_deployment(deployment, "decode", 2, source="manual", reason="seed")
+    actions.record_metric_sample(deployment, "decode", itl_s=0.02, throughput_tps=50, gpu_utilization=0.6)
+    return deployment
+
+
+def _management(prefix: str, total: int = 0, initial: int = 0) -> dict[str, Any]:
+    return {
+        f"{prefix}-TOTAL_FORMS": str(total),
+        f"{prefix}-INITIAL_FORMS": str(initial),
+        f"{prefix}-MIN_NUM_FORMS": "0",
+        f"{prefix}-MAX_NUM_FORMS": "1000",
+    }
+
+
+def _deployment_form(deployment: Deployment, **changes: Any) -> dict[str, Any]:
+    """POST data of the deployment change form, with its three inlines' management forms."""
+    data: dict[str, Any] = {}
+    for field in [
+        "name", "status", "router_policy", "kv_transport", "prefill_replicas", "prefill_min", "prefill_max",
+        "decode_replicas", "decode_min", "decode_max", "context_length", "batch_size", "block_size",
+        "threads_per_worker",
+    ]:  # fmt: skip
+        data[field] = getattr(deployment, field)
+    data["model"] = deployment.model_id
+    data["max_sequence_length"] = deployment.max_sequence_length or ""
+    for role in ("prefill", "decode"):  # the hidden inputs holding the counts the page showed
+        data[f"initial-{role}_replicas"] = deployment.replicas(role)
+    data.update(_management("rules"))
+    data.update(_management("workers"))
+    data.update(_management("scale_events", total=3, initial=3))  # as the page had rendered it
+    data.update(changes)
+    return data
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_changelists_render(admin_client_logged_in: Client, populated: Deployment, model: str) -> None:
+    response = admin_client_logged_in.get(reverse(f"admin:inference_{model}_changelist"))
+    assert response.status_code == 200
+
+
+def test_change_pages_render(admin_client_logged_in: Client, populated: Deployment) -> None:
+    client = admin_client_logged_in
+    for model, obj in [
+        ("model", populated.model),
+        ("deployment", populated),
+        ("scalingrule", populated.rules.get()),
+        ("scaleevent", ScaleEvent.objects.first()),
+        ("metricsample", MetricSample.objects.first()),
+    ]:
+        response = client.get(reverse(f"admin:inference_{model}_change", args=[obj.pk]))
+        assert response.status_code == 200, model
+    for model in ["model", "deployment", "scalingrule"]:
+        assert client.get(reverse(f"admin:inference_{model}_add")).status_code == 200
+    # History is recorded, not typed in.
+    assert client.get(reverse("admin:inference_scaleevent_add")).status_code == 403
+    assert client.get(reverse("admin:inference_metricsample_add")).status_code == 403
+
+
+def test_deployment_page_shows_rules_workers_events_and_metrics_link(
+    admin_client_logged_in: Client, populated: Deployment
+) -> None:
+    url = reverse("admin:inference_deployment_change", args=[populated.pk])
+    page = admin_client_logged_in.get(url).content.decode()
+    assert 'name="rules-0-threshold"' in page  # editable rule inline
+    assert "Recent scale events" in page and "seed" in page
+    assert "Live workers" in page and "healthy · queue 1 · running 2" in page
+    assert 'name="initial-decode_replicas" value="2"' in page  # what the page showed, for changed_data
+    assert reverse("admin:inference_deployment_metrics", args=[populated.pk]) in page
+
+
+def test_deployment_list_shows_replicas_and_running(admin_client_logged_in: Client, populated: Deployment) -> None:
+    page = admin_client_logged_in.get(reverse("admin:inference_deployment_changelist")).content.decode()
+    assert "2 [1–4] · 0 running" in page  # decode: desired 2, no running decode worker
+    assert "1 [1–4] · 1 running" in page  # prefill: the running prefill worker
+
+
+@pytest.mark.parametrize(
+    ("action", "role", "start", "expected"),
+    [
+        ("scale_prefill_up", "prefill", 1, 2),
+        ("scale_prefill_down", "prefill", 2, 1),
+        ("scale_decode_up", "decode", 3, 4),
+        ("scale_decode_down", "decode", 3, 2),
+    ],
+)
+def test_scale_actions(
+    admin_client_logged_in: Client, action: str, role: str, start: int, expected: int
+) -> None:
+    deployment = make_deployment(**{f"{role}_replicas": start})
+    response = admin_client_logged_in.post(
+        reverse("admin:inference_deployment_changelist"),
+        {"action": action, "_selected_action": [deployment.pk]},
+        follow=True,
+    )
+    assert response.status_code == 200
+    deployment.refresh_from_db()
+    assert deployment.replicas(role) == expected
+    event = ScaleEvent.objects.get(deployment=deployment)
+    assert (event.role, event.from_replicas, event.to_replicas, event.source) == (role, start, expected, "manual")
+    assert "root" in event.reason
+    assert f"{start} → {expected}" in response.content.decode()
+
+
+def test_scale_action_at_bound_records_nothing(admin_client_logged_in: Client) -> None:
+    deployment = make_deployment(decode_replicas=4, decode_max=4)
+    response = admin_client_logged_in.post(
+        reverse("admin:inference_deployment_changelist"),
+        {"action": "scale_decode_up", "_selected_action": [deployment.pk]},
+        follow=True,
+    )
+    assert "stays at 4" in response.content.decode()
+    assert not ScaleEvent.objects.exists()
+
+
+def test_change_form_keeps_a_concurrent_autoscale(admin_client_logged_in: Client, populated: Deployment) -> None:
+    """The form still says decode=2 but the autoscaler moved it to 3: saving the batch size keeps 3."""
+    form = _deployment_form(populated, batch_size=8)
+    actions.scale_deployment(populated, "decode", 3, source="threshold", reason="load")
+    actions.scale_deployment(populated, "prefill", 2, source="threshold", reason="load")  # events arrived meanwhile
+    response = admin_client_logged_in.post(reverse("admin:inference_deployment_change", args=[populated.pk]), form)
+    assert response.status_code == 302, response.context["adminform"].form.errors if response.context else ""
+    fresh = Deployment.objects.get(pk=populated.pk)
+    assert (fresh.batch_size, fresh.decode_replicas, fresh.prefill_replicas) == (8, 3, 2)
+
+
+def test_change_form_replica_edit_is_a_manual_scale_event(
+    admin_client_logged_in: Client, populated: Deployment
+) -> None:
+    form = _deployment_form(populated, prefill_replicas=3)
+    response = admin_client_logged_in.post(reverse("admin:inference_deployment_change", args=[populated.pk]), form)
+    assert response.status_code == 302
+    event = ScaleEvent.objects.filter(deployment=populated, role="prefill").get()
+    assert (event.from_replicas, event.to_replicas, event.source) == (1, 3, "manual")
+    assert "admin" in event.reason
+
+
+def test_change_form_validates_bounds_and_rules(admin_client_logged_in: Client, populated: Deployment) -> None:
+    url = reverse("admin:inference_deployment_change", args=[populated.pk])
+    bad_bounds = admin_client_logged_in.post(url, _deployment_form(populated, prefill_min=3, prefill_max=2))
+    assert bad_bounds.status_code == 200  # re-rendered with the error
+    assert "prefill_min (3) exceeds prefill_max (2)" in bad_bounds.content.decode()
+
+    rule = populated.rules.get()
+    form = _deployment_form(populated)
+    form.update(_management("rules", total=2, initial=1))
+    form.update({
+        "rules-0-id": rule.pk, "rules-0-deployment": populated.pk, "rules-0-name": rule.name,
+        "rules-0-kind": "threshold", "rules-0-role": "decode", "rules-0-enabled": "on", "rules-0-comparison": "above",
+        "rules-0-threshold": "0.9", "rules-0-duration_s": "60", "rules-0-cooldown_s": "300", "rules-0-step": "1",
+        "rules-1-deployment": populated.pk, "rules-1-name": "night", "rules-1-kind": "schedule",
+        "rules-1-role": "decode", "rules-1-comparison": "above", "rules-1-duration_s": "60",
+        "rules-1-cooldown_s": "300", "rules-1-step": "1",
+    })  # fmt: skip
+    missing = admin_client_logged_in.post(url, form)
+    assert missing.status_code == 200 and "required for a schedule rule" in missing.content.decode()
+    form.update({"rules-1-start_time": "22:00", "rules-1-end_time": "07:00", "rules-1-target_replicas": "1"})
+    ScalingRule.objects.filter(pk=rule.pk).update(breach_started_at=timezone.now())
+    saved = admin_client_logged_in.post(url, form)
+    assert saved.status_code == 302
+    assert sorted(populated.rules.values_list("name", flat=True)) == ["hot", "night"]
+    rule.refresh_from_db()
+    assert rule.threshold == 0.9 and rule.breach_started_at is None  # changed condition: timer restarts
+
+
+def test_deployment_with_live_workers_cannot_be_deleted(admin_client_logged_in: Client, populated: Deployment) -> None:
+    response = admin_client_logged_in.get(reverse("admin:inference_deployment_delete", args=[populated.pk]))
+    assert response.status_code == 403
+
+
+def test_metrics_page_and_json(admin_client_logged_in: Client, populated: Deployment) -> None:
+    page = admin_client_logged_in.get(reverse("admin:inference_deployment_metrics", args=[populated.pk]))
+    assert page.status_code == 200
+    html = page.content.decode()
+    for field in ["ttft_s", "itl_s", "throughput_tps", "queue_depth", "load", "cpu_utilization", "gpu_utilization"]:
+        assert f'data-field="{field}"' in html
+    assert "inference/metrics.js" in html and "//cdn" not in html and "https://" not in html
+    assert finders.find("inference/metrics.js") and finders.find("inference/metrics.css")
+
+    data_url = reverse("admin:inference_deployment_metrics_data", args=[populated.pk])
+    assert data_url in html
+    response = admin_client_logged_in.get(data_url + "?minutes=5")
+    assert response.status_code == 200 and "no-store" in response["Cache-Control"]
+    data = response.json()
+    assert data["series"]["decode"]["itl_s"] == [0.02]
+    assert data["series"]["decode"]["gpu_utilization"] == [0.6]
+    assert data["series"]["prefill"]["t"] == []
+    assert data["deployment"]["replicas"]["decode"]["desired"] == 2
+    assert [e["reason"] for e in data["events"]] == ["seed"]
+    assert admin_client_logged_in.get(data_url + "?minutes=abc").status_code == 400
+    missing = reverse("admin:inference_deployment_metrics_data", args=[999999])
+    assert admin_client_logged_in.get(missing).status_code == 404
+
+
+def test_metrics_json_is_admin_only(populated: Deployment) -> None:
+    data_url = reverse("admin:inference_deployment_metrics_data", args=[populated.pk])
+    anonymous = Client().get(data_url)
+    assert anonymous.status_code == 302 and "/admin/login/" in anonymous["Location"]
+    user = get_user_model().objects.create_user("plain", password=None)
+    client = Client()
+    client.force_login(user)
+    assert client.get(data_url).status_code == 302  # not staff: sent to the admin login
+    staff = get_user_model().objects.create_user("staff", password=None, is_staff=True)
+    client.force_login(staff)
+    assert client.get(data_url).status_code == 403  # staff without the deployment view permission
+
+
+def test_model_with_deployments_shows_count(admin_client_logged_in: Client) -> None:
+    model = make_model(name="smol")
+    make_deployment(model=model)
+    page = admin_client_logged_in.get(reverse("admin:inference_model_changelist")).content.decode()
+    assert "smol" in page and 'class="field-deployment_count">1<' in page

@@ -1,0 +1,395 @@
+"""REST API: token auth, CRUD, validation errors per field, the scale endpoint (queued for real), metrics."""
+from __future__ import annotations
+
+import base64
+import json
+import types
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.urls import resolve
+from django.utils import timezone
+from rest_framework.authtoken.models import Token
+from rest_framework.test import APIClient
+
+from inference import actions
+from inference.models import Deployment, ScaleEvent, ScalingRule
+from nodes.models import Node, Worker
+from tests.support.control_plane import make_deployment, make_model, make_node, make_worker
+
+pytestmark = pytest.mark.django_db
+
+SCALE_TASK = "inference.tasks.scale_deployment_task"
+
+
+@pytest.fixture
+def api() -> APIClient:
+    """A client authenticated with a DRF token (as `manage.py drf_create_token` makes)."""
+    user = get_user_model().objects.create_user("operator", password=None)
+    token = Token.objects.create(user=user)
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Token {token.key}")
+    return client
+
+
+# --------------------------------------------------------------------------- auth, routing, schema
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["/api/", "/api/nodes/", "/api/models/", "/api/deployments/", "/api/workers/", "/api/rules/", "/api/events/"],
+)
+def test_unauthenticated_is_401_json(url: str) -> None:
+    response = APIClient().get(url)
+    assert response.status_code == 401
+    assert response["Content-Type"].startswith("application/json")
+    assert "detail" in response.json()
+
+
+def test_bad_token_is_401() -> None:
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION="Token not-a-token")
+    assert client.get("/api/deployments/").status_code == 401
+
+
+def test_api_root_lists_resources(api: APIClient) -> None:
+    body = api.get("/api/").json()
+    assert set(body) >= {"nodes", "models", "deployments", "workers", "rules", "events"}
+
+
+def test_router_generate_route_is_not_shadowed() -> None:
+    assert resolve("/api/generate").url_name == "api-generate"
+
+
+def test_schema_generates_without_warnings(tmp_path: Path, api: APIClient) -> None:
+    call_command("spectacular", "--validate", "--fail-on-warn", "--file", str(tmp_path / "schema.yaml"))
+    text = (tmp_path / "schema.yaml").read_text()
+    assert "/api/deployments/{id}/scale/:" in text
+    assert api.get("/api/schema/").status_code == 200
+
+
+# --------------------------------------------------------------------------- models
+
+
+def test_model_crud(api: APIClient) -> None:
+    created = api.post("/api/models/", {"name": "smol", "source": "smollm2", "path": "model_cache/smol"}, format="json")
+    assert created.status_code == 201, created.content
+    model_id = created.json()["id"]
+    assert api.get(f"/api/models/{model_id}/").json()["name"] == "smol"
+    patched = api.patch(f"/api/models/{model_id}/", {"path": "model_cache/other"}, format="json")
+    assert patched.status_code == 200 and patched.json()["path"] == "model_cache/other"
+    assert api.get("/api/models/").json()["count"] == 1
+    assert api.delete(f"/api/models/{model_id}/").status_code == 204
+
+
+def test_model_validation_and_protected_delete(api: APIClient) -> None:
+    response = api.post("/api/models/", {"name": "has space", "source": "nope"}, format="json")
+    assert response.status_code == 400
+    assert set(response.json()) == {"name", "source", "path"}
+    deployment = make_deployment()
+    conflict = api.delete(f"/api/models/{deployment.model_id}/")
+    assert conflict.status_code == 409
+    assert deployment.name in conflict.json()["detail"]
+
+
+# --------------------------------------------------------------------------- deployments
+
+
+def test_deployment_crud_records_scale_events(api: APIClient) -> None:
+    model = make_model()
+    body = {"name": "chat", "model": model.pk, "prefill_replicas": 2, "decode_replicas": 1, "kv_transport": "tcp"}
+    created = api.post("/api/deployments/", body, format="json")
+    assert created.status_code == 201, created.content
+    data = created.json()
+    assert data["model_name"] == model.name and data["prefill_replicas"] == 2
+    events = ScaleEvent.objects.filter(deployment_id=data["id"])
+    assert {(e.role, e.from_replicas, e.to_replicas, e.source) for e in events} == {
+        ("prefill", 0, 2, "api"),
+        ("decode", 0, 1, "api"),
+    }
+    assert "operator" in events[0].reason
+
+    patched = api.patch(f"/api/deployments/{data['id']}/", {"decode_replicas": 3, "batch_size": 8}, format="json")
+    assert patched.status_code == 200, patched.content
+    assert patched.json()["decode_replicas"] == 3
+    assert ScaleEvent.objects.filter(deployment_id=data["id"], role="decode", to_replicas=3).exists()
+
+    listed = api.get("/api/deployments/").json()
+    assert [d["name"] for d in listed["results"]] == ["chat"]
+    assert api.delete(f"/api/deployments/{data['id']}/").status_code == 204
+    assert not Deployment.objects.filter(pk=data["id"]).exists()
+
+
+@pytest.mark.parametrize(
+    ("body", "fields"),
+    [
+        ({"decode_min": 3, "decode_max": 2, "decode_replicas": 2}, {"decode_min"}),
+        ({"prefill_replicas": 9}, {"prefill_replicas"}),
+        ({"kv_transport": "carrier-pigeon", "router_policy": "random"}, {"kv_transport", "router_policy"}),
+        ({"name": ""}, {"name"}),
+    ],
+)
+def test_deployment_validation_errors_name_fields(api: APIClient, body: dict[str, Any], fields: set[str]) -> None:
+    payload = {"name": "dep", "model": make_model().pk, **body}
+    response = api.post("/api/deployments/", payload, format="json")
+    assert response.status_code == 400
+    assert set(response.json()) == fields
+    assert not Deployment.objects.exists()
+
+
+def test_patch_bounds_clamps_replicas(api: APIClient) -> None:
+    deployment = make_deployment(decode_replicas=4, decode_max=4)
+    response = api.patch(f"/api/deployments/{deployment.pk}/", {"decode_max": 2}, format="json")
+    assert response.status_code == 200, response.content
+    assert response.json()["decode_replicas"] == 2
+    event = ScaleEvent.objects.get(deployment=deployment)
+    assert (event.from_replicas, event.to_replicas) == (4, 2) and "clamped" in event.reason
+
+
+def test_deployment_with_live_workers_cannot_be_deleted(api: APIClient) -> None:
+    deployment = make_deployment()
+    make_worker(deployment, make_node())
+    response = api.delete(f"/api/deployments/{deployment.pk}/")
+    assert response.status_code == 409
+    assert "live worker" in response.json()["detail"]
+
+
+# --------------------------------------------------------------------------- scale endpoint
+
+
+def _redis_messages(client: Any, task_id: str) -> list[tuple[bytes, dict[str, Any]]]:
+    """Messages of the Redis list "control" (Celery's default queue) carrying task `task_id`."""
+    found = []
+    for raw in client.lrange("control", 0, -1):
+        message = json.loads(raw)
+        if message.get("headers", {}).get("id") == task_id:
+            found.append((raw, message))
+    return found
+
+
+def test_scale_is_queued_for_the_controller(api: APIClient, settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """202 with the task id; with Redis configured the message is read back from the "control" list."""
+    deployment = make_deployment(decode_replicas=1)
+    sent: list[dict[str, Any]] = []
+    if not settings.REDIS_URL:
+        # The embedded broker is the developer's own queue folder: record the publish instead.
+        from celery import Celery
+        from celery.app.task import Task
+
+        def fake_apply_async(self: Any, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+            sent.append({"task": self.name, "kwargs": kwargs})
+            return types.SimpleNamespace(id=str(uuid.uuid4()))
+
+        def fake_send_task(self: Any, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+            sent.append({"task": name, "kwargs": kwargs})
+            return types.SimpleNamespace(id=str(uuid.uuid4()))
+
+        monkeypatch.setattr(Task, "apply_async", fake_apply_async)
+        monkeypatch.setattr(Celery, "send_task", fake_send_task)
+
+    url = f"/api/deployments/{deployment.pk}/scale/"
+    response = api.post(url, {"role": "decode", "replicas": 3, "reason": "evening"}, format="json")
+    assert response.status_code == 202, response.content
+    body = response.json()
+    assert body["queued"] is True and body["task_id"]
+    expected = {"deployment_id": deployment.pk, "role": "decode", "replicas": 3, "source": "api", "reason": "evening"}
+
+    if not settings.REDIS_URL:
+        assert sent == [{"task": SCALE_TASK, "kwargs": expected}]
+        return
+    import redis
+
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    try:
+        messages = _redis_messages(client, body["task_id"])
+        assert len(messages) == 1, "the scale task is not in the Redis list 'control'"
+        raw, message = messages[0]
+        assert message["headers"]["task"] == SCALE_TASK
+        assert message["properties"]["delivery_info"]["routing_key"] == "control"
+        _args, kwargs, _embed = json.loads(base64.b64decode(message["body"]))
+        assert kwargs == expected
+    finally:
+        for raw, _ in _redis_messages(client, body["task_id"]):
+            client.lrem("control", 1, raw.decode())
+    # Queued, not applied: the controller applies it.
+    assert Deployment.objects.get(pk=deployment.pk).decode_replicas == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "fields"),
+    [
+        ({"role": "embed", "replicas": 2}, {"role"}),
+        ({"role": "decode", "replicas": -1}, {"replicas"}),
+        ({"role": "decode", "replicas": "many"}, {"replicas"}),
+        ({}, {"role", "replicas"}),
+    ],
+)
+def test_scale_validation(api: APIClient, body: dict[str, Any], fields: set[str]) -> None:
+    deployment = make_deployment()
+    response = api.post(f"/api/deployments/{deployment.pk}/scale/", body, format="json")
+    assert response.status_code == 400
+    assert set(response.json()) == fields
+
+
+def test_scale_unknown_deployment_is_404(api: APIClient) -> None:
+    response = api.post("/api/deployments/999999/scale/", {"role": "decode", "replicas": 1}, format="json")
+    assert response.status_code == 404
+
+
+def test_scale_clamping_is_recorded_when_the_task_runs(api: APIClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the queued task in-process with the published kwargs; the clamp shows in the event's reason."""
+    pytest.importorskip("inference.tasks", reason="inference.tasks (controller) not written yet")
+    from celery.app.task import Task
+
+    ran: list[Any] = []
+
+    def run_inline(self: Any, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        # What a controller worker does with the message, minus the broker and result backend.
+        ran.append(self.run(*(args or ()), **(kwargs or {})))
+        return types.SimpleNamespace(id=str(uuid.uuid4()))
+
+    monkeypatch.setattr(Task, "apply_async", run_inline)
+    deployment = make_deployment(prefill_replicas=1, prefill_max=3)
+    url = f"/api/deployments/{deployment.pk}/scale/"
+    response = api.post(url, {"role": "prefill", "replicas": 10, "reason": "spike"}, format="json")
+    assert response.status_code == 202, response.content
+    event = ScaleEvent.objects.get(deployment=deployment)
+    assert ran == [event.pk]
+    assert (event.from_replicas, event.to_replicas, event.source) == (1, 3, "api")
+    assert "spike" in event.reason and "clamped" in event.reason and "requested 10" in event.reason
+    assert Deployment.objects.get(pk=deployment.pk).prefill_replicas == 3
+
+
+def test_scale_when_the_broker_is_down_is_503(api: APIClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    from inference.api import views
+
+    def broken(kwargs: dict[str, Any]) -> Any:
+        raise ConnectionError("redis unreachable")
+
+    monkeypatch.setattr(views, "_enqueue_scale", broken)
+    deployment = make_deployment()
+    response = api.post(f"/api/deployments/{deployment.pk}/scale/", {"role": "decode", "replicas": 2}, format="json")
+    assert response.status_code == 503
+    assert "redis unreachable" in response.json()["detail"]
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_metrics_endpoint(api: APIClient) -> None:
+    deployment = make_deployment()
+    actions.record_metric_sample(deployment, "prefill", ttft_s=0.12, load=0.5, cpu_utilization=0.4)
+    actions.record_metric_sample(deployment, "decode", itl_s=0.02, throughput_tps=80, queue_depth=2)
+    data = api.get(f"/api/deployments/{deployment.pk}/metrics/?minutes=5").json()
+    assert data["series"]["prefill"]["ttft_s"] == [0.12]
+    assert data["series"]["decode"]["itl_s"] == [0.02]
+    assert data["series"]["decode"]["throughput_tps"] == [80]
+    only = api.get(f"/api/deployments/{deployment.pk}/metrics/?role=decode").json()
+    assert list(only["series"]) == ["decode"]
+    bad = api.get(f"/api/deployments/{deployment.pk}/metrics/?minutes=soon&role=x")
+    assert bad.status_code == 400
+
+
+# --------------------------------------------------------------------------- nodes and workers
+
+
+def test_nodes_read_only_with_live_fields(api: APIClient) -> None:
+    node = make_node(last_heartbeat=timezone.now())
+    deployment = make_deployment()
+    make_worker(deployment, node)
+    make_worker(deployment, node, status="stopped")
+    data = api.get("/api/nodes/").json()["results"][0]
+    assert data["name"] == node.name and data["worker_count"] == 1
+    assert data["queue_name"] == f"node.{node.name}" and data["heartbeat_age_s"] < 60
+    assert api.post("/api/nodes/", {"name": "x", "address": "y"}, format="json").status_code == 405
+    assert api.delete(f"/api/nodes/{node.pk}/").status_code == 405
+
+
+def test_drain_node(api: APIClient) -> None:
+    node = make_node()
+    worker = make_worker(make_deployment(), node)
+    response = api.post(f"/api/nodes/{node.pk}/drain/")
+    assert response.status_code == 202, response.content
+    assert response.json()["status"] == "draining"
+    assert Node.objects.get(pk=node.pk).status == "draining"
+    assert Worker.objects.get(pk=worker.pk).status == "draining"
+    activated = api.post(f"/api/nodes/{node.pk}/activate/")
+    assert activated.status_code == 200 and activated.json()["status"] == "online"
+
+
+def test_workers_list_filter_and_restart(api: APIClient, django_capture_on_commit_callbacks: Any) -> None:
+    deployment = make_deployment()
+    node = make_node()
+    prefill = make_worker(deployment, node, role="prefill")
+    make_worker(deployment, node, role="decode")
+    make_worker(make_deployment(), node, role="prefill")
+    listed = api.get(f"/api/workers/?deployment={deployment.pk}&role=prefill").json()
+    assert [w["id"] for w in listed["results"]] == [prefill.pk]
+    assert listed["results"][0]["url"] == f"http://127.0.0.1:{prefill.port}"
+    assert api.patch(f"/api/workers/{prefill.pk}/", {"status": "stopped"}, format="json").status_code == 405
+
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        response = api.post(f"/api/workers/{prefill.pk}/restart/")
+    assert response.status_code == 202, response.content
+    assert response.json()["restarting"] is True and response.json()["worker"]["id"] == prefill.pk
+    assert callbacks, "restart_worker should send the agent a task on commit"
+
+
+def test_restart_stopped_worker_is_409(api: APIClient) -> None:
+    worker = make_worker(make_deployment(), make_node(), status="stopped")
+    response = api.post(f"/api/workers/{worker.pk}/restart/")
+    assert response.status_code == 409
+
+
+# --------------------------------------------------------------------------- rules and events
+
+
+def test_rule_crud_and_validation(api: APIClient) -> None:
+    deployment = make_deployment()
+    body = {"deployment": deployment.pk, "name": "hot", "kind": "threshold", "role": "prefill", "threshold": 0.8}
+    created = api.post("/api/rules/", body, format="json")
+    assert created.status_code == 201, created.content
+    rule_id = created.json()["id"]
+
+    duplicate = api.post("/api/rules/", body, format="json")
+    assert duplicate.status_code == 400
+
+    no_threshold = api.post("/api/rules/", {**body, "name": "x", "threshold": None}, format="json")
+    assert no_threshold.status_code == 400 and set(no_threshold.json()) == {"threshold"}
+    zero_step = api.post("/api/rules/", {**body, "name": "y", "step": 0}, format="json")
+    assert zero_step.status_code == 400 and set(zero_step.json()) == {"step"}
+    schedule_body = {"deployment": deployment.pk, "name": "night", "kind": "schedule", "role": "decode"}
+    schedule = api.post("/api/rules/", schedule_body, format="json")
+    assert schedule.status_code == 400
+    assert set(schedule.json()) == {"start_time", "end_time", "target_replicas"}
+    night = api.post(
+        "/api/rules/",
+        {"deployment": deployment.pk, "name": "night", "kind": "schedule", "role": "decode",
+         "start_time": "22:00", "end_time": "07:00", "target_replicas": 1},
+        format="json",
+    )  # fmt: skip
+    assert night.status_code == 201, night.content
+
+    ScalingRule.objects.filter(pk=rule_id).update(breach_started_at=timezone.now())
+    patched = api.patch(f"/api/rules/{rule_id}/", {"threshold": 0.9}, format="json")
+    assert patched.status_code == 200 and patched.json()["breach_started_at"] is None
+    bad_patch = api.patch(f"/api/rules/{rule_id}/", {"kind": "schedule"}, format="json")
+    assert bad_patch.status_code == 400
+    assert ScalingRule.objects.get(pk=rule_id).kind == "threshold"
+
+    assert [r["name"] for r in api.get(f"/api/rules/?deployment={deployment.pk}").json()["results"]] == ["hot", "night"]
+    assert api.delete(f"/api/rules/{rule_id}/").status_code == 204
+
+
+def test_events_are_read_only_and_filtered(api: APIClient) -> None:
+    first, second = make_deployment(), make_deployment()
+    actions.scale_deployment(first, "decode", 2, source="manual", reason="a")
+    actions.scale_deployment(second, "prefill", 3, source="api", reason="b")
+    events = api.get(f"/api/events/?deployment={first.pk}").json()["results"]
+    assert [(e["role"], e["from_replicas"], e["to_replicas"], e["reason"]) for e in events] == [("decode", 1, 2, "a")]
+    assert len(api.get("/api/events/?source=api").json()["results"]) == 1
+    assert api.post("/api/events/", {}, format="json").status_code == 405
