@@ -1,0 +1,100 @@
+"""Channels consumers: ws/generate streams a generation over a WebSocket.
+
+The client sends the /generate JSON; the server answers `{"type": "token", "text", "token_ids"}`
+messages and one final `{"type": "done", ...}` (or `{"type": "error", ...}`). A socket runs one
+generation at a time and may send the next request after the final message. Closing the socket
+cancels the generation, which aborts it on both workers.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from contextlib import aclosing
+from typing import Any
+
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from inference.router import DoneEvent, ErrorEvent, RouterError, TokenEvent
+from inference.router.protocol import ParsedRequest, done_fields, parse_generate
+from inference.router_service import get_router
+
+logger = logging.getLogger(__name__)
+
+
+class GenerateConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
+    """ws/generate: one generation at a time per socket, streamed as JSON messages."""
+
+    # A generation streams straight from the workers to this socket; no channel layer is needed,
+    # and naming one that is not configured keeps the router from depending on Redis for it.
+    channel_layer_alias = "inference-router-none"
+
+    async def connect(self) -> None:
+        """Accept the socket."""
+        self._task: asyncio.Task[None] | None = None
+        await self.accept()
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any) -> None:
+        """Decode a JSON message; a malformed one gets an error message, not a dropped socket."""
+        raw = text_data if text_data is not None else (bytes_data or b"").decode("utf-8", errors="replace")
+        try:
+            content = json.loads(raw)
+        except ValueError as exc:
+            await self._send_error(RouterError(400, f"message is not valid JSON: {exc}"))
+            return
+        await self.receive_json(content)
+
+    async def receive_json(self, content: Any, **kwargs: Any) -> None:
+        """Start a generation for a /generate JSON message."""
+        if self._task is not None and not self._task.done():
+            await self._send_error(RouterError(409, "a generation is already running on this socket"))
+            return
+        try:
+            if isinstance(content, dict):
+                content = {k: v for k, v in content.items() if k != "stream"}  # always streamed here
+            parsed = parse_generate(content)
+        except RouterError as exc:
+            await self._send_error(exc)
+            return
+        self._task = asyncio.create_task(self._run(parsed))
+
+    async def _run(self, parsed: ParsedRequest) -> None:
+        parts: list[str] = []
+        try:
+            events = get_router().client.generate(parsed.request)
+            async with aclosing(events):
+                async for event in events:
+                    if isinstance(event, TokenEvent):
+                        parts.append(event.text)
+                        await self.send_json({"type": "token", "text": event.text, "token_ids": event.token_ids})
+                    elif isinstance(event, DoneEvent):
+                        await self.send_json({"type": "done", "text": "".join(parts), **done_fields(event)})
+                    elif isinstance(event, ErrorEvent):
+                        await self._send_error(RouterError(event.status, event.message))
+        except RouterError as exc:
+            await self._send_error(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001  a send to a socket that just closed, mostly
+            logger.info("ws/generate ended: %s", exc)
+
+    async def _send_error(self, exc: RouterError) -> None:
+        with contextlib.suppress(Exception):  # the socket may be gone already
+            message: dict[str, Any] = {
+                "type": "error",
+                "status": exc.status,
+                "message": exc.message,
+                "error_type": exc.error_type,
+            }
+            if exc.backends:
+                message["backends"] = exc.backends
+            await self.send_json(message)
+
+    async def disconnect(self, code: int) -> None:
+        """The client left: cancel the generation (its cleanup aborts it on both workers)."""
+        task = getattr(self, "_task", None)
+        if task is not None and not task.done():
+            task.cancel()
+            # Bounded: the cleanup's abort posts have their own short timeouts.
+            await asyncio.wait({task}, timeout=10.0)

@@ -1,0 +1,162 @@
+"""`python -m inference.launch_router`: run the router with static prefill and decode endpoints.
+
+    python -m inference.launch_router \
+        --prefill-endpoint http://prefill-node:30000 \
+        --decode-endpoint http://decode-node:30001 \
+        --listen-port 8000 --load-balance-strategy round-robin
+
+The flags are validated here, turned into the environment variables that config/settings.py and
+platform/gunicorn.conf.py read, and gunicorn is started with uvicorn workers serving
+`config.asgi:application`. Django is imported only inside gunicorn's app loading (in each worker).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import runpy
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from gunicorn.app.base import BaseApplication
+
+from inference.router.endpoint import normalize_url
+from inference.router.policies import canonical_policy_name, policy_names
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GUNICORN_CONF = REPO_ROOT / "platform" / "gunicorn.conf.py"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _endpoint_url(text: str) -> str:
+    try:
+        return normalize_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _strategy(text: str) -> str:
+    try:
+        return canonical_policy_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _bounded_int(low: int, high: int) -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in [{low}, {high}]")
+        return value
+
+    return convert
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The router's argument parser (flags as in the deployment guide)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m inference.launch_router",
+        description="Run the router of a disaggregated (prefill/decode) deployment.",
+    )
+    parser.add_argument(
+        "--prefill-endpoint", action="append", required=True, type=_endpoint_url, metavar="URL",
+        help="base URL of a prefill worker, e.g. http://prefill-node:30000 (repeatable)",
+    )
+    parser.add_argument(
+        "--decode-endpoint", action="append", required=True, type=_endpoint_url, metavar="URL",
+        help="base URL of a decode worker, e.g. http://decode-node:30001 (repeatable)",
+    )
+    parser.add_argument(
+        "--listen-port", type=_bounded_int(1, 65535), default=8000, help="port to serve on (default 8000)"
+    )
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
+    parser.add_argument(
+        "--load-balance-strategy", type=_strategy, default="round-robin", metavar="STRATEGY",
+        help=f"how workers are chosen: {', '.join(policy_names())} (default round-robin)",
+    )
+    parser.add_argument(
+        "--workers", type=_bounded_int(1, 256), default=1,
+        help="gunicorn worker processes (default 1; each has its own pool and health checks)",
+    )
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parsed and validated flags; a bad one exits with status 2 and a message naming it."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.host.strip():
+        parser.error("argument --host: must not be empty")
+    return args
+
+
+def router_environment(args: argparse.Namespace) -> dict[str, str]:
+    """The environment variables that carry the flags to settings.py and gunicorn.conf.py."""
+    return {
+        "ROUTER_PREFILL_ENDPOINTS": ",".join(args.prefill_endpoint),
+        "ROUTER_DECODE_ENDPOINTS": ",".join(args.decode_endpoint),
+        "ROUTER_POLICY": args.load_balance_strategy,
+        "ROUTER_HOST": args.host,
+        "ROUTER_PORT": str(args.listen_port),
+        "ROUTER_WORKERS": str(args.workers),
+        "ROUTER_LOG_LEVEL": args.log_level,
+        "PLATFORM_LOG_LEVEL": args.log_level.upper(),
+    }
+
+
+class RouterApplication(BaseApplication):  # type: ignore[misc]
+    """Gunicorn serving the ASGI app with uvicorn workers, configured from platform/gunicorn.conf.py."""
+
+    def __init__(self, options: dict[str, Any], config_path: Path = GUNICORN_CONF) -> None:
+        self.options = options
+        self.config_path = config_path
+        super().__init__()
+
+    def load_config(self) -> None:
+        """The deployment file's settings first, then the command line's on top."""
+        if self.config_path.is_file():
+            for key, value in runpy.run_path(str(self.config_path)).items():
+                if key in self.cfg.settings and value is not None:
+                    self.cfg.set(key, value)
+        for key, value in self.options.items():
+            self.cfg.set(key, value)
+
+    def load(self) -> Any:
+        """Import the ASGI app (runs in each worker: Django is set up there, not in the arbiter)."""
+        if str(REPO_ROOT) not in sys.path:
+            sys.path.insert(0, str(REPO_ROOT))
+        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+        from config.asgi import application
+
+        return application
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the flags, export them to the environment and run gunicorn until it stops."""
+    args = parse_args(argv)
+    os.environ.update(router_environment(args))
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    host = f"[{args.host}]" if ":" in args.host and not args.host.startswith("[") else args.host
+    options = {
+        "bind": [f"{host}:{args.listen_port}"],
+        "workers": args.workers,
+        "worker_class": "uvicorn_worker.UvicornWorker",
+        "loglevel": args.log_level,
+    }
+    logging.getLogger(__name__).info(
+        "router on %s: prefill %s, decode %s, policy %s",
+        options["bind"][0], args.prefill_endpoint, args.decode_endpoint, args.load_balance_strategy,
+    )
+    RouterApplication(options).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

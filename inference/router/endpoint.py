@@ -1,0 +1,108 @@
+"""One worker endpoint as the router sees it: its URL, role, health and load."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+ROLES = ("prefill", "decode")
+
+
+def normalize_url(url: str) -> str:
+    """Validate a worker base URL and return it without a trailing slash.
+
+    Only `http(s)://host[:port][/prefix]` is accepted: a query, a fragment or user info would be
+    silently mangled when the router appends `/internal/...`, so they are refused.
+    Raises ValueError with a message that says what is wrong.
+    """
+    text = url.strip()
+    try:
+        parts = urlsplit(text)
+        port = parts.port  # raises ValueError for a non-numeric or out-of-range port
+    except ValueError as exc:
+        raise ValueError(f"{url!r} is not a valid URL: {exc}") from exc
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{url!r} is not an http(s) URL (expected e.g. http://10.0.0.5:8100)")
+    if not parts.hostname:
+        raise ValueError(f"{url!r} has no host")
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError(f"{url!r} must not carry a query, fragment or credentials")
+    if port == 0:
+        raise ValueError(f"{url!r} has port 0")
+    return text.rstrip("/")
+
+
+@dataclass(eq=False)
+class Endpoint:
+    """A prefill or decode worker: where it is, whether it is in rotation, and its load.
+
+    `inflight` counts requests this router process has open on the worker (the least-connections
+    and power-of-two policies read it). `healthy` is False once the worker failed `N` requests in
+    a row or failed a health check; only a healthy health check puts it back. Identity (not URL)
+    equality is used on purpose: a pool may briefly hold an old and a new object for one URL.
+    """
+
+    url: str
+    role: str
+    healthy: bool = True
+    inflight: int = 0
+    consecutive_failures: int = 0
+    last_error: str | None = None
+    last_health: dict[str, Any] | None = None
+    last_health_at: float | None = None
+    total_requests: int = 0
+    total_failures: int = 0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, not {self.role!r}")
+        self.url = normalize_url(self.url)
+
+    def acquire(self) -> None:
+        """Count one more request in flight on this worker."""
+        self.inflight += 1
+        self.total_requests += 1
+
+    def release(self) -> None:
+        """Count one request fewer in flight (never below zero)."""
+        self.inflight = max(0, self.inflight - 1)
+
+    def record_success(self) -> None:
+        """A request went through: the failure streak is over."""
+        self.consecutive_failures = 0
+
+    def record_failure(self, error: str, threshold: int) -> None:
+        """A request failed on this worker; `threshold` failures in a row take it out of rotation."""
+        self.consecutive_failures += 1
+        self.total_failures += 1
+        self.last_error = error
+        if self.consecutive_failures >= threshold:
+            self.healthy = False
+
+    def record_health(self, ok: bool, payload: dict[str, Any] | None, error: str | None) -> None:
+        """Apply one health-check result: healthy puts the worker back, anything else takes it out."""
+        self.last_health_at = time.time()
+        if payload is not None:
+            self.last_health = payload
+        if ok:
+            self.healthy = True
+            self.consecutive_failures = 0
+        else:
+            self.healthy = False
+            self.last_error = error
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe snapshot for /health and /router/status."""
+        return {
+            "url": self.url,
+            "role": self.role,
+            "healthy": self.healthy,
+            "inflight": self.inflight,
+            "consecutive_failures": self.consecutive_failures,
+            "last_error": self.last_error,
+            "last_health": self.last_health,
+            "last_health_at": self.last_health_at,
+            "total_requests": self.total_requests,
+            "total_failures": self.total_failures,
+        }

@@ -1,0 +1,284 @@
+"""The router's view of its workers: prefill and decode endpoints, their health and their load.
+
+Endpoints can be replaced at run time (`set_endpoints`) so that a control plane can feed the pool;
+an endpoint kept across a replacement keeps its state (in-flight count, health). A background
+asyncio task polls `GET /health` on every endpoint each interval.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any
+
+import httpx
+
+from inference.router.endpoint import ROLES, Endpoint
+from inference.router.policies import Policy, canonical_policy_name, make_policy
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_FAILURE_THRESHOLD = 3
+
+
+def describe_exception(exc: BaseException) -> str:
+    """A short one-line description of a transport error, e.g. `ConnectError: [Errno 111] ...`."""
+    text = str(exc).strip() or repr(exc)
+    return f"{type(exc).__name__}: {text}"
+
+
+class WorkerPool:
+    """Prefill and decode endpoints, a policy per role, health checks and one HTTP client.
+
+    The pool is used from one event loop at a time (a gunicorn/uvicorn worker has exactly one).
+    Its httpx client and health task are bound to the loop they were created in; when the pool is
+    used from a new loop (tests, `async_to_sync`) both are recreated there.
+    """
+
+    def __init__(
+        self,
+        prefill_urls: Iterable[str] = (),
+        decode_urls: Iterable[str] = (),
+        policy: str = "round-robin",
+        *,
+        failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
+        health_interval_s: float = 2.0,
+        health_timeout_s: float = 2.0,
+        connect_timeout_s: float = 3.0,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        if failure_threshold < 1:
+            raise ValueError("failure_threshold must be >= 1")
+        self.policy_name = canonical_policy_name(policy)
+        self.failure_threshold = failure_threshold
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.headers: dict[str, str] = dict(headers or {})
+        self._policies: dict[str, Policy] = {role: make_policy(self.policy_name) for role in ROLES}
+        self._endpoints: dict[str, list[Endpoint]] = {role: [] for role in ROLES}
+        self._http: httpx.AsyncClient | None = None
+        self._http_loop: asyncio.AbstractEventLoop | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._health_loop: asyncio.AbstractEventLoop | None = None
+        self._info_cache: tuple[float, list[dict[str, Any]]] | None = None
+        self.started_at = time.time()
+        self.set_endpoints("prefill", prefill_urls)
+        self.set_endpoints("decode", decode_urls)
+
+    # ----------------------------------------------------------------------------------------
+    # Endpoints and choice
+    # ----------------------------------------------------------------------------------------
+
+    def set_endpoints(self, role: str, urls: Iterable[str]) -> None:
+        """Replace the endpoints of `role` (`"prefill"` or `"decode"`).
+
+        URLs are validated first (ValueError, nothing changed, on a bad one). Endpoints whose URL
+        was already present keep their object, so their in-flight count and health survive; new
+        ones start healthy so they take traffic before their first health check.
+        """
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
+        existing = {endpoint.url: endpoint for endpoint in self._endpoints[role]}
+        updated: list[Endpoint] = []
+        seen: set[str] = set()
+        for url in urls:
+            endpoint = Endpoint(url=url, role=role)  # validates and normalizes the URL
+            if endpoint.url in seen:
+                continue
+            seen.add(endpoint.url)
+            updated.append(existing.get(endpoint.url, endpoint))
+        # One assignment: a request choosing concurrently sees either the old or the new list.
+        self._endpoints[role] = updated
+        self._info_cache = None
+
+    def endpoints(self, role: str) -> list[Endpoint]:
+        """The endpoints of `role` (a copy of the list)."""
+        return list(self._endpoints[role])
+
+    def all_endpoints(self) -> list[Endpoint]:
+        """Every endpoint, prefill first."""
+        return [endpoint for role in ROLES for endpoint in self._endpoints[role]]
+
+    def candidates(self, role: str, exclude: Collection[Endpoint] = ()) -> list[Endpoint]:
+        """Endpoints of `role` a request may try next: in rotation and not in `exclude`.
+
+        When no endpoint of the role is in rotation at all, every endpoint not yet tried is a
+        candidate ("panic mode", as in Envoy): a worker whose health check merely timed out under
+        load still gets the request instead of every request failing until the next check.
+        """
+        endpoints = self._endpoints[role]
+        if any(endpoint.healthy for endpoint in endpoints):
+            return [e for e in endpoints if e.healthy and e not in exclude]
+        return [e for e in endpoints if e not in exclude]
+
+    def choose(self, role: str, exclude: Collection[Endpoint] = ()) -> Endpoint | None:
+        """The endpoint the policy picks among `candidates(role, exclude)`, or None if there is none."""
+        candidates = self.candidates(role, exclude)
+        if not candidates:
+            return None
+        return self._policies[role].choose(candidates)
+
+    def record_failure(self, endpoint: Endpoint, error: str) -> None:
+        """A request failed on `endpoint` (connect error, 5xx, timeout): count it toward removal."""
+        was_healthy = endpoint.healthy
+        endpoint.record_failure(error, self.failure_threshold)
+        if was_healthy and not endpoint.healthy:
+            logger.warning(
+                "%s endpoint %s out of rotation after %d consecutive failures: %s",
+                endpoint.role, endpoint.url, endpoint.consecutive_failures, error,
+            )
+
+    def record_success(self, endpoint: Endpoint) -> None:
+        """A request went through on `endpoint`."""
+        endpoint.record_success()
+
+    def ready(self) -> bool:
+        """True when at least one prefill and one decode endpoint are in rotation."""
+        return all(any(e.healthy for e in self._endpoints[role]) for role in ROLES)
+
+    # ----------------------------------------------------------------------------------------
+    # HTTP client and health checks
+    # ----------------------------------------------------------------------------------------
+
+    def http_client(self) -> httpx.AsyncClient:
+        """The pool's HTTP client for the running event loop (created on first use in a loop)."""
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._http_loop is not loop or self._http.is_closed:
+            # The old client (if any) belongs to another loop and cannot be closed from here;
+            # its connections die with that loop.
+            self._http = httpx.AsyncClient(
+                headers=self.headers,
+                timeout=httpx.Timeout(self.health_timeout_s, connect=self.connect_timeout_s),
+                # Streams hold a connection each; workers apply backpressure (429) themselves,
+                # so the client must not queue requests behind a connection limit.
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                # Worker traffic is internal: never route it through an HTTP(S)_PROXY.
+                trust_env=False,
+            )
+            self._http_loop = loop
+        return self._http
+
+    def start_health_checks(self) -> None:
+        """Start the background health-check task in the running loop (idempotent)."""
+        if self.health_interval_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        task = self._health_task
+        if task is not None and not task.done():
+            if self._health_loop is loop:
+                return
+            old_loop = self._health_loop
+            if old_loop is not None and not old_loop.is_closed():
+                with contextlib.suppress(RuntimeError):  # that loop stopped meanwhile
+                    old_loop.call_soon_threadsafe(task.cancel)
+        self._health_loop = loop
+        self._health_task = loop.create_task(self._health_check_loop(), name="router-health-checks")
+
+    @property
+    def health_checks_running(self) -> bool:
+        """Whether the background health-check task is alive."""
+        return self._health_task is not None and not self._health_task.done()
+
+    async def _health_check_loop(self) -> None:
+        while True:  # runs for the life of the process; every check inside is bounded
+            try:
+                await self.check_all()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001  the loop must survive anything one round throws
+                logger.exception("health-check round failed")
+            await asyncio.sleep(self.health_interval_s)
+
+    async def check_all(self) -> None:
+        """Check every endpoint once, concurrently."""
+        endpoints = self.all_endpoints()
+        if endpoints:
+            await asyncio.gather(*(self.check_health(endpoint) for endpoint in endpoints))
+
+    async def check_health(self, endpoint: Endpoint) -> bool:
+        """`GET /health` on `endpoint` and apply the result; True when it answered healthy."""
+        payload: dict[str, Any] | None = None
+        error: str | None = None
+        try:
+            # The outer bound also covers DNS and a peer that trickles bytes.
+            async with asyncio.timeout(self.health_timeout_s + self.connect_timeout_s):
+                response = await self.http_client().get(
+                    f"{endpoint.url}/health",
+                    timeout=httpx.Timeout(self.health_timeout_s, connect=self.connect_timeout_s),
+                )
+            try:
+                body = response.json()
+            except ValueError:
+                body = None
+            if isinstance(body, dict):
+                payload = body
+            if response.status_code != 200:
+                error = f"health check answered HTTP {response.status_code}"
+            elif payload is None or payload.get("status") != "healthy":
+                status = payload.get("status") if payload else None
+                error = f"health check status is {status!r}, not 'healthy'"
+        except (httpx.HTTPError, TimeoutError, OSError) as exc:
+            error = f"health check failed: {describe_exception(exc)}"
+        ok = error is None
+        was_healthy = endpoint.healthy
+        endpoint.record_health(ok, payload, error)
+        if was_healthy != endpoint.healthy:
+            if ok:
+                logger.info("%s endpoint %s back in rotation", endpoint.role, endpoint.url)
+            else:
+                logger.warning("%s endpoint %s out of rotation: %s", endpoint.role, endpoint.url, error)
+        return ok
+
+    async def worker_info(self, max_age_s: float = 10.0) -> list[dict[str, Any]]:
+        """`GET /info` of every endpoint in rotation (each dict gets its `url`), cached `max_age_s`."""
+        now = time.monotonic()
+        if self._info_cache is not None and now - self._info_cache[0] < max_age_s:
+            return self._info_cache[1]
+        client = self.http_client()
+
+        async def fetch(endpoint: Endpoint) -> dict[str, Any] | None:
+            try:
+                async with asyncio.timeout(self.health_timeout_s + self.connect_timeout_s):
+                    response = await client.get(f"{endpoint.url}/info")
+                body = response.json() if response.status_code == 200 else None
+            except (httpx.HTTPError, TimeoutError, OSError, ValueError):
+                return None
+            return {**body, "url": endpoint.url} if isinstance(body, dict) else None
+
+        endpoints = [e for e in self.all_endpoints() if e.healthy] or self.all_endpoints()
+        results = await asyncio.gather(*(fetch(endpoint) for endpoint in endpoints))
+        infos = [info for info in results if info is not None]
+        if infos:  # never cache a total failure: the next call should ask again
+            self._info_cache = (now, infos)
+        return infos
+
+    async def aclose(self) -> None:
+        """Stop the health checks and close the HTTP client (call from the pool's loop)."""
+        task, self._health_task = self._health_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            if self._health_loop is asyncio.get_running_loop():
+                with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                    await asyncio.wait_for(task, timeout=self.health_timeout_s + self.connect_timeout_s)
+        client, self._http = self._http, None
+        if client is not None and self._http_loop is asyncio.get_running_loop():
+            await client.aclose()
+
+    # ----------------------------------------------------------------------------------------
+    # Reporting
+    # ----------------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """A JSON-safe snapshot of the pool for /health and /router/status."""
+        return {
+            "policy": self.policy_name,
+            "ready": self.ready(),
+            "failure_threshold": self.failure_threshold,
+            "health_interval_s": self.health_interval_s,
+            "health_checks_running": self.health_checks_running,
+            "prefill": [endpoint.to_dict() for endpoint in self._endpoints["prefill"]],
+            "decode": [endpoint.to_dict() for endpoint in self._endpoints["decode"]],
+        }

@@ -1,0 +1,438 @@
+"""The router's public request and response formats: the seed's /generate and OpenAI's APIs.
+
+Parsing turns a client's JSON into a GenerateRequest (400 `RouterError` naming the field on bad
+input, checked with the same rules as the workers' `SamplingParams.validate()` so clients get the
+message before any worker is involved); formatting turns the client events into JSON bodies and
+Server-Sent Events. Django-free: the views and the WebSocket consumer share it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from inference.router.errors import RouterError
+from inference.router.pd_client import DoneEvent, ErrorEvent, Event, GenerateRequest, TokenEvent
+
+Kind = Literal["generate", "completion", "chat"]
+
+SSE_DONE = b"data: [DONE]\n\n"
+DEFAULT_MAX_TOKENS = 16
+_MAX_STOP = 16
+
+# Fields of the seed's /generate JSON. Unknown fields are refused there (typos such as
+# "max_token" would otherwise be silently ignored); OpenAI endpoints ignore unknown fields as
+# OpenAI-compatible servers do, because client libraries add new ones over time.
+_GENERATE_FIELDS = {
+    "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+    "stop_token_ids", "ignore_eos", "model", "input_ids",
+}
+
+
+def bad_request(message: str) -> RouterError:
+    """A 400 `invalid_request_error`."""
+    return RouterError(400, message, error_type="invalid_request_error")
+
+
+# --------------------------------------------------------------------------------------------
+# Field checks (mirroring SamplingParams.validate)
+# --------------------------------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _get_int(data: dict[str, Any], name: str, default: int, minimum: int) -> int:
+    value = data.get(name)
+    if value is None:
+        return default
+    if not _is_int(value) or value < minimum:
+        raise bad_request(f"'{name}' must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _get_float(data: dict[str, Any], name: str, default: float) -> float:
+    value = data.get(name)
+    if value is None:
+        return default
+    if not _is_number(value) or not math.isfinite(value):
+        raise bad_request(f"'{name}' must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _get_bool(data: dict[str, Any], name: str, default: bool = False) -> bool:
+    value = data.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"'{name}' must be true or false, got {value!r}")
+    return value
+
+
+def _get_stop(data: dict[str, Any]) -> list[str]:
+    value = data.get("stop")
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise bad_request("'stop' must be a non-empty string or a list of non-empty strings")
+    if len(value) > _MAX_STOP:
+        raise bad_request(f"'stop' may hold at most {_MAX_STOP} strings")
+    return list(value)
+
+
+def _get_token_ids(data: dict[str, Any], name: str) -> list[int] | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+        raise bad_request(f"'{name}' must be a list of non-negative integers")
+    return list(value)
+
+
+def parse_sampling(data: dict[str, Any], max_tokens_field: str = "max_tokens") -> dict[str, Any]:
+    """The workers' `sampling` object from a request body; 400 naming the first bad field."""
+    temperature = _get_float(data, "temperature", 1.0)
+    if temperature < 0:
+        raise bad_request(f"'temperature' must be >= 0, got {temperature!r}")
+    top_p = _get_float(data, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise bad_request(f"'top_p' must be in (0, 1], got {top_p!r}")
+    top_k = data.get("top_k")
+    if top_k is None:
+        top_k = -1
+    if not _is_int(top_k) or top_k < -1:
+        raise bad_request(f"'top_k' must be an integer >= 1, or -1/0 to disable, got {top_k!r}")
+    seed = data.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise bad_request(f"'seed' must be an integer or null, got {seed!r}")
+    return {
+        "max_tokens": _get_int(data, max_tokens_field, DEFAULT_MAX_TOKENS, 1),
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "seed": seed,
+        "stop": _get_stop(data),
+        "stop_token_ids": _get_token_ids(data, "stop_token_ids") or [],
+        "ignore_eos": _get_bool(data, "ignore_eos"),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ParsedRequest:
+    """A validated client request: what to run and how to answer."""
+
+    kind: Kind
+    request: GenerateRequest
+    stream: bool = False
+    include_usage: bool = False
+    model: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _require_object(data: Any) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    return data
+
+
+def _get_model(data: dict[str, Any]) -> str | None:
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string")
+    return model or None
+
+
+def parse_generate(data: Any) -> ParsedRequest:
+    """The seed's /generate JSON: prompt, max_tokens, temperature, top_p, top_k, seed, stop, stream."""
+    data = _require_object(data)
+    unknown = sorted(set(data) - _GENERATE_FIELDS)
+    if unknown:
+        raise bad_request(f"unknown field(s): {', '.join(unknown)}")
+    input_ids = _get_token_ids(data, "input_ids")
+    prompt = data.get("prompt")
+    if input_ids is None:
+        if not isinstance(prompt, str) or not prompt:
+            raise bad_request("'prompt' is required and must be a non-empty string")
+    elif not input_ids:
+        raise bad_request("'input_ids' must not be empty")
+    return ParsedRequest(
+        kind="generate",
+        request=GenerateRequest(sampling=parse_sampling(data), prompt=prompt, input_ids=input_ids),
+        stream=_get_bool(data, "stream"),
+        model=_get_model(data),
+    )
+
+
+def _check_unsupported(data: dict[str, Any]) -> None:
+    """Refuse OpenAI options this server cannot honour, instead of silently ignoring them."""
+    n = data.get("n")
+    if n is not None and n != 1:
+        raise bad_request("'n' must be 1: one completion per request is supported")
+    best_of = data.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise bad_request("'best_of' is not supported")
+    if data.get("echo"):
+        raise bad_request("'echo' is not supported")
+    if data.get("logprobs") not in (None, False) or data.get("top_logprobs") is not None:
+        raise bad_request("'logprobs' is not supported")
+    if data.get("suffix"):
+        raise bad_request("'suffix' is not supported")
+    for penalty in ("frequency_penalty", "presence_penalty"):
+        value = data.get(penalty)
+        if value not in (None, 0, 0.0):
+            raise bad_request(f"'{penalty}' is not supported (only 0)")
+    if data.get("logit_bias"):
+        raise bad_request("'logit_bias' is not supported")
+    if data.get("tools") or data.get("functions"):
+        raise bad_request("'tools' are not supported")
+    response_format = data.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
+        raise bad_request("'response_format' other than text is not supported")
+
+
+def _stream_options(data: dict[str, Any], stream: bool) -> bool:
+    options = data.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object")
+    if not stream:
+        raise bad_request("'stream_options' is only allowed with 'stream': true")
+    return _get_bool(options, "include_usage")
+
+
+def parse_completion(data: Any) -> ParsedRequest:
+    """An OpenAI /v1/completions body (one prompt: a string or a list of token ids)."""
+    data = _require_object(data)
+    _check_unsupported(data)
+    prompt = data.get("prompt")
+    # OpenAI allows a batch (list of prompts); exactly one is supported.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    text: str | None = None
+    input_ids: list[int] | None = None
+    if isinstance(prompt, str) and prompt:
+        text = prompt
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        input_ids = list(prompt)
+    else:
+        raise bad_request("'prompt' must be a non-empty string or list of token ids (one prompt)")
+    stream = _get_bool(data, "stream")
+    return ParsedRequest(
+        kind="completion",
+        request=GenerateRequest(sampling=parse_sampling(data), prompt=text, input_ids=input_ids),
+        stream=stream,
+        include_usage=_stream_options(data, stream),
+        model=_get_model(data),
+    )
+
+
+def _message_text(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts: list[str] = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{index}].content: only text parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise bad_request(f"messages[{index}].content must be a string or a list of text parts")
+
+
+def parse_chat(data: Any) -> ParsedRequest:
+    """An OpenAI /v1/chat/completions body; `messages` go to the decode worker's chat template."""
+    data = _require_object(data)
+    _check_unsupported(data)
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list of {role, content} objects")
+    normalized: list[dict[str, Any]] = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad_request(f"messages[{index}] must be an object with a string 'role'")
+        normalized.append({"role": message["role"], "content": _message_text(message.get("content"), index)})
+    field_name = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
+    stream = _get_bool(data, "stream")
+    return ParsedRequest(
+        kind="chat",
+        request=GenerateRequest(sampling=parse_sampling(data, field_name), messages=normalized),
+        stream=stream,
+        include_usage=_stream_options(data, stream),
+        model=_get_model(data),
+    )
+
+
+PARSERS = {"generate": parse_generate, "completion": parse_completion, "chat": parse_chat}
+
+
+# --------------------------------------------------------------------------------------------
+# Responses
+# --------------------------------------------------------------------------------------------
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One Server-Sent Event carrying `obj` as JSON."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def error_body(status: int, message: str, error_type: str | None = None) -> dict[str, Any]:
+    """`{"error": {...}}` as the router answers it (via RouterError's shape)."""
+    return RouterError(status, message, error_type=error_type).to_dict()
+
+
+def _openai_id(parsed: ParsedRequest) -> str:
+    prefix = "chatcmpl-" if parsed.kind == "chat" else "cmpl-"
+    return prefix + parsed.request.request_id.removeprefix("req-")
+
+
+@dataclass
+class Collected:
+    """A whole (non-streamed) generation."""
+
+    text: str
+    token_ids: list[int]
+    done: DoneEvent
+
+
+async def collect(events: AsyncIterator[Event]) -> Collected:
+    """Run a generation to its end; an error after the first token raises RouterError."""
+    parts: list[str] = []
+    token_ids: list[int] = []
+    async for event in events:
+        if isinstance(event, TokenEvent):
+            parts.append(event.text)
+            token_ids.extend(event.token_ids)
+        elif isinstance(event, DoneEvent):
+            return Collected("".join(parts), token_ids, event)
+        elif isinstance(event, ErrorEvent):
+            raise RouterError(event.status, event.message)
+    raise RouterError(502, "the generation ended without a result")
+
+
+def done_fields(done: DoneEvent) -> dict[str, Any]:
+    """The fields of a DoneEvent that the /generate API reports."""
+    return {
+        "id": done.request_id,
+        "finish_reason": done.finish_reason,
+        "usage": done.usage,
+        "timings": done.timings,
+        "prefill": done.prefill,
+        "decode": done.decode,
+        "kv_bytes": done.kv_bytes,
+        "retries": done.retries,
+    }
+
+
+def final_body(parsed: ParsedRequest, result: Collected, model: str) -> dict[str, Any]:
+    """The JSON answer of a non-streamed request, in the endpoint's format."""
+    done = result.done
+    if parsed.kind == "generate":
+        return {"text": result.text, "tokens": result.token_ids, **done_fields(done)}
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": done.finish_reason}
+    if parsed.kind == "chat":
+        choice["message"] = {"role": "assistant", "content": result.text}
+    else:
+        choice["text"] = result.text
+    return {
+        "id": _openai_id(parsed),
+        "object": "chat.completion" if parsed.kind == "chat" else "text_completion",
+        "created": parsed.created,
+        "model": model,
+        "choices": [choice],
+        "usage": done.usage,
+    }
+
+
+async def sse_stream(
+    parsed: ParsedRequest, first: Event | None, events: AsyncIterator[Event], model: str
+) -> AsyncIterator[bytes]:
+    """Server-Sent Events for a streamed request, ending with `data: [DONE]`.
+
+    `first` is the already received first event (the view waits for it so that errors before
+    the first token still get their HTTP status). Closing this generator closes `events`, which
+    aborts the request on its workers.
+    """
+    try:
+        if parsed.kind == "chat":
+            yield sse(_chunk(parsed, model, {"role": "assistant", "content": ""}, None, None))
+        event = first
+        while event is not None:  # bounded by the client generator, whose waits all time out
+            if isinstance(event, TokenEvent):
+                if parsed.kind == "generate":
+                    yield sse({"text": event.text, "token_ids": event.token_ids})
+                else:
+                    delta = {"content": event.text}
+                    yield sse(_chunk(parsed, model, delta, None, event.token_ids))
+            elif isinstance(event, DoneEvent):
+                if parsed.kind == "generate":
+                    yield sse(done_fields(event))
+                else:
+                    yield sse(_chunk(parsed, model, {}, event.finish_reason, None))
+                    if parsed.include_usage:
+                        yield sse(_usage_chunk(parsed, model, event.usage))
+                break
+            elif isinstance(event, ErrorEvent):
+                yield sse(error_body(event.status, event.message))
+                break
+            event = await anext(events, None)
+        yield SSE_DONE
+    finally:
+        closer = getattr(events, "aclose", None)
+        if closer is not None:
+            await closer()
+
+
+def _chunk(
+    parsed: ParsedRequest,
+    model: str,
+    delta: dict[str, Any],
+    finish_reason: str | None,
+    token_ids: list[int] | None,
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+    if parsed.kind == "chat":
+        choice["delta"] = delta
+    else:
+        choice["text"] = delta.get("content", "")
+    if token_ids is not None:
+        # Not in OpenAI's schema (clients ignore it); load testers count tokens exactly with it.
+        choice["token_ids"] = token_ids
+    chunk: dict[str, Any] = {
+        "id": _openai_id(parsed),
+        "object": "chat.completion.chunk" if parsed.kind == "chat" else "text_completion",
+        "created": parsed.created,
+        "model": model,
+        "choices": [choice],
+    }
+    if parsed.include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def _usage_chunk(parsed: ParsedRequest, model: str, usage: dict[str, int]) -> dict[str, Any]:
+    return {
+        "id": _openai_id(parsed),
+        "object": "chat.completion.chunk" if parsed.kind == "chat" else "text_completion",
+        "created": parsed.created,
+        "model": model,
+        "choices": [],
+        "usage": usage,
+    }

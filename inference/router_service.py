@@ -1,0 +1,112 @@
+"""The router of this process: one WorkerPool and DisaggregatedClient, built from Django settings.
+
+Built lazily on first use, so importing the views never touches the network; the health-check task
+is started on first use inside the running event loop (a gunicorn/uvicorn worker has one loop;
+when a new loop shows up, as in tests, the pool moves its HTTP client and health task to it).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+
+from inference.router import DisaggregatedClient, RouterError, WorkerPool
+
+
+@dataclass
+class RouterService:
+    """The process-wide router state."""
+
+    pool: WorkerPool
+    client: DisaggregatedClient
+    started_at: float = field(default_factory=time.time)
+
+    def model_hint(self) -> str | None:
+        """A model name from the workers' last health answers (no network), if any reported one."""
+        for endpoint in self.pool.endpoints("decode") + self.pool.endpoints("prefill"):
+            model = (endpoint.last_health or {}).get("model")
+            if isinstance(model, str) and model:
+                return model
+        return None
+
+    def status(self) -> dict[str, Any]:
+        """The pool's status plus this process's settings, for /router/status."""
+        client = self.client
+        return {
+            **self.pool.status(),
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "timeouts_s": {
+                "request": client.request_timeout_s,
+                "connect": client.connect_timeout_s,
+                "descriptor": client.descriptor_timeout_s,
+                "stall": client.stall_timeout_s,
+                "abort": client.abort_timeout_s,
+            },
+        }
+
+
+_lock = threading.Lock()
+_service: RouterService | None = None
+
+
+def build_service() -> RouterService:
+    """A new RouterService from the ROUTER_* settings; ValueError on a bad endpoint or policy."""
+    # httpx logs every request at INFO: with health checks every couple of seconds per worker
+    # that drowns the router's own log, so only its warnings are kept.
+    httpx_logger = logging.getLogger("httpx")
+    if httpx_logger.getEffectiveLevel() < logging.WARNING:
+        httpx_logger.setLevel(logging.WARNING)
+    secret = getattr(settings, "PLATFORM_SHARED_SECRET", "") or ""
+    connect_timeout = float(settings.ROUTER_CONNECT_TIMEOUT_S)
+    pool = WorkerPool(
+        settings.ROUTER_PREFILL_ENDPOINTS,
+        settings.ROUTER_DECODE_ENDPOINTS,
+        settings.ROUTER_POLICY,
+        health_interval_s=float(settings.ROUTER_HEALTH_INTERVAL_S),
+        health_timeout_s=max(1.0, connect_timeout),
+        connect_timeout_s=connect_timeout,
+        # The workers' internal endpoints (inference/server/app.py) check this header.
+        headers={"X-Platform-Secret": secret} if secret else None,
+    )
+    client = DisaggregatedClient(
+        pool,
+        request_timeout_s=float(settings.ROUTER_REQUEST_TIMEOUT_S),
+        connect_timeout_s=connect_timeout,
+    )
+    return RouterService(pool=pool, client=client)
+
+
+def get_router() -> RouterService:
+    """This process's router, built on first call; starts its health checks in the running loop.
+
+    Raises RouterError(503) when the settings name a bad endpoint URL or policy, so that every
+    request says why instead of failing with a traceback.
+    """
+    global _service
+    with _lock:
+        if _service is None:
+            try:
+                _service = build_service()
+            except ValueError as exc:
+                raise RouterError(503, f"router misconfigured: {exc}") from exc
+        service = _service
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return service  # called from sync code: health checks start with the first async use
+    service.pool.start_health_checks()
+    return service
+
+
+def set_router(service: RouterService | None) -> None:
+    """Replace (or with None, forget) this process's router; for tests and a future control plane."""
+    global _service
+    with _lock:
+        _service = service

@@ -1,0 +1,43 @@
+"""Flags of `python -m inference.launch_router` (the process itself runs in test_router_views)."""
+from __future__ import annotations
+
+import pytest
+
+from inference.launch_router import parse_args, router_environment
+
+BASE = ["--prefill-endpoint", "http://p1:30000", "--decode-endpoint", "http://d1:30001/"]
+
+
+def test_flags_become_the_router_environment() -> None:
+    args = parse_args(
+        [*BASE, "--prefill-endpoint", "http://p2:30000", "--listen-port", "8100",
+         "--load-balance-strategy", "least-connections", "--workers", "2", "--log-level", "debug"]
+    )
+    env = router_environment(args)
+    assert env["ROUTER_PREFILL_ENDPOINTS"] == "http://p1:30000,http://p2:30000"
+    assert env["ROUTER_DECODE_ENDPOINTS"] == "http://d1:30001"
+    assert env["ROUTER_POLICY"] == "least-connections"
+    assert env["ROUTER_PORT"] == "8100" and env["ROUTER_WORKERS"] == "2"
+    assert env["ROUTER_HOST"] == "0.0.0.0" and env["PLATFORM_LOG_LEVEL"] == "DEBUG"
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag", "words"),
+    [
+        (["--prefill-endpoint", "http://p:1", "--decode-endpoint", "decode-node:30001"], "--decode-endpoint",
+         "http(s)"),
+        (["--prefill-endpoint", "ftp://p:1", "--decode-endpoint", "http://d:1"], "--prefill-endpoint", "http(s)"),
+        ([*BASE, "--load-balance-strategy", "random"], "--load-balance-strategy", "power-of-two"),
+        ([*BASE, "--listen-port", "70000"], "--listen-port", "65535"),
+        ([*BASE, "--workers", "0"], "--workers", "[1, 256]"),
+        (["--decode-endpoint", "http://d:1"], "--prefill-endpoint", "required"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(
+    argv: list[str], flag: str, words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and words in err
