@@ -64,12 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the router of a disaggregated (prefill/decode) deployment.",
     )
     parser.add_argument(
-        "--prefill-endpoint", action="append", required=True, type=_endpoint_url, metavar="URL",
+        "--prefill-endpoint", action="append", default=[], type=_endpoint_url, metavar="URL",
         help="base URL of a prefill worker, e.g. http://prefill-node:30000 (repeatable)",
     )
     parser.add_argument(
-        "--decode-endpoint", action="append", required=True, type=_endpoint_url, metavar="URL",
+        "--decode-endpoint", action="append", default=[], type=_endpoint_url, metavar="URL",
         help="base URL of a decode worker, e.g. http://decode-node:30001 (repeatable)",
+    )
+    parser.add_argument(
+        "--deployment", default=None, metavar="NAME",
+        help="managed mode: follow the RUNNING workers of this control-plane deployment instead of "
+        "static endpoints (changes apply without a restart)",
     )
     parser.add_argument(
         "--listen-port", type=_bounded_int(1, 65535), default=8000, help="port to serve on (default 8000)"
@@ -93,6 +98,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.host.strip():
         parser.error("argument --host: must not be empty")
+    if args.deployment is not None:
+        if not args.deployment.strip():
+            parser.error("argument --deployment: must not be empty")
+        if args.prefill_endpoint or args.decode_endpoint:
+            parser.error("--deployment follows the control plane: do not combine it with --prefill-endpoint/"
+                         "--decode-endpoint")
+    elif not args.prefill_endpoint or not args.decode_endpoint:
+        parser.error("--prefill-endpoint and --decode-endpoint are required (or --deployment NAME)")
     return args
 
 
@@ -102,6 +115,7 @@ def router_environment(args: argparse.Namespace) -> dict[str, str]:
         "ROUTER_PREFILL_ENDPOINTS": ",".join(args.prefill_endpoint),
         "ROUTER_DECODE_ENDPOINTS": ",".join(args.decode_endpoint),
         "ROUTER_POLICY": args.load_balance_strategy,
+        "ROUTER_DEPLOYMENT": args.deployment or "",
         "ROUTER_HOST": args.host,
         "ROUTER_PORT": str(args.listen_port),
         "ROUTER_WORKERS": str(args.workers),

@@ -26,6 +26,22 @@ class RouterService:
     pool: WorkerPool
     client: DisaggregatedClient
     started_at: float = field(default_factory=time.time)
+    deployment: str | None = None
+    follow_task: asyncio.Task[None] | None = None
+
+    def start_following(self, interval_s: float) -> None:
+        """In managed mode, start (or move to the running loop) the task following the deployment."""
+        if self.deployment is None:
+            return
+        from inference.router_follow import follow
+
+        loop = asyncio.get_running_loop()
+        task = self.follow_task
+        if task is not None and not task.done() and task.get_loop() is loop:
+            return
+        if task is not None and not task.done():
+            task.get_loop().call_soon_threadsafe(task.cancel)
+        self.follow_task = loop.create_task(follow(self.pool, self.deployment, interval_s), name="router-follow")
 
     def model_hint(self) -> str | None:
         """A model name from the workers' last health answers (no network), if any reported one."""
@@ -40,6 +56,7 @@ class RouterService:
         client = self.client
         return {
             **self.pool.status(),
+            "deployment": self.deployment,
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started_at, 3),
             "timeouts_s": {
@@ -80,7 +97,12 @@ def build_service() -> RouterService:
         request_timeout_s=float(settings.ROUTER_REQUEST_TIMEOUT_S),
         connect_timeout_s=connect_timeout,
     )
-    return RouterService(pool=pool, client=client)
+    deployment = getattr(settings, "ROUTER_DEPLOYMENT", None)
+    if deployment:
+        from inference.router_follow import load_now
+
+        load_now(pool, deployment)
+    return RouterService(pool=pool, client=client, deployment=deployment or None)
 
 
 def get_router() -> RouterService:
@@ -102,6 +124,7 @@ def get_router() -> RouterService:
     except RuntimeError:
         return service  # called from sync code: health checks start with the first async use
     service.pool.start_health_checks()
+    service.start_following(float(getattr(settings, "ROUTER_FOLLOW_INTERVAL_S", 2.0)))
     return service
 
 

@@ -94,6 +94,13 @@ class WorkerPool:
         self._endpoints[role] = updated
         self._info_cache = None
 
+    def set_policy(self, policy: str) -> None:
+        """Switch the load-balancing policy (ValueError on an unknown name; unchanged name: no-op)."""
+        name = canonical_policy_name(policy)
+        if name != self.policy_name:
+            self._policies = {role: make_policy(name) for role in ROLES}
+            self.policy_name = name
+
     def endpoints(self, role: str) -> list[Endpoint]:
         """The endpoints of `role` (a copy of the list)."""
         return list(self._endpoints[role])

@@ -1,0 +1,80 @@
+"""Managed router mode: keep the router's pool equal to a deployment's RUNNING workers.
+
+`python -m inference.launch_router --deployment NAME` sets ROUTER_DEPLOYMENT; the router then reads
+the deployment's healthy workers and policy from the control-plane database every
+ROUTER_FOLLOW_INTERVAL_S seconds and applies changes without a restart (scale-ups join, drained and
+dead workers leave).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from asgiref.sync import sync_to_async
+
+from inference.router import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeploymentView:
+    """What the router needs of a deployment: its policy and the URLs of its RUNNING workers."""
+
+    exists: bool
+    policy: str
+    prefill: list[str]
+    decode: list[str]
+
+
+def read_deployment(name: str) -> DeploymentView:
+    """The deployment's routing view from the database (sync ORM; call from a thread in async code)."""
+    from inference.models import Deployment
+    from nodes.models import Worker, WorkerStatus
+
+    deployment = Deployment.objects.filter(name=name).first()
+    if deployment is None:
+        return DeploymentView(False, "round-robin", [], [])
+    workers = Worker.objects.filter(deployment=deployment, status=WorkerStatus.RUNNING).select_related("node")
+    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for worker in workers:
+        urls.setdefault(worker.role, []).append(worker.url)
+    return DeploymentView(True, deployment.router_policy, sorted(urls["prefill"]), sorted(urls["decode"]))
+
+
+def apply_view(pool: WorkerPool, view: DeploymentView) -> None:
+    """Make the pool route to exactly the view's workers with its policy."""
+    pool.set_policy(view.policy)
+    pool.set_endpoints("prefill", view.prefill)
+    pool.set_endpoints("decode", view.decode)
+
+
+def load_now(pool: WorkerPool, name: str, timeout_s: float = 10.0) -> DeploymentView:
+    """Synchronously load the deployment into the pool (in a helper thread: safe from async code)."""
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        view = executor.submit(read_deployment, name).result(timeout=timeout_s)
+    if not view.exists:
+        logger.warning("router follows deployment %r, which does not exist (yet)", name)
+    apply_view(pool, view)
+    return view
+
+
+async def follow(pool: WorkerPool, name: str, interval_s: float) -> None:
+    """Refresh the pool from the database forever; a failed round is logged and retried."""
+    last: DeploymentView | None = None
+    while True:  # for the life of the router process; each round is bounded by the DB timeout
+        try:
+            view = await sync_to_async(read_deployment, thread_sensitive=False)(name)
+            if view != last:
+                apply_view(pool, view)
+                logger.info(
+                    "deployment %s: prefill %s, decode %s, policy %s", name, view.prefill, view.decode, view.policy
+                )
+                last = view
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001  a database hiccup must not stop the router
+            logger.exception("reading deployment %s failed; keeping the current workers", name)
+        await asyncio.sleep(interval_s)

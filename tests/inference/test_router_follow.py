@@ -1,0 +1,56 @@
+"""Managed router mode: the pool follows a deployment's RUNNING workers and policy from the database."""
+from __future__ import annotations
+
+import pytest
+
+from inference.launch_router import parse_args
+from inference.router import WorkerPool
+from inference.router_follow import apply_view, load_now, read_deployment
+from nodes.models import WorkerStatus
+from tests.support.control_plane import make_deployment, make_node, make_worker
+
+
+def urls(pool: WorkerPool, role: str) -> list[str]:
+    return [endpoint.url for endpoint in pool.endpoints(role)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_pool_follows_running_workers_and_policy() -> None:
+    deployment = make_deployment(name="chat", router_policy="least-connections")
+    host_a = make_node(name="host-a", address="10.9.0.2")
+    host_b = make_node(name="host-b", address="10.9.0.3")
+    make_worker(deployment, host_a, role="prefill", port=30000, status=WorkerStatus.RUNNING)
+    decode = make_worker(deployment, host_b, role="decode", port=30001, status=WorkerStatus.RUNNING)
+    make_worker(deployment, host_b, role="decode", port=30002, status=WorkerStatus.STARTING)
+    other = make_deployment(name="other")
+    make_worker(other, host_b, role="decode", port=30003, status=WorkerStatus.RUNNING)
+
+    pool = WorkerPool(policy="round-robin")
+    load_now(pool, "chat")
+    assert urls(pool, "prefill") == ["http://10.9.0.2:30000"]
+    assert urls(pool, "decode") == ["http://10.9.0.3:30001"]  # STARTING and other deployments excluded
+    assert pool.policy_name == "least-connections"
+
+    # A scale-up becomes RUNNING, the old decode worker is drained: applied without a restart.
+    decode.status = WorkerStatus.DRAINING
+    decode.save()
+    make_worker(deployment, host_a, role="decode", port=30004, status=WorkerStatus.RUNNING)
+    apply_view(pool, read_deployment("chat"))
+    assert urls(pool, "decode") == ["http://10.9.0.2:30004"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_unknown_deployment_routes_nowhere() -> None:
+    view = read_deployment("missing")
+    assert not view.exists and view.prefill == [] and view.decode == []
+
+
+def test_launch_router_flags_for_managed_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_args(["--deployment", "chat"]).deployment == "chat"
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--deployment", "chat", "--decode-endpoint", "http://h:1"])
+    assert exc.value.code == 2
+    assert "--deployment" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--listen-port", "8000"])
+    assert "--prefill-endpoint" in capsys.readouterr().err
