@@ -1,0 +1,64 @@
+"""Celery tasks of the controller, on the default queue "control" (CELERY_TASK_DEFAULT_QUEUE).
+
+Thin wrappers: the work is in inference.controller (reconcile, placement, heartbeats),
+inference.scaling (rules), inference.collector (metrics) and inference.actions (scale, prune).
+Celery beat runs the periodic ones (`python manage.py setup_schedules` creates their PeriodicTasks).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import shared_task
+
+from inference import actions, collector, controller, scaling
+from inference.models import Deployment
+
+logger = logging.getLogger(__name__)
+
+
+@shared_task(name="inference.tasks.reconcile_deployment", ignore_result=True)
+def reconcile_deployment(*, deployment_id: int) -> dict[str, Any]:
+    """Start missing and drain surplus workers of one deployment."""
+    return controller.reconcile(deployment_id).as_dict()
+
+
+@shared_task(name="inference.tasks.reconcile_all", ignore_result=True)
+def reconcile_all() -> int:
+    """Reconcile every deployment (periodic safety net for lost messages and offline nodes)."""
+    return len(controller.reconcile_all())
+
+
+@shared_task(name="inference.tasks.scale_deployment_task", ignore_result=True)
+def scale_deployment_task(*, deployment_id: int, role: str, replicas: int, source: str, reason: str) -> int | None:
+    """Set a role's desired replicas (clamped to min/max, recorded as a ScaleEvent); returns the event id."""
+    deployment = Deployment.objects.filter(pk=deployment_id).first()
+    if deployment is None:
+        logger.warning("scale_deployment_task: deployment #%s no longer exists", deployment_id)
+        return None
+    event = actions.scale_deployment(deployment, role, replicas, source=source, reason=reason)
+    return event.pk if event is not None else None
+
+
+@shared_task(name="inference.tasks.evaluate_scaling_rules", ignore_result=True)
+def evaluate_scaling_rules() -> int:
+    """Evaluate threshold and schedule rules; returns how many scale events they recorded."""
+    return len(scaling.evaluate_all())
+
+
+@shared_task(name="inference.tasks.collect_metrics", ignore_result=True)
+def collect_metrics() -> int:
+    """Scrape RUNNING workers and record per-role MetricSamples; returns how many samples."""
+    return collector.collect()
+
+
+@shared_task(name="inference.tasks.check_node_heartbeats", ignore_result=True)
+def check_node_heartbeats() -> list[str]:
+    """Mark silent nodes OFFLINE (their workers are re-placed); returns their names."""
+    return [node.name for node in controller.check_node_heartbeats()]
+
+
+@shared_task(name="inference.tasks.prune_metrics", ignore_result=True)
+def prune_metrics() -> int:
+    """Delete MetricSamples older than METRICS_RETENTION_HOURS; returns how many."""
+    return actions.prune_metric_samples()

@@ -1,0 +1,301 @@
+"""State changes of nodes and workers: the one place views, admin, tasks, the controller and agents call.
+
+Two kinds of callers:
+- the control side (REST API, admin, controller) asks for things: `restart_worker`, `drain_node`,
+  `request_start`, `request_stop`. These change the database and, once the transaction commits,
+  send a Celery task to the node's queue `node.<name>`, where that node's agent acts on it.
+- an agent reports what happened to its processes: `report_*` and `heartbeat`. Reports are
+  conditional updates (`UPDATE ... WHERE status IN (...)`), so a late report can never undo a
+  decision taken meanwhile: a health answer does not turn a worker the controller started draining
+  back into RUNNING, nor revive one the controller gave up on when its node went offline.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from nodes.models import ACTIVE_WORKER_STATUSES, Node, NodeStatus, Worker, WorkerStatus
+from nodes.resources import NodeResources
+
+logger = logging.getLogger(__name__)
+
+FINAL_WORKER_STATUSES = [WorkerStatus.STOPPED, WorkerStatus.FAILED]
+LIVE_WORKER_STATUSES = [s for s in WorkerStatus.values if s not in FINAL_WORKER_STATUSES]
+# last_error is a TextField, but a crash log tail should stay readable in the admin.
+MAX_ERROR_CHARS = 4000
+
+
+def _now() -> datetime:
+    return timezone.now()
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_ERROR_CHARS else "…" + text[-MAX_ERROR_CHARS:]
+
+
+# ---------------------------------------------------------------------------------------------- nodes
+def register_node(
+    *,
+    name: str,
+    address: str,
+    resources: NodeResources,
+    port_range: tuple[int, int] = (30000, 30999),
+    labels: dict[str, Any] | None = None,
+) -> Node:
+    """Create or update the Node an agent runs on, with its detected resources; it is ONLINE afterwards.
+
+    A node that was DRAINING stays DRAINING (an agent restart does not undo an operator's drain).
+    `labels` replace the stored labels when given (the agent passes its --roles/--label flags).
+    """
+    start, end = port_range
+    if not 1 <= start <= end <= 65535:
+        raise ValueError(f"port range {start}-{end} is not within 1-65535")
+    with transaction.atomic():
+        node = Node.objects.select_for_update().filter(name=name).first()
+        if node is None:
+            node = Node(name=name)
+        node.address = address
+        node.hostname = resources.hostname
+        node.cpu_count = resources.cpu_count
+        node.memory_bytes = resources.memory_bytes
+        node.gpus = resources.gpus
+        node.rdma_devices = resources.rdma_devices
+        node.rdma_note = resources.rdma_note
+        node.port_range_start, node.port_range_end = start, end
+        if labels is not None:
+            node.labels = labels
+        if node.status != NodeStatus.DRAINING:
+            node.status = NodeStatus.ONLINE
+        node.last_heartbeat = _now()
+        node.save()
+    logger.info("node %s registered at %s (%d CPUs, %d GPUs)", name, address, node.cpu_count, len(node.gpus))
+    return node
+
+
+def heartbeat(node_id: int, *, metrics: dict[str, Any] | None = None) -> bool:
+    """An agent is alive: stamp last_heartbeat (and host metrics); an OFFLINE node comes back ONLINE.
+
+    Returns False when the node no longer exists (deleted in the admin): the agent then re-registers.
+    """
+    now = _now()
+    fields: dict[str, Any] = {"last_heartbeat": now}
+    if metrics is not None:
+        fields["last_metrics"] = metrics
+    updated = Node.objects.filter(pk=node_id).update(**fields)
+    if updated:
+        came_back = Node.objects.filter(pk=node_id, status=NodeStatus.OFFLINE).update(status=NodeStatus.ONLINE)
+        if came_back:
+            logger.info("node #%s is back online", node_id)
+    return bool(updated)
+
+
+def mark_node_offline(node: Node, *, reason: str) -> list[Worker]:
+    """A node's agent went silent (or shut down): OFFLINE, and its live workers STOPPED, to be re-placed.
+
+    The workers' pids are kept so that the agent, if it comes back, can find and kill the processes
+    (see nodes.agent.supervisor). The controller re-places them: `reconcile_deployment` is sent for every
+    affected deployment once the transaction commits. Returns the workers given up on.
+    """
+    now = _now()
+    with transaction.atomic():
+        Node.objects.filter(pk=node.pk).update(status=NodeStatus.OFFLINE)
+        node.status = NodeStatus.OFFLINE
+        workers = list(Worker.objects.select_for_update().filter(node=node, status__in=LIVE_WORKER_STATUSES))
+        Worker.objects.filter(pk__in=[w.pk for w in workers]).update(
+            status=WorkerStatus.STOPPED, last_error=_clip(f"node {node.name} offline: {reason}"), updated_at=now
+        )
+        _reconcile_on_commit(w.deployment_id for w in workers)
+    logger.warning("node %s offline (%s); %d worker(s) to re-place", node.name, reason, len(workers))
+    return workers
+
+
+def drain_node(node: Node) -> Node:
+    """Take a node out of service: no new workers there; its workers drain and stop, replacements go elsewhere.
+
+    RUNNING workers drain first (finish their requests, bounded by AGENT_DRAIN_TIMEOUT_S); workers not
+    serving yet (PENDING/STARTING/UNHEALTHY) just stop. The deployments are reconciled on commit, which
+    places replacements on other online nodes. `activate_node` undoes the drain for new placements.
+    """
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node.pk)
+        if node.status == NodeStatus.ONLINE:
+            node.status = NodeStatus.DRAINING
+            node.save(update_fields=["status"])
+        workers = list(Worker.objects.select_related("node").filter(node=node, status__in=ACTIVE_WORKER_STATUSES))
+        for worker in workers:
+            request_stop(worker, drain=worker.status == WorkerStatus.RUNNING, reason=f"node {node.name} drained")
+        _reconcile_on_commit(w.deployment_id for w in workers)
+    logger.info("node %s draining; %d worker(s) stopping", node.name, len(workers))
+    return node
+
+
+def activate_node(node: Node) -> Node:
+    """Put a DRAINING node back into service (new workers may be placed on it again)."""
+    Node.objects.filter(pk=node.pk, status=NodeStatus.DRAINING).update(status=NodeStatus.ONLINE)
+    node.refresh_from_db()
+    return node
+
+
+# ------------------------------------------------------------------------------- control-side requests
+def request_start(worker: Worker) -> None:
+    """Ask the worker's agent to start it (sent on commit; the agent ignores it unless the worker is live)."""
+    _send_to_node(worker, "start_worker", worker_id=worker.pk)
+
+
+def request_stop(worker: Worker, *, drain: bool, reason: str = "") -> None:
+    """Take a worker out of service and ask its agent to stop it, draining it first when `drain`.
+
+    The status changes now (DRAINING, or STOPPING without drain), so routers following the database stop
+    sending it new requests at once and the controller no longer counts it as a replica. A PENDING
+    worker's agent may not have it yet; it is told anyway so that a start racing with this stop is undone.
+    """
+    status = WorkerStatus.DRAINING if drain else WorkerStatus.STOPPING
+    fields: dict[str, Any] = {"status": status, "updated_at": _now()}
+    if reason:
+        fields["last_error"] = _clip(reason)
+    Worker.objects.filter(pk=worker.pk, status__in=LIVE_WORKER_STATUSES).update(**fields)
+    worker.status = status
+    _send_to_node(worker, "stop_worker", worker_id=worker.pk, drain=drain)
+
+
+def restart_worker(worker: Worker) -> None:
+    """Ask the worker's agent to restart its process (stop without drain, start again; restarts + 1).
+
+    Raises ValueError when the worker is no longer live (STOPPED/FAILED: scale the deployment instead)
+    or its node is OFFLINE (no agent would receive the request).
+    """
+    worker.refresh_from_db(fields=["status"])
+    if worker.status not in ACTIVE_WORKER_STATUSES:
+        raise ValueError(f"worker #{worker.pk} is {worker.status}; only a live worker can be restarted")
+    if worker.node.status == NodeStatus.OFFLINE:
+        raise ValueError(f"node {worker.node.name} is offline; its worker cannot be restarted")
+    _send_to_node(worker, "restart_worker", worker_id=worker.pk)
+
+
+def _send_to_node(worker: Worker, task_name: str, **kwargs: Any) -> None:
+    """Send nodes.tasks.<task_name> to the worker's node queue once the current transaction commits."""
+    queue = worker.node.queue_name
+
+    def send() -> None:
+        import nodes.tasks  # imported late: the tasks module imports the agent runtime
+
+        getattr(nodes.tasks, task_name).apply_async(kwargs=kwargs, queue=queue)
+
+    transaction.on_commit(send)
+
+
+def _reconcile_on_commit(deployment_ids: Iterable[int]) -> None:
+    """Send reconcile_deployment for each deployment once the transaction commits."""
+    ids = sorted(set(deployment_ids))
+    if not ids:
+        return
+
+    def send() -> None:
+        from inference import tasks
+
+        for deployment_id in ids:
+            tasks.reconcile_deployment.delay(deployment_id=deployment_id)
+
+    transaction.on_commit(send)
+
+
+# ------------------------------------------------------------------------------------- agent reports
+def report_launched(worker_id: int, *, pid: int, restart: bool) -> bool:
+    """The agent started the worker's process: STARTING with its pid; `restart` counts one more restart.
+
+    Only a live worker (PENDING/STARTING/RUNNING/UNHEALTHY) moves; False means the worker was given up on
+    meanwhile and the agent should stop the process again.
+    """
+    fields: dict[str, Any] = {"status": WorkerStatus.STARTING, "pid": pid, "updated_at": _now()}
+    if restart:
+        fields["restarts"] = F("restarts") + 1
+    return bool(Worker.objects.filter(pk=worker_id, status__in=ACTIVE_WORKER_STATUSES).update(**fields))
+
+
+def report_healthy(worker_id: int, *, health: dict[str, Any], kv_port: int | None = None) -> bool:
+    """A health check passed: store it; PENDING/STARTING/UNHEALTHY become RUNNING (routable).
+
+    A DRAINING or STOPPING worker keeps its status (only its health is stored). `kv_port` is the decode
+    worker's KV port from /info. Returns whether the worker is RUNNING now.
+    """
+    now = _now()
+    Worker.objects.filter(pk=worker_id).update(last_health=health, last_seen=now)
+    fields: dict[str, Any] = {"status": WorkerStatus.RUNNING, "last_error": "", "updated_at": now}
+    if kv_port is not None:
+        fields["kv_port"] = kv_port
+    promoted = Worker.objects.filter(
+        pk=worker_id, status__in=[WorkerStatus.PENDING, WorkerStatus.STARTING, WorkerStatus.UNHEALTHY]
+    ).update(**fields)
+    if promoted:
+        logger.info("worker #%s is running", worker_id)
+        return True
+    return Worker.objects.filter(pk=worker_id, status=WorkerStatus.RUNNING).exists()
+
+
+def report_unhealthy(worker_id: int, *, error: str, health: dict[str, Any] | None = None) -> bool:
+    """Health checks keep failing while the process lives: RUNNING/STARTING → UNHEALTHY (no traffic)."""
+    fields: dict[str, Any] = {"status": WorkerStatus.UNHEALTHY, "last_error": _clip(error), "updated_at": _now()}
+    if health is not None:
+        fields["last_health"] = health
+    return bool(
+        Worker.objects.filter(pk=worker_id, status__in=[WorkerStatus.STARTING, WorkerStatus.RUNNING]).update(**fields)
+    )
+
+
+def report_crashed(worker_id: int, *, error: str) -> bool:
+    """The process exited unexpectedly and will be restarted after a backoff: UNHEALTHY, no pid."""
+    return bool(
+        Worker.objects.filter(pk=worker_id, status__in=ACTIVE_WORKER_STATUSES).update(
+            status=WorkerStatus.UNHEALTHY, pid=None, last_error=_clip(error), updated_at=_now()
+        )
+    )
+
+
+def report_draining(worker_id: int) -> bool:
+    """The agent started draining the worker (the controller usually set DRAINING already)."""
+    return bool(
+        Worker.objects.filter(pk=worker_id, status__in=ACTIVE_WORKER_STATUSES).update(
+            status=WorkerStatus.DRAINING, updated_at=_now()
+        )
+    )
+
+
+def report_stopping(worker_id: int) -> bool:
+    """The agent sent SIGTERM to the worker's process."""
+    return bool(
+        Worker.objects.filter(pk=worker_id, status__in=LIVE_WORKER_STATUSES).update(
+            status=WorkerStatus.STOPPING, updated_at=_now()
+        )
+    )
+
+
+def report_stopped(worker_id: int, *, error: str | None = None) -> bool:
+    """The worker's process is gone as requested: STOPPED without pid (a FAILED worker only loses its pid)."""
+    now = _now()
+    fields: dict[str, Any] = {"status": WorkerStatus.STOPPED, "pid": None, "updated_at": now}
+    if error is not None:
+        fields["last_error"] = _clip(error)
+    changed = Worker.objects.filter(pk=worker_id).exclude(status=WorkerStatus.FAILED).update(**fields)
+    Worker.objects.filter(pk=worker_id, status=WorkerStatus.FAILED).update(pid=None, updated_at=now)
+    return bool(changed)
+
+
+def report_failed(worker_id: int, *, error: str) -> bool:
+    """The agent gave up on the worker (too many crashes in the window): FAILED, then the controller
+    re-places the replica (avoiding this node for a while, see inference.controller)."""
+    with transaction.atomic():
+        worker = Worker.objects.filter(pk=worker_id).exclude(status=WorkerStatus.STOPPED).first()
+        if worker is None:
+            return False
+        Worker.objects.filter(pk=worker_id).update(
+            status=WorkerStatus.FAILED, pid=None, last_error=_clip(error), updated_at=_now()
+        )
+        _reconcile_on_commit([worker.deployment_id])
+    logger.error("worker #%s failed: %s", worker_id, error.splitlines()[0] if error else "")
+    return True

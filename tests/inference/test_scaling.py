@@ -1,0 +1,207 @@
+"""inference.scaling: load, threshold rules (duration, cooldown, min/max), schedule rules (midnight wrap)."""
+from __future__ import annotations
+
+from datetime import datetime, time, timedelta
+from zoneinfo import ZoneInfo
+
+import pytest
+from django.test import override_settings
+
+from inference import scaling
+from inference.models import Deployment, ScaleEvent, ScalingRule
+from nodes.models import Worker
+from tests.support.celery_capture import SentTasks, sent_tasks  # noqa: F401  (fixture)
+from tests.support.control_plane import make_deployment, make_node, make_worker
+
+pytestmark = pytest.mark.django_db
+
+T0 = datetime(2026, 3, 10, 12, 0, 0, tzinfo=ZoneInfo("UTC"))
+
+
+def set_load(deployment: Deployment, role: str, per_worker: list[tuple[int, int]], at: datetime) -> None:
+    """Replace the role's RUNNING workers by ones reporting (running, queue_depth), seen at `at`."""
+    Worker.objects.filter(deployment=deployment, role=role).delete()
+    node = make_node()
+    for running, queued in per_worker:
+        make_worker(deployment, node, role=role, status="running", last_seen=at,
+                    last_health={"status": "healthy", "running": running, "queue_depth": queued})
+
+
+def threshold_rule(deployment: Deployment, **fields: object) -> ScalingRule:
+    defaults: dict[str, object] = {"name": "busy prefill", "kind": "threshold", "role": "prefill",
+                                   "threshold": 0.8, "comparison": "above", "duration_s": 30,
+                                   "cooldown_s": 120, "step": 1}
+    defaults.update(fields)
+    return ScalingRule.objects.create(deployment=deployment, **defaults)
+
+
+def events(deployment: Deployment) -> list[ScaleEvent]:
+    return list(ScaleEvent.objects.filter(deployment=deployment).order_by("created_at", "pk"))
+
+
+def test_load_is_the_mean_capped_batch_fill_of_recent_running_workers() -> None:
+    dep = make_deployment(batch_size=4)
+    set_load(dep, "decode", [(2, 0), (4, 8)], T0)  # 0.5 and 3.0 → capped at 1.0
+    assert scaling.role_load(dep, "decode", now=T0) == pytest.approx(0.75)
+    assert scaling.role_load(dep, "decode", now=T0 + timedelta(minutes=5)) is None  # stale reports ignored
+    assert scaling.role_load(dep, "prefill", now=T0) is None  # no running worker
+    Worker.objects.filter(deployment=dep).update(status="unhealthy")
+    assert scaling.role_load(dep, "decode", now=T0) is None
+    assert scaling.worker_load({"running": 1, "queue_depth": 1}, 8) == 0.25
+    assert scaling.worker_load({"running": "?"}, 8) is None
+
+
+def test_threshold_needs_the_breach_to_last_then_cools_down(sent_tasks: SentTasks) -> None:  # noqa: F811
+    dep = make_deployment(prefill_replicas=1, prefill_min=1, prefill_max=3, batch_size=4)
+    rule = threshold_rule(dep)
+    set_load(dep, "prefill", [(4, 0)], T0)  # load 1.0 > 0.8
+
+    assert scaling.evaluate_all(now=T0) == []  # breach starts
+    rule.refresh_from_db()
+    assert rule.breach_started_at == T0
+    set_load(dep, "prefill", [(4, 0)], T0 + timedelta(seconds=20))
+    assert scaling.evaluate_all(now=T0 + timedelta(seconds=20)) == []  # 20 s < 30 s
+
+    set_load(dep, "prefill", [(4, 0)], T0 + timedelta(seconds=31))
+    [event] = scaling.evaluate_all(now=T0 + timedelta(seconds=31))
+    assert (event.role, event.from_replicas, event.to_replicas, event.source) == ("prefill", 1, 2, "threshold")
+    assert event.rule_id == rule.pk
+    assert "busy prefill" in event.reason and "load 1.00 above 0.8" in event.reason and "31s" in event.reason
+    rule.refresh_from_db()
+    assert rule.last_triggered_at == T0 + timedelta(seconds=31) and rule.breach_started_at is None
+
+    # Still busy: a new breach must last 30 s again and the 120 s cooldown must pass.
+    for seconds in (40, 80, 140):
+        set_load(dep, "prefill", [(4, 0), (4, 0)], T0 + timedelta(seconds=seconds))
+        assert scaling.evaluate_all(now=T0 + timedelta(seconds=seconds)) == [], seconds
+    set_load(dep, "prefill", [(4, 0), (4, 0)], T0 + timedelta(seconds=152))
+    [second] = scaling.evaluate_all(now=T0 + timedelta(seconds=152))
+    assert (second.from_replicas, second.to_replicas) == (2, 3)
+
+    # At the maximum nothing changes and no event is recorded.
+    for seconds in (300, 400, 500):
+        set_load(dep, "prefill", [(4, 0)] * 3, T0 + timedelta(seconds=seconds))
+        assert scaling.evaluate_all(now=T0 + timedelta(seconds=seconds)) == []
+    dep.refresh_from_db()
+    assert dep.prefill_replicas == 3
+    assert len(events(dep)) == 2
+    assert [kw for kw, _ in sent_tasks.named("reconcile_deployment")] == []  # on commit only: not in this txn
+
+
+def test_a_dip_resets_the_breach_timer() -> None:
+    dep = make_deployment(decode_replicas=1, batch_size=10)
+    rule = threshold_rule(dep, name="busy decode", role="decode", threshold=0.7, duration_s=30)
+    set_load(dep, "decode", [(9, 0)], T0)
+    scaling.evaluate_all(now=T0)
+    set_load(dep, "decode", [(5, 0)], T0 + timedelta(seconds=20))  # 0.5: back under
+    scaling.evaluate_all(now=T0 + timedelta(seconds=20))
+    rule.refresh_from_db()
+    assert rule.breach_started_at is None
+    set_load(dep, "decode", [(9, 0)], T0 + timedelta(seconds=35))
+    assert scaling.evaluate_all(now=T0 + timedelta(seconds=35)) == []  # new breach, not 35 s old
+
+
+def test_scale_down_rule_respects_the_minimum() -> None:
+    dep = make_deployment(decode_replicas=2, decode_min=1, decode_max=4, batch_size=10)
+    threshold_rule(dep, name="idle decode", role="decode", threshold=0.2, comparison="below", step=-1,
+                   duration_s=0, cooldown_s=0)
+    set_load(dep, "decode", [(0, 0), (1, 0)], T0)
+    [event] = scaling.evaluate_all(now=T0)
+    assert (event.from_replicas, event.to_replicas) == (2, 1) and "below 0.2" in event.reason
+    set_load(dep, "decode", [(0, 0)], T0 + timedelta(seconds=10))
+    assert scaling.evaluate_all(now=T0 + timedelta(seconds=10)) == []  # at min
+    dep.refresh_from_db()
+    assert dep.decode_replicas == 1
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "at", "inside"),
+    [
+        (time(22), time(7), time(23, 30), True),
+        (time(22), time(7), time(0, 0), True),
+        (time(22), time(7), time(6, 59, 59), True),
+        (time(22), time(7), time(7, 0), False),  # end is exclusive
+        (time(22), time(7), time(21, 59), False),
+        (time(22), time(7), time(22, 0), True),
+        (time(7), time(22), time(12), True),
+        (time(7), time(22), time(23), False),
+        (time(8), time(8), time(8), False),  # empty window
+    ],
+)
+def test_window(start: time, end: time, at: time, inside: bool) -> None:
+    assert scaling.in_window(start, end, at) is inside
+
+
+def night_and_day(dep: Deployment) -> tuple[ScalingRule, ScalingRule]:
+    night = ScalingRule.objects.create(deployment=dep, name="night", kind="schedule", role="decode",
+                                       start_time=time(22), end_time=time(7), target_replicas=1)
+    day = ScalingRule.objects.create(deployment=dep, name="day", kind="schedule", role="decode",
+                                     start_time=time(7), end_time=time(22), target_replicas=3)
+    return night, day
+
+
+@override_settings(TIME_ZONE="Asia/Shanghai")
+def test_schedule_wraps_midnight_in_the_platform_time_zone() -> None:
+    dep = make_deployment(decode_replicas=3, decode_min=1, decode_max=4)
+    night = ScalingRule.objects.create(deployment=dep, name="night", kind="schedule", role="decode",
+                                       start_time=time(22), end_time=time(7), target_replicas=1)
+    shanghai = ZoneInfo("Asia/Shanghai")
+    # 21:30 local: not yet.
+    assert scaling.evaluate_all(now=datetime(2026, 3, 10, 21, 30, tzinfo=shanghai)) == []
+    # 23:00 local = 15:00 UTC: the night window holds decode at 1.
+    [event] = scaling.evaluate_all(now=datetime(2026, 3, 10, 15, 0, tzinfo=ZoneInfo("UTC")))
+    assert (event.role, event.from_replicas, event.to_replicas, event.source) == ("decode", 3, 1, "schedule")
+    assert event.rule_id == night.pk and "night" in event.reason and "22:00–07:00" in event.reason
+    # 02:00 next day, still inside: nothing to do, no event.
+    assert scaling.evaluate_all(now=datetime(2026, 3, 11, 2, 0, tzinfo=shanghai)) == []
+    # Someone scales up by hand during the night: the schedule holds its value.
+    Deployment.objects.filter(pk=dep.pk).update(decode_replicas=2)
+    [held] = scaling.evaluate_all(now=datetime(2026, 3, 11, 3, 0, tzinfo=shanghai))
+    assert (held.from_replicas, held.to_replicas) == (2, 1)
+    # 07:00: the window ended and nothing is restored without a day rule.
+    assert scaling.evaluate_all(now=datetime(2026, 3, 11, 7, 0, tzinfo=shanghai)) == []
+    dep.refresh_from_db()
+    assert dep.decode_replicas == 1
+
+
+def test_a_day_rule_sets_the_day_value_back() -> None:
+    dep = make_deployment(decode_replicas=3, decode_min=1, decode_max=4)
+    night, day = night_and_day(dep)
+    utc = ZoneInfo("UTC")
+    [down] = scaling.evaluate_all(now=datetime(2026, 3, 10, 22, 0, tzinfo=utc))
+    [up] = scaling.evaluate_all(now=datetime(2026, 3, 11, 7, 0, tzinfo=utc))
+    assert (down.to_replicas, down.rule_id) == (1, night.pk)
+    assert (up.from_replicas, up.to_replicas, up.rule_id) == (1, 3, day.pk)
+    assert [e.source for e in events(dep)] == ["schedule", "schedule"]
+    assert all(e.reason for e in events(dep))
+
+
+def test_schedule_target_is_clamped_and_pauses_threshold_rules() -> None:
+    dep = make_deployment(decode_replicas=3, decode_min=2, decode_max=4, batch_size=4)
+    ScalingRule.objects.create(deployment=dep, name="night", kind="schedule", role="decode",
+                               start_time=time(22), end_time=time(7), target_replicas=1)
+    busy = threshold_rule(dep, name="busy decode", role="decode", threshold=0.7, duration_s=0, cooldown_s=0)
+    night = datetime(2026, 3, 10, 23, 0, tzinfo=ZoneInfo("UTC"))
+    set_load(dep, "decode", [(4, 4)], night)
+    [event] = scaling.evaluate_all(now=night)
+    assert (event.from_replicas, event.to_replicas) == (3, 2)  # min 2 wins over the target 1
+    assert "clamped" in event.reason
+    # Busy at night: the threshold rule is paused while the schedule holds decode.
+    assert scaling.evaluate_all(now=night + timedelta(seconds=10)) == []
+    busy.refresh_from_db()
+    assert busy.breach_started_at is None
+    # In the day the threshold rule works again.
+    day = datetime(2026, 3, 11, 12, 0, tzinfo=ZoneInfo("UTC"))
+    set_load(dep, "decode", [(4, 4)], day)
+    [up] = scaling.evaluate_all(now=day)
+    assert (up.source, up.from_replicas, up.to_replicas) == ("threshold", 2, 3)
+
+
+def test_disabled_rules_and_stopped_deployments_are_skipped() -> None:
+    dep = make_deployment(decode_replicas=3)
+    night, _ = night_and_day(dep)
+    ScalingRule.objects.filter(pk=night.pk).update(enabled=False)
+    assert scaling.evaluate_all(now=datetime(2026, 3, 10, 23, 0, tzinfo=ZoneInfo("UTC"))) == []
+    ScalingRule.objects.filter(pk=night.pk).update(enabled=True)
+    Deployment.objects.filter(pk=dep.pk).update(status="stopped")
+    assert scaling.evaluate_all(now=datetime(2026, 3, 10, 23, 0, tzinfo=ZoneInfo("UTC"))) == []

@@ -1,0 +1,344 @@
+"""The agent's supervisor with real processes: tiny-model workers started, killed, restarted, adopted, drained.
+
+The supervisor is driven by hand (`tick()` in the test thread), so every database write happens in this
+thread and the test runs the same on SQLite and PostgreSQL.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from django.utils import timezone
+
+from nodes import actions
+from nodes.agent.supervisor import (
+    Managed,
+    Phase,
+    Supervisor,
+    SupervisorConfig,
+    WorkerSpec,
+    backoff_delay,
+    is_idle,
+)
+from nodes.models import Node, Worker, WorkerStatus
+from tests.support.control_plane import make_deployment, make_model, make_node, make_worker
+from tests.support.processes import free_port
+
+pytestmark = pytest.mark.django_db
+
+
+def status(worker: Worker) -> str:
+    return str(Worker.objects.values_list("status", flat=True).get(pk=worker.pk))
+
+
+def fresh(worker: Worker) -> Worker:
+    return Worker.objects.get(pk=worker.pk)
+
+
+def config(log_dir: Path, **overrides: Any) -> SupervisorConfig:
+    values: dict[str, Any] = {
+        "log_dir": log_dir, "health_interval_s": 0.3, "health_timeout_s": 2.0, "health_failures": 3,
+        "startup_timeout_s": 120.0, "backoff_base_s": 0.5, "backoff_max_s": 5.0, "max_restarts": 3,
+        "restart_window_s": 120.0, "stop_timeout_s": 5.0, "drain_timeout_s": 60.0, "sync_interval_s": 1.0,
+    }
+    values.update(overrides)
+    return SupervisorConfig(**values)
+
+
+def kill_leftovers(*pids: int | None) -> None:
+    for pid in pids:
+        if pid:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def secret_headers() -> dict[str, str]:
+    secret = os.environ.get("PLATFORM_SHARED_SECRET", "")
+    return {"X-Platform-Secret": secret} if secret else {}
+
+
+class HeldDecodeRequest:
+    """A decode request that reserved its KV blocks and waits for the prompt KV (as while a prefill runs)."""
+
+    def __init__(self, decode_url: str) -> None:
+        self.url = decode_url
+        self.request_id = uuid.uuid4().hex
+        self._cm = httpx.stream(
+            "POST", decode_url + "/internal/decode", headers=secret_headers(), timeout=60,
+            json={"request_id": self.request_id, "prompt": "drain me gently", "sampling": {"max_tokens": 8}},
+        )
+        response = self._cm.__enter__()
+        assert response.status_code == 200
+        self.first = json.loads(next(response.iter_lines()))
+        assert self.first["type"] == "descriptor", self.first
+
+    def close(self) -> None:
+        """Abort it as the router does when the prefill side fails (frees its blocks), and hang up."""
+        try:
+            httpx.post(self.url + "/internal/abort", json={"request_id": self.request_id},
+                       headers=secret_headers(), timeout=10)
+        finally:
+            self._cm.__exit__(None, None, None)
+
+
+def test_backoff_delays_and_idle() -> None:
+    assert [backoff_delay(n, 1.0, 10.0) for n in range(0, 7)] == [0.0, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    assert backoff_delay(10_000, 1.0, 60.0) == 60.0
+    assert is_idle({"running": 0, "queue_depth": 0, "kv_usage": 0.0})
+    assert not is_idle({"running": 1, "queue_depth": 0})
+    assert not is_idle({"running": 0, "queue_depth": 2})
+    assert not is_idle({"running": 0, "queue_depth": 0, "kv_usage": 0.25})  # reserved, waiting for KV
+    assert not is_idle({"running": "x"})
+
+
+def test_worker_spec_command_and_environment(tmp_path: Path) -> None:
+    model = make_model(path="model_cache/tiny")
+    dep = make_deployment(model=model, context_length=1024, max_sequence_length=900, batch_size=8,
+                          block_size=32)
+    node = make_node(address="10.1.2.3")
+    decode = make_worker(dep, node, role="decode", port=30011, kv_port=30012, cpu_ids=[6, 7], gpu_ids=[])
+    prefill = make_worker(dep, node, role="prefill", port=30013, cpu_ids=[0], gpu_ids=[1])
+    spec = WorkerSpec.from_worker(decode)
+    cmd = spec.command("python")
+    flags = dict(zip(cmd[3::2], cmd[4::2], strict=False))
+    assert cmd[:3] == ["python", "-m", "inference.launch_server"]
+    assert flags["--service-type"] == "decode" and flags["--port"] == "30011" and flags["--host"] == "10.1.2.3"
+    assert flags["--context-length"] == "1024" and flags["--max-sequence-length"] == "900"
+    assert flags["--batch-size"] == "8" and flags["--block-size"] == "32" and flags["--kv-port"] == "30012"
+    assert flags["--base-cpu-id"] == "6" and flags["--num-threads"] == "2"
+    assert Path(flags["--model-path"]).is_absolute() and flags["--model-path"].endswith("model_cache/tiny")
+    assert spec.env({"PATH": "/bin"})["CUDA_VISIBLE_DEVICES"] == ""  # no GPU: CPU worker, as in the guide
+    assert WorkerSpec.from_worker(prefill).env({})["CUDA_VISIBLE_DEVICES"] == "1"
+    assert "--kv-port" not in WorkerSpec.from_worker(prefill).command()
+    bound = WorkerSpec.from_worker(decode, bind_host="0.0.0.0")
+    assert bound.host == "0.0.0.0" and bound.base_url == "http://127.0.0.1:30011"
+
+
+def test_real_worker_crash_restart_adopt_and_drain(tiny_model_dir: Path, log_dir: Path) -> None:
+    """A real tiny-model decode worker: SIGKILL → restarted (restarts + 1); a restarted agent adopts it;
+    drained with a request in flight, it stops only once that request is gone."""
+    model = make_model(path=str(tiny_model_dir))
+    dep = make_deployment(model=model, context_length=256, batch_size=4, block_size=16, threads_per_worker=1)
+    node = make_node(address="127.0.0.1", last_heartbeat=timezone.now())
+    decode = make_worker(dep, node, role="decode", port=free_port(), kv_port=free_port(), status="pending",
+                         pid=None, cpu_ids=[0])
+    first = Supervisor(node.pk, config(log_dir / f"agent-{uuid.uuid4().hex[:6]}"))
+    second: Supervisor | None = None
+    pids: list[int | None] = []
+    held: HeldDecodeRequest | None = None
+    try:
+        assert first.request_start(decode.pk) == "starting"
+        assert first.request_start(decode.pk) == "already managed"
+        ok = first.wait_until(lambda: status(decode) == WorkerStatus.RUNNING, timeout=150)
+        assert ok, fresh(decode).last_error
+        d = fresh(decode)
+        pids.append(d.pid)
+        assert d.pid and d.restarts == 0
+        assert d.last_health["status"] == "healthy" and d.last_health["role"] == "decode"
+        url = f"http://127.0.0.1:{d.port}"
+        assert httpx.get(url + "/info").json()["kv_port"] == d.kv_port
+
+        # SIGKILL: the supervisor sees the exit and restarts the worker, counting the restart.
+        os.kill(d.pid, signal.SIGKILL)
+        assert first.wait_until(lambda: status(decode) != WorkerStatus.RUNNING, timeout=10, interval=0.05)
+        crashed = fresh(decode)
+        assert "exited with code -9" in crashed.last_error and "restart in 0.5s" in crashed.last_error
+        restarted = first.wait_until(
+            lambda: fresh(decode).restarts == 1 and status(decode) == WorkerStatus.RUNNING, timeout=150
+        )
+        d2 = fresh(decode)
+        assert restarted, d2.last_error
+        assert d2.pid and d2.pid != d.pid
+        pids.append(d2.pid)
+
+        # The agent restarts: a new supervisor adopts the running process instead of relaunching it.
+        second = Supervisor(node.pk, config(log_dir / f"agent-{uuid.uuid4().hex[:6]}"))
+        assert second.recover()["adopted"] == [decode.pk]
+        second.tick()
+        assert fresh(decode).pid == d2.pid and status(decode) == WorkerStatus.RUNNING
+        assert second.managed()[decode.pk].phase == Phase.RUNNING
+
+        # Drain with a request in flight: the worker keeps running until the request is gone.
+        held = HeldDecodeRequest(url)
+        assert second.request_stop(decode.pk, drain=True) == "draining"
+        for _ in range(4):
+            second.tick()
+            time.sleep(0.2)
+        assert status(decode) == WorkerStatus.DRAINING
+        assert second.managed()[decode.pk].phase == Phase.DRAINING and psutil_alive(d2.pid)
+        held.close()
+        held = None
+        assert second.wait_until(lambda: status(decode) == WorkerStatus.STOPPED, timeout=30), fresh(decode)
+        assert fresh(decode).pid is None and not psutil_alive(d2.pid)
+        assert not second.managed()
+    finally:
+        if held is not None:
+            held.close()
+        for sup in (first, second):
+            if sup is not None:
+                pids += [m.pid for m in sup.managed().values()]
+        kill_leftovers(*pids)
+
+
+def psutil_alive(pid: int | None) -> bool:
+    import psutil
+
+    if pid is None:
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def test_crash_loop_backs_off_then_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that cannot start (no model there) is restarted with growing delays, then FAILED."""
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    dep = make_deployment(model=make_model(path=str(empty)))
+    node = make_node(address="127.0.0.1")
+    worker = make_worker(dep, node, role="prefill", port=free_port(), status="pending", pid=None)
+    crashes: list[str] = []
+    launches: list[float] = []
+    real_crashed, real_launched = actions.report_crashed, actions.report_launched
+
+    def crashed(worker_id: int, *, error: str) -> bool:
+        crashes.append(error)
+        return real_crashed(worker_id, error=error)
+
+    def launched(worker_id: int, *, pid: int, restart: bool) -> bool:
+        launches.append(time.monotonic())
+        return real_launched(worker_id, pid=pid, restart=restart)
+
+    monkeypatch.setattr(actions, "report_crashed", crashed)
+    monkeypatch.setattr(actions, "report_launched", launched)
+    sup = Supervisor(node.pk, config(tmp_path / "logs", backoff_base_s=0.3, max_restarts=2))
+    sup.request_start(worker.pk)
+    assert sup.wait_until(lambda: status(worker) == WorkerStatus.FAILED, timeout=60, interval=0.05)
+    failed = fresh(worker)
+    assert failed.restarts == 2 and failed.pid is None
+    assert "gave up after 3 crashes" in failed.last_error
+    assert "no config.json" in failed.last_error  # the worker's own message, from its log
+    assert ["restart in 0.3s" in crashes[0], "restart in 0.6s" in crashes[1]] == [True, True]
+    assert len(launches) == 3
+    assert launches[1] - launches[0] >= 0.3 and launches[2] - launches[1] >= 0.6
+    assert not sup.managed()
+
+
+class _BusyHealth(BaseHTTPRequestHandler):
+    """/health of a worker that never becomes idle."""
+
+    def do_GET(self) -> None:  # noqa: N802
+        body = json.dumps({"status": "healthy", "running": 1, "queue_depth": 0, "kv_usage": 0.2}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def busy_health() -> Iterator[int]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _BusyHealth)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield int(server.server_address[1])
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_drain_is_bounded_and_sigterm_escalates_to_sigkill(tmp_path: Path, busy_health: int) -> None:
+    """A worker that stays busy is stopped after the drain timeout; one ignoring SIGTERM gets SIGKILL."""
+    node = make_node(address="127.0.0.1")
+    worker = make_worker(make_deployment(), node, role="decode", port=busy_health, status="running", pid=None)
+    stubborn = subprocess.Popen(
+        [sys.executable, "-c",
+         "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
+         "time.sleep(120)"],
+        stdout=subprocess.PIPE, start_new_session=True,
+    )
+    try:
+        assert stubborn.stdout is not None and stubborn.stdout.readline().strip() == b"up"  # handler installed
+        Worker.objects.filter(pk=worker.pk).update(pid=stubborn.pid)
+        sup = Supervisor(node.pk, config(tmp_path, drain_timeout_s=1.0, stop_timeout_s=1.0))
+        spec = WorkerSpec.from_worker(Worker.objects.select_related("deployment__model", "node").get(pk=worker.pk))
+        sup._procs[worker.pk] = Managed(spec=spec, log_path=tmp_path / "w.log", popen=stubborn, pid=stubborn.pid,
+                                        phase=Phase.RUNNING, launches=1)
+        started = time.monotonic()
+        assert sup.request_stop(worker.pk, drain=True) == "draining"
+        assert sup.wait_until(lambda: status(worker) == WorkerStatus.STOPPED, timeout=20, interval=0.05)
+        elapsed = time.monotonic() - started
+        assert elapsed >= 2.0  # drain timeout (1 s) + SIGTERM ignored for the stop timeout (1 s)
+        assert stubborn.wait(timeout=5) == -signal.SIGKILL
+        assert not sup.managed()
+    finally:
+        if stubborn.poll() is None:
+            stubborn.kill()
+            stubborn.wait()
+
+
+def test_sync_stops_a_worker_the_controller_gave_up_on(tmp_path: Path) -> None:
+    node = make_node(address="127.0.0.1")
+    worker = make_worker(make_deployment(), node, status="running", pid=None)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    try:
+        sup = Supervisor(node.pk, config(tmp_path))
+        spec = WorkerSpec.from_worker(Worker.objects.select_related("deployment__model", "node").get(pk=worker.pk))
+        sup._procs[worker.pk] = Managed(spec=spec, log_path=tmp_path / "w.log", popen=sleeper, pid=sleeper.pid,
+                                        phase=Phase.RUNNING, launches=1)
+        actions.mark_node_offline(node, reason="test")  # the controller gives up on the node's workers
+        sup.sync_with_db()
+        assert sup.wait_until(lambda: not sup.managed(), timeout=15, interval=0.05)
+        assert sleeper.wait(timeout=5) == -signal.SIGTERM
+        assert status(worker) == WorkerStatus.STOPPED
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait()
+
+
+def test_stop_of_an_unknown_worker_marks_it_stopped(tmp_path: Path) -> None:
+    node = make_node()
+    worker = make_worker(make_deployment(), node, status="draining")
+    sup = Supervisor(node.pk, config(tmp_path))
+    assert sup.request_stop(worker.pk, drain=True) == "not running; marked stopped"
+    assert status(worker) == WorkerStatus.STOPPED
+    other = make_worker(make_deployment(), make_node(), status="pending")
+    assert sup.request_start(other.pk) == "not a worker of this node"
+
+
+def test_sync_starts_live_workers_nobody_runs_and_recover_relaunches_lost_ones(tmp_path: Path) -> None:
+    node: Node = make_node(address="127.0.0.1")
+    dep = make_deployment()
+    pending = make_worker(dep, node, status="pending", pid=None)
+    lost = make_worker(dep, node, status="running", pid=2**22 + 4321)  # its process is gone
+    draining_gone = make_worker(dep, node, status="draining", pid=2**22 + 4322)
+    sup = Supervisor(node.pk, config(tmp_path))
+    outcome = sup.recover()
+    assert outcome["relaunched"] == sorted([pending.pk, lost.pk])
+    assert outcome["stopped"] == [draining_gone.pk]
+    assert status(draining_gone) == WorkerStatus.STOPPED
+    assert sup.managed()[lost.pk].count_next_launch_as_restart  # the agent lost it: a restart
+    sup._procs.clear()
+    sup.sync_with_db()  # a lost start message: the periodic sync picks the PENDING worker up
+    assert pending.pk in sup.managed()
+    sup._procs.clear()
