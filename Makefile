@@ -29,7 +29,7 @@ demo-model: venv
 up: venv
 	$(BIN)/python manage.py migrate --noinput
 	$(BIN)/python manage.py prepare_model --model-name $(MODEL)
-	PORT=$(PORT) PREFILL_PORT=$(PREFILL_PORT) DECODE_PORT=$(DECODE_PORT) MODEL_DIR=$(MODEL_DIR) \
+	PORT=$(PORT) MODEL_DIR=$(MODEL_DIR) \
 		bash platform/local_up.sh
 
 down:

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Starts router + one prefill + one decode worker on this host in the background (used by `make up`).
-# Logs and pid files go to var/run; `make down` stops them.
+# `make up`: the whole platform on this host with embedded defaults (SQLite, filesystem Celery broker
+# unless DATABASE_URL/REDIS_URL are set): controller (Celery + beat), one agent, and the managed
+# router of the demo deployment; the agent launches its prefill and decode workers.
+# Logs and pid files go to var/run; `make down` stops everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PORT=${PORT:-8000}
-PREFILL_PORT=${PREFILL_PORT:-30000}
-DECODE_PORT=${DECODE_PORT:-30001}
-MODEL_DIR=${MODEL_DIR:-model_cache/smollm2-135m-instruct}
+MODEL_DIR=${MODEL_DIR:-model_cache/SmolLM2-135M-Instruct}
+DEPLOYMENT=${DEPLOYMENT:-demo}
 PY=.venv/bin/python
 RUN=var/run
 mkdir -p "$RUN"
@@ -18,42 +19,35 @@ start() {  # name, command...
   echo $! >"$RUN/$name.pid"
 }
 
-wait_http() {  # url, name, seconds
-  local url=$1 name=$2 limit=$3
-  for _ in $(seq 1 "$limit"); do
-    if curl -fsS "$url" >/dev/null 2>&1; then return 0; fi
-    if ! kill -0 "$(cat "$RUN/$name.pid")" 2>/dev/null; then
-      echo "$name exited; its log ($RUN/$name.log):" >&2; tail -20 "$RUN/$name.log" >&2; exit 1
-    fi
-    sleep 1
-  done
-  echo "$name did not become healthy within ${limit}s; see $RUN/$name.log" >&2; exit 1
+alive() { kill -0 "$(cat "$RUN/$1.pid")" 2>/dev/null; }
+
+fail() {  # name, message
+  echo "$2; its log ($RUN/$1.log):" >&2; tail -20 "$RUN/$1.log" >&2; exit 1
 }
 
-# Two cores: prefill on CPU 0, decode on CPU 1 where the host has them.
-CPUS=$(nproc)
-PIN_P=(); PIN_D=()
-if [ "$CPUS" -ge 2 ]; then PIN_P=(--base-cpu-id 0 --num-threads 1); PIN_D=(--base-cpu-id 1 --num-threads 1); fi
+$PY manage.py bootstrap_demo --model-path "$MODEL_DIR" --deployment "$DEPLOYMENT" | tee "$RUN/bootstrap.txt"
+start controller $PY manage.py controller
+start agent $PY manage.py agent --name local --address 127.0.0.1
+start router $PY -m inference.launch_router --deployment "$DEPLOYMENT" --listen-port "$PORT"
 
-CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} start prefill $PY -m inference.launch_server \
-  --model-path "$MODEL_DIR" --service-type prefill --port "$PREFILL_PORT" --context-length 2048 \
-  --batch-size 8 "${PIN_P[@]}"
-CUDA_VISIBLE_DEVICES="" start decode $PY -m inference.launch_server \
-  --model-path "$MODEL_DIR" --service-type decode --port "$DECODE_PORT" --context-length 2048 \
-  --max-sequence-length 2048 "${PIN_D[@]}"
-wait_http "http://127.0.0.1:$PREFILL_PORT/health" prefill 180
-wait_http "http://127.0.0.1:$DECODE_PORT/health" decode 180
-start router $PY -m inference.launch_router \
-  --prefill-endpoint "http://127.0.0.1:$PREFILL_PORT" --decode-endpoint "http://127.0.0.1:$DECODE_PORT" \
-  --listen-port "$PORT" --load-balance-strategy round-robin
-wait_http "http://127.0.0.1:$PORT/health" router 60
+echo "waiting for the agent to start the demo's prefill and decode workers (loading the model)..."
+ready=""
+for _ in $(seq 1 300); do
+  for name in controller agent router; do alive "$name" || fail "$name" "$name exited"; done
+  if curl -fsS -X POST "http://127.0.0.1:$PORT/generate" -H "Content-Type: application/json" \
+       -d '{"prompt": "Hi", "max_tokens": 1}' >/dev/null 2>&1; then ready=1; break; fi
+  sleep 1
+done
+[ -n "$ready" ] || fail agent "the deployment did not answer within 300s (see also $RUN/controller.log)"
 
 cat <<TXT
 
-The platform is up: router http://127.0.0.1:$PORT  (prefill :$PREFILL_PORT, decode :$DECODE_PORT)
-Logs in $RUN/. Stop with: make down
+The platform is up.
+  router + admin: http://127.0.0.1:$PORT      (admin console: http://127.0.0.1:$PORT/admin/)
+$(sed 's/^/  /' "$RUN/bootstrap.txt")
+Logs in $RUN/ (worker logs under var/logs/). Stop with: make down
 
 Try:
   curl -X POST http://127.0.0.1:$PORT/generate -H "Content-Type: application/json" \\
-       -d '{"prompt": "Explain the advantages of disaggregated inference:", "max_tokens": 100}'
+       -d '{"prompt": "解释分布式推理架构的优势：", "max_tokens": 100}'
 TXT
