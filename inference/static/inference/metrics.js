@@ -21,8 +21,12 @@
     return COLOURS[role] || FALLBACK_COLOURS[index % FALLBACK_COLOURS.length];
   }
 
+  /* Units counting whole things: their axis never gets fractional ticks ("1.50 workers"). */
+  var COUNT_UNITS = { workers: true, requests: true };
+
   function formatValue(v, unit) {
     if (v === null || v === undefined || isNaN(v)) { return "–"; }
+    if (v === 0) { return unit === "ratio" ? "0%" : "0"; }  // not "0.0 ms" / "0.0%"
     if (unit === "ratio") { return (v * 100).toFixed(Math.abs(v) < 0.1 ? 1 : 0) + "%"; }
     if (unit === "s") {
       if (Math.abs(v) < 1) { return (v * 1000).toFixed(Math.abs(v) < 0.01 ? 1 : 0) + " ms"; }
@@ -122,6 +126,7 @@
     if (unit === "ratio") { maxValue = Math.max(maxValue, 1); }
     if (maxValue <= 0) { maxValue = 1; }
     var step = niceStep(maxValue, 4);
+    if (COUNT_UNITS[unit]) { step = Math.max(step, 1); }
     var top = Math.ceil(maxValue / step) * step;
 
     function xOf(t) { return PAD.left + ((t - x0) / (x1 - x0)) * plotW; }
@@ -152,21 +157,38 @@
       ctx.fillText(label, x, PAD.top + plotH + 5);
     }
 
-    // Scale events: dashed vertical lines with the new count.
+    // Scale events: dashed vertical lines, then their labels.
+    var eventXs = [];
     ctx.save();
     ctx.setLineDash([3, 3]);
     ctx.strokeStyle = EVENT_COLOUR;
-    ctx.fillStyle = EVENT_COLOUR;
-    ctx.textAlign = "left";
-    ctx.textBaseline = "top";
     (payload.events || []).forEach(function (event) {
       if (event.t < x0 || event.t > x1) { return; }
       var ex = Math.round(xOf(event.t)) + 0.5;
+      eventXs.push({ x: ex, text: event.role.charAt(0) + "→" + event.to });
       ctx.beginPath();
       ctx.moveTo(ex, PAD.top);
       ctx.lineTo(ex, PAD.top + plotH);
       ctx.stroke();
-      ctx.fillText(event.role.charAt(0) + "→" + event.to, ex + 2, PAD.top);
+    });
+    ctx.restore();
+
+    // Event labels: the new count, with a halo of the chart's background, under the series (data is
+    // never hidden); right of the marker, or left of it where the label would run off the canvas
+    // (new events sit at the right edge).
+    ctx.save();
+    ctx.font = "11px sans-serif";
+    ctx.textBaseline = "top";
+    ctx.lineJoin = "round";
+    ctx.lineWidth = 3;
+    ctx.strokeStyle = window.getComputedStyle(canvas.parentNode).backgroundColor || "#fff";
+    ctx.fillStyle = EVENT_COLOUR;
+    eventXs.forEach(function (marker) {
+      var fitsRight = marker.x + 3 + ctx.measureText(marker.text).width <= width;
+      var tx = fitsRight ? marker.x + 3 : marker.x - 3;
+      ctx.textAlign = fitsRight ? "left" : "right";
+      ctx.strokeText(marker.text, tx, PAD.top + 1);
+      ctx.fillText(marker.text, tx, PAD.top + 1);
     });
     ctx.restore();
 

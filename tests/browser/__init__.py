@@ -1,0 +1,1 @@
+"""Browser tests: the admin console driven through headless Chromium against a live Django server."""
