@@ -166,10 +166,35 @@ ROUTER_FOLLOW_INTERVAL_S = env_float("ROUTER_FOLLOW_INTERVAL_S", 2.0)
 ROUTER_REQUEST_TIMEOUT_S = env_float("ROUTER_REQUEST_TIMEOUT_S", 300.0)
 ROUTER_CONNECT_TIMEOUT_S = env_float("ROUTER_CONNECT_TIMEOUT_S", 3.0)
 ROUTER_HEALTH_INTERVAL_S = env_float("ROUTER_HEALTH_INTERVAL_S", 2.0)
+# Generations one router worker process runs at once; one more is answered 429 with Retry-After.
+ROUTER_MAX_INFLIGHT = env_int("ROUTER_MAX_INFLIGHT", 256, minimum=1)
 ROUTER_MAX_BODY_BYTES = env_int("ROUTER_MAX_BODY_BYTES", 1_000_000, minimum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = ROUTER_MAX_BODY_BYTES
 # Shared secret that internal worker endpoints and KV ports accept (empty: no check, dev only).
 PLATFORM_SHARED_SECRET = env_str("PLATFORM_SHARED_SECRET", "") or ""
+
+# Security of the public generation API (docs/security.md; enforced by inference/auth.py).
+# Keys the router accepts as `Authorization: Bearer <key>` (comma separated); DRF tokens of active
+# users are accepted too once auth is on. No keys and no ROUTER_REQUIRE_AUTH: open (quick start only).
+PLATFORM_PRODUCTION = env_bool("PLATFORM_PRODUCTION", False)
+ROUTER_API_KEYS = env_list("ROUTER_API_KEYS")
+ROUTER_REQUIRE_AUTH = env_bool("ROUTER_REQUIRE_AUTH", False)
+# How long a DRF token lookup is trusted (a revoked token keeps working at most this long).
+ROUTER_AUTH_CACHE_S = env_float("ROUTER_AUTH_CACHE_S", 30.0)
+# Largest ws/generate message; HTTP bodies are bounded by ROUTER_MAX_BODY_BYTES above.
+ROUTER_MAX_WS_MESSAGE_BYTES = env_int("ROUTER_MAX_WS_MESSAGE_BYTES", ROUTER_MAX_BODY_BYTES, minimum=1024)
+if PLATFORM_PRODUCTION:
+    # Fail at startup rather than serve an open API or unauthenticated workers by accident.
+    if not ROUTER_API_KEYS and not ROUTER_REQUIRE_AUTH:
+        raise ImproperlyConfigured(
+            "PLATFORM_PRODUCTION=1 needs ROUTER_API_KEYS (comma separated) or ROUTER_REQUIRE_AUTH=1 "
+            "(DRF tokens only): the generation API must not be open"
+        )
+    if not PLATFORM_SHARED_SECRET:
+        raise ImproperlyConfigured(
+            "PLATFORM_PRODUCTION=1 needs PLATFORM_SHARED_SECRET: workers' internal endpoints and KV "
+            "ports accept only callers holding it"
+        )
 
 # Control plane: agents (nodes.agent), controller (inference.controller), scaling (inference.scaling).
 # A node whose agent has not sent a heartbeat for this long goes OFFLINE; its workers are re-placed.

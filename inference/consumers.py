@@ -15,6 +15,7 @@ from contextlib import aclosing
 from typing import Any
 
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
 
 from inference.router import DoneEvent, ErrorEvent, RouterError, TokenEvent
 from inference.router.protocol import ParsedRequest, done_fields, parse_generate
@@ -37,10 +38,17 @@ class GenerateConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any) -> None:
         """Decode a JSON message; a malformed one gets an error message, not a dropped socket."""
+        limit = int(getattr(settings, "ROUTER_MAX_WS_MESSAGE_BYTES", 1_000_000))
+        size = len(text_data.encode("utf-8", "surrogatepass")) if text_data is not None else len(bytes_data or b"")
+        if size > limit:
+            # Same limit as an HTTP body; 1009 is the WebSocket close code for "message too big".
+            await self._send_error(RouterError(413, f"message is larger than {limit} bytes"))
+            await self.close(code=1009)
+            return
         raw = text_data if text_data is not None else (bytes_data or b"").decode("utf-8", errors="replace")
         try:
             content = json.loads(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
             await self._send_error(RouterError(400, f"message is not valid JSON: {exc}"))
             return
         await self.receive_json(content)

@@ -6,12 +6,13 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db.models import Count, ProtectedError, Q, QuerySet
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import APIException
+from rest_framework.exceptions import APIException, ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
@@ -57,12 +58,33 @@ def _actor(request: Request) -> str:
     return str(getattr(request.user, "username", "") or "anonymous")
 
 
+# The range of a BigAutoField (ids in query parameters outside it can match nothing).
+_MIN_ID, _MAX_ID = -(2**63), 2**63 - 1
+
+
 def _filter(queryset: QuerySet, request: Request, **lookups: str) -> QuerySet:
-    """Apply the query parameters named in `lookups` (param name -> ORM lookup) that are present."""
+    """Apply the query parameters named in `lookups` (param name -> ORM lookup) that are present.
+
+    A value the field cannot hold (`?deployment=abc`) is the client's error: 400 naming the
+    parameter, not the 500 of the ORM's ValueError.
+    """
     for param, lookup in lookups.items():
         value = request.query_params.get(param)
-        if value not in (None, ""):
+        if value in (None, ""):
+            continue
+        if lookup.endswith("_id"):
+            # Checked here: an id past 64 bits passes filter() and fails only when the query runs
+            # (OverflowError on SQLite, DataError on PostgreSQL).
+            try:
+                number = int(value)
+            except ValueError:
+                number = None
+            if number is None or not _MIN_ID <= number <= _MAX_ID:
+                raise ValidationError({param: f"must be an integer id, got {value!r}"})
+        try:
             queryset = queryset.filter(**{lookup: value})
+        except (ValueError, TypeError, DjangoValidationError) as exc:
+            raise ValidationError({param: f"not a valid value: {value!r}"}) from exc
     return queryset
 
 

@@ -20,7 +20,12 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
     """Sample one token from a `[vocab]` fp32 CPU logits row according to `params`."""
     if params.greedy:
         return int(torch.argmax(logits).item())
-    logits = logits / params.temperature
+    scaled = logits / params.temperature
+    if not bool(torch.isfinite(scaled).all()):
+        # A tiny temperature (1e-38, or a denormal that is 0 in fp32) overflows to inf and softmax
+        # gives NaN, which failed the whole batch. Its limit is greedy decoding, so decode greedily.
+        return int(torch.argmax(logits).item())
+    logits = scaled
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k).values[-1]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import abc
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -14,6 +15,10 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+
+
+# The longest lease a descriptor may carry (decode's --kv-lease-timeout is seconds to minutes).
+_MAX_LEASE_S = 86400.0
 
 
 class KVTransferError(Exception):
@@ -47,8 +52,10 @@ class KVLayout:
                 head_dim=int(data["head_dim"]),
                 dtype=str(data["dtype"]),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(Infinity)
             raise ValueError(f"malformed KV layout: {exc}") from exc
+        if min(layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim) < 1:
+            raise ValueError(f"malformed KV layout: sizes must be >= 1, got {layout.to_dict()}")
         dtype_of(layout.dtype)
         return layout
 
@@ -104,8 +111,11 @@ class TransferDescriptor:
                 token=str(data["token"]),
                 rdma=data.get("rdma"),
             )
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, OverflowError) as exc:  # OverflowError: int(Infinity) from JSON
             raise ValueError(f"malformed descriptor: missing or bad field {exc}") from exc
+        # A lease is seconds long; an infinite or far-future one would overflow socket timeouts.
+        if not math.isfinite(descriptor.lease_expires_at) or descriptor.lease_remaining() > _MAX_LEASE_S:
+            raise ValueError(f"descriptor lease_expires_at {descriptor.lease_expires_at!r} is not a time soon")
         needed = -(-descriptor.num_tokens // descriptor.layout.block_size)
         if descriptor.num_tokens <= 0 or len(descriptor.block_ids) != needed:
             raise ValueError(

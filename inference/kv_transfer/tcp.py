@@ -55,6 +55,16 @@ def _receive_blocks(sock: socket.socket, kv_data: torch.Tensor, first: int, coun
     return len(view)
 
 
+def _same(given: object, expected: str) -> bool:
+    """Constant-time comparison of a header field with a secret.
+
+    As bytes: hmac.compare_digest raises TypeError for non-ASCII str, which would kill the receiving
+    thread instead of refusing the peer.
+    """
+    text = given if isinstance(given, str) else str(given)
+    return hmac.compare_digest(text.encode("utf-8", "surrogatepass"), expected.encode())
+
+
 @dataclass
 class _Pending:
     """A transfer the decode side expects: which blocks, guarded while bytes are being written."""
@@ -208,7 +218,7 @@ class TcpKVReceiver(KVReceiver):
         """Receive one transfer; False when the connection must be closed."""
         started = time.perf_counter()
         request_id = str(header.get("request_id", ""))
-        if self._secret and not hmac.compare_digest(str(header.get("secret", "")), self._secret):
+        if self._secret and not _same(header.get("secret", ""), self._secret):
             send_frame(conn, {"ok": False, "error": "bad shared secret"})
             return False
         with self._lock:
@@ -216,7 +226,7 @@ class TcpKVReceiver(KVReceiver):
         if pending is None or pending.cancelled:
             send_frame(conn, {"ok": False, "error": f"unknown or expired request {request_id!r}"})
             return False
-        if not hmac.compare_digest(str(header.get("token", "")), pending.token):
+        if not _same(header.get("token", ""), pending.token):
             send_frame(conn, {"ok": False, "error": "bad transfer token"})
             return False
         try:

@@ -63,9 +63,15 @@ def _get_float(data: dict[str, Any], name: str, default: float) -> float:
     value = data.get(name)
     if value is None:
         return default
-    if not _is_number(value) or not math.isfinite(value):
+    number = math.inf
+    if _is_number(value):
+        try:
+            number = float(value)
+        except OverflowError:  # a JSON integer too large for a float (e.g. 1 followed by 400 zeros)
+            pass
+    if not math.isfinite(number):
         raise bad_request(f"'{name}' must be a finite number, got {value!r}")
-    return float(value)
+    return number
 
 
 def _get_bool(data: dict[str, Any], name: str, default: bool = False) -> bool:
@@ -147,7 +153,29 @@ class ParsedRequest:
 def _require_object(data: Any) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
+    _check_unicode(data)
     return data
+
+
+def _check_unicode(data: Any) -> None:
+    """Refuse a lone surrogate anywhere in the body.
+
+    JSON lets a client write "\\ud800", which Python decodes into a str that UTF-8 cannot encode:
+    it would fail later, when the request is sent on to a worker (a 500). Iterative: bodies nest.
+    """
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad_request("the request holds text that is not valid Unicode (a lone surrogate)") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def _get_model(data: dict[str, Any]) -> str | None:

@@ -35,6 +35,12 @@ class ServerArgs:
     log_level: str
 
 
+def _production() -> bool:
+    """PLATFORM_PRODUCTION as config/env.py reads it (the worker does not import Django)."""
+    value = os.environ.get("PLATFORM_PRODUCTION", "").strip().lower()
+    return value in {"1", "true", "yes", "on"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The worker's argument parser (flags named as in the deployment guide)."""
     p = argparse.ArgumentParser(
@@ -120,6 +126,15 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         transport = "rdma" if ns.rdma_device else "tcp"
     if transport == "rdma" and not ns.rdma_device:
         parser.error("--kv-transport rdma needs --rdma-device (e.g. mlx5_roce0; list them with ibv_devices)")
+    shared_secret = os.environ.get("PLATFORM_SHARED_SECRET", "")
+    if _production() and not shared_secret:
+        # Without the secret anyone who reaches the worker could run prompts on it and write into
+        # its KV cache; production must not start that way (docs/security.md).
+        parser.error(
+            "PLATFORM_PRODUCTION=1 but PLATFORM_SHARED_SECRET is not set: a production worker accepts "
+            "internal calls and KV transfers only from holders of the platform's shared secret; "
+            "set the same PLATFORM_SHARED_SECRET on the router and every worker"
+        )
     return ServerArgs(
         model_path=model_path,
         service_type=ns.service_type,
@@ -141,6 +156,6 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         max_queue=ns.max_queue,
         max_tokens_limit=ns.max_tokens_limit,
         served_model_name=ns.served_model_name,
-        shared_secret=os.environ.get("PLATFORM_SHARED_SECRET", ""),
+        shared_secret=shared_secret,
         log_level=ns.log_level,
     )

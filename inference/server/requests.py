@@ -17,7 +17,7 @@ def parse_sampling(data: Any, max_tokens_limit: int) -> SamplingParams:
     try:
         params = SamplingParams.from_dict(data)
         params.validate()
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: float() of a huge JSON integer
         raise bad_request(f"invalid sampling parameters: {exc}") from exc
     if params.max_tokens > max_tokens_limit:
         raise bad_request(f"max_tokens={params.max_tokens} exceeds this server's limit of {max_tokens_limit}")
@@ -55,6 +55,10 @@ def prompt_token_ids(body: dict[str, Any], tokenizer: Tokenizer | None, vocab_si
         raise bad_request("one of 'prompt', 'messages' or 'input_ids' is required")
     if not isinstance(prompt, str) or prompt == "":
         raise bad_request("'prompt' must be a non-empty string")
+    try:
+        prompt.encode("utf-8")  # a JSON "\ud800" escape decodes to a str the tokenizer cannot take
+    except UnicodeEncodeError:
+        raise bad_request("'prompt' is not valid Unicode text (it holds a lone surrogate)") from None
     if tokenizer is None:
         raise bad_request("this model has no tokenizer: send 'input_ids'")
     ids = tokenizer.encode(prompt)

@@ -1,0 +1,213 @@
+"""API keys for the router's public generation API: the HTTP views and ws/generate.
+
+Auth is on when `settings.ROUTER_API_KEYS` is non-empty or `settings.ROUTER_REQUIRE_AUTH` is set.
+A caller then sends `Authorization: Bearer <key>` (what the OpenAI client does with its `api_key`;
+DRF's `Token <key>` scheme is accepted too), where the key is one of ROUTER_API_KEYS or the DRF
+authtoken of an active user. Anything else gets 401 `{"error": {"message", "type":
+"authentication_error"}}`; a WebSocket is accepted and closed at once with code 4401 (a close code
+is the only thing a browser's WebSocket API shows of a refusal). With auth off the API is open:
+the quick start's default, refused at settings import when PLATFORM_PRODUCTION=1.
+
+`require_api_key` wraps the views (inference/urls.py); `WebSocketAuthMiddleware` wraps the
+WebSocket routes (config/asgi.py). GET /health stays open for load balancers.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from functools import wraps
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse, JsonResponse
+
+logger = logging.getLogger(__name__)
+
+AUTH_ERROR_TYPE = "authentication_error"
+WS_CLOSE_UNAUTHORIZED = 4401
+# DRF's Token.key is a 40-character hex string: anything else needs no database round trip.
+_DRF_TOKEN_LENGTH = 40
+_CACHE_MAX_ENTRIES = 4096
+# Refused keys are remembered only briefly, so a token created a moment ago works almost at once
+# while a client hammering with a bad key still costs no database query per request.
+_NEGATIVE_CACHE_S = 2.0
+
+View = Callable[[HttpRequest], Awaitable[HttpResponse]]
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def auth_required() -> bool:
+    """Whether the generation API needs a key (settings are read per call: tests override them)."""
+    return bool(getattr(settings, "ROUTER_API_KEYS", None)) or bool(getattr(settings, "ROUTER_REQUIRE_AUTH", False))
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an `Authorization: Bearer <key>` (or `Token <key>`) header, else None."""
+    if not authorization:
+        return None
+    scheme, _, key = authorization.strip().partition(" ")
+    key = key.strip()
+    if scheme.lower() not in ("bearer", "token") or not key:
+        return None
+    return key
+
+
+def _equal(a: str, b: str) -> bool:
+    # Bytes, not str: compare_digest raises TypeError on non-ASCII str, and headers are
+    # attacker-controlled (latin-1 decoded) text.
+    return hmac.compare_digest(a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
+
+
+def _is_configured_key(key: str, keys: Iterable[str]) -> bool:
+    """Constant-time membership in ROUTER_API_KEYS (every key is compared, match or not)."""
+    found = False
+    for candidate in keys:
+        found |= _equal(key, candidate)
+    return found
+
+
+class _TokenCache:
+    """Recent DRF token lookups: key -> (valid, expires at); bounded, thread safe."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[bool, float]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> bool | None:
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is None or entry[1] < time.monotonic():
+            return None
+        return entry[0]
+
+    def put(self, key: str, valid: bool, ttl_s: float) -> None:
+        with self._lock:
+            if len(self._entries) >= _CACHE_MAX_ENTRIES:
+                self._entries.clear()  # crude but bounded: random keys cannot grow memory
+            self._entries[key] = (valid, time.monotonic() + ttl_s)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+token_cache = _TokenCache()
+
+
+def _token_is_valid(key: str) -> bool:
+    """Whether `key` is the DRF authtoken of an active user (one indexed query)."""
+    from rest_framework.authtoken.models import Token  # needs the app registry ready
+
+    token = Token.objects.select_related("user").filter(key=key).first()
+    return token is not None and bool(token.user.is_active)
+
+
+async def is_valid_key(key: str | None) -> bool:
+    """Whether `key` opens the generation API: a configured key or an active user's DRF token."""
+    if not key:
+        return False
+    if _is_configured_key(key, getattr(settings, "ROUTER_API_KEYS", None) or []):
+        return True
+    if len(key) != _DRF_TOKEN_LENGTH or not key.isascii() or not key.isalnum():
+        return False
+    cached = token_cache.get(key)
+    if cached is not None:
+        return cached
+    try:
+        valid = await sync_to_async(_token_is_valid)(key)
+    except Exception:  # noqa: BLE001  database down or not migrated: refuse, never 500
+        logger.warning("API token lookup failed; refusing the request", exc_info=True)
+        return False
+    ttl = float(getattr(settings, "ROUTER_AUTH_CACHE_S", 30.0)) if valid else _NEGATIVE_CACHE_S
+    token_cache.put(key, valid, ttl)
+    return valid
+
+
+def _error_body(message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": AUTH_ERROR_TYPE}}
+
+
+def unauthorized(message: str) -> JsonResponse:
+    """The 401 JSON answer, with the WWW-Authenticate challenge HTTP clients expect."""
+    response = JsonResponse(_error_body(message), status=401)
+    response["WWW-Authenticate"] = 'Bearer realm="generation"'
+    return response
+
+
+_MISSING = "missing API key: send 'Authorization: Bearer <key>'"
+_WRONG = "invalid API key"
+_open_warning_lock = threading.Lock()
+_open_warned = False
+
+
+def _warn_open_once() -> None:
+    """Say once per process that the generation API is open (fine for the quick start only)."""
+    global _open_warned
+    with _open_warning_lock:
+        if _open_warned:
+            return
+        _open_warned = True
+    logger.warning(
+        "the generation API is open: set ROUTER_API_KEYS or ROUTER_REQUIRE_AUTH=1 to require API keys"
+    )
+
+
+def require_api_key(view: View) -> View:
+    """Wrap an async view: 401 JSON unless the request carries a valid key (when auth is on)."""
+
+    @wraps(view)  # keeps csrf_exempt and the docstring
+    async def wrapped(request: HttpRequest) -> HttpResponse:
+        if not auth_required():
+            _warn_open_once()
+            return await view(request)
+        key = bearer_key(request.headers.get("Authorization"))
+        if key is None:
+            return unauthorized(_MISSING)
+        if not await is_valid_key(key):
+            return unauthorized(_WRONG)
+        return await view(request)
+
+    return wrapped
+
+
+def _scope_authorization(scope: Scope) -> str | None:
+    for name, value in scope.get("headers") or []:
+        if name.lower() == b"authorization":
+            return bytes(value).decode("latin-1")
+    return None
+
+
+class WebSocketAuthMiddleware:
+    """ASGI middleware: a WebSocket without a valid key is accepted, told why, and closed with 4401.
+
+    Accepting first is deliberate: refusing the handshake gives the client only an HTTP 403 with no
+    reason, while a close code (and the error message before it) reaches browser and CLI clients.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "websocket" or not auth_required():
+            await self.app(scope, receive, send)
+            return
+        key = bearer_key(_scope_authorization(scope))
+        if key is not None and await is_valid_key(key):
+            await self.app(scope, receive, send)
+            return
+        message = _MISSING if key is None else _WRONG
+        first = await receive()
+        if first.get("type") != "websocket.connect":
+            return  # the client left before the handshake finished
+        await send({"type": "websocket.accept"})
+        error = {"type": "error", "status": 401, "message": message, "error_type": AUTH_ERROR_TYPE}
+        await send({"type": "websocket.send", "text": json.dumps(error)})
+        await send({"type": "websocket.close", "code": WS_CLOSE_UNAUTHORIZED, "reason": "unauthorized"})
