@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers", type=_bounded_int(1, 256), default=1,
         help="gunicorn worker processes (default 1; each has its own pool and health checks)",
     )
+    parser.add_argument(
+        "--max-inflight", type=_bounded_int(1, 1_000_000), default=None, metavar="N",
+        help="requests each router worker process runs at once; more are answered 429 with Retry-After "
+        "(default: ROUTER_MAX_INFLIGHT or 256)",
+    )
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")
     return parser
 
@@ -111,7 +116,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def router_environment(args: argparse.Namespace) -> dict[str, str]:
     """The environment variables that carry the flags to settings.py and gunicorn.conf.py."""
-    return {
+    env = {
         "ROUTER_PREFILL_ENDPOINTS": ",".join(args.prefill_endpoint),
         "ROUTER_DECODE_ENDPOINTS": ",".join(args.decode_endpoint),
         "ROUTER_POLICY": args.load_balance_strategy,
@@ -122,6 +127,10 @@ def router_environment(args: argparse.Namespace) -> dict[str, str]:
         "ROUTER_LOG_LEVEL": args.log_level,
         "PLATFORM_LOG_LEVEL": args.log_level.upper(),
     }
+    # Only an explicit flag overrides ROUTER_MAX_INFLIGHT from the environment (platform.env).
+    if getattr(args, "max_inflight", None) is not None:
+        env["ROUTER_MAX_INFLIGHT"] = str(args.max_inflight)
+    return env
 
 
 class RouterApplication(BaseApplication):  # type: ignore[misc]

@@ -59,6 +59,8 @@ class RouterService:
             "deployment": self.deployment,
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started_at, 3),
+            "inflight": client.inflight,
+            "max_inflight": client.max_inflight,
             "timeouts_s": {
                 "request": client.request_timeout_s,
                 "connect": client.connect_timeout_s,
@@ -96,6 +98,7 @@ def build_service() -> RouterService:
         pool,
         request_timeout_s=float(settings.ROUTER_REQUEST_TIMEOUT_S),
         connect_timeout_s=connect_timeout,
+        max_inflight=int(getattr(settings, "ROUTER_MAX_INFLIGHT", 256)),
     )
     deployment = getattr(settings, "ROUTER_DEPLOYMENT", None)
     if deployment:

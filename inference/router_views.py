@@ -89,7 +89,7 @@ def read_json(request: HttpRequest) -> Any:
         raise too_big
     try:
         return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nesting too deep
         raise RouterError(400, f"request body is not valid JSON: {exc}") from exc
 
 

@@ -35,7 +35,10 @@ workers = _env_int("ROUTER_WORKERS", 1)
 # Uvicorn workers heartbeat from their event loop, so long streams do not trip this timeout; it
 # only catches a worker whose loop is stuck.
 timeout = _env_int("ROUTER_WORKER_TIMEOUT_S", 120)
-# On SIGTERM, streams in flight get this long to finish before the workers are killed.
+# On SIGTERM the listening socket closes at once (new connections are refused, never half served)
+# and requests in flight, streams included, get this long to finish before the workers are killed.
+# SIGHUP (graceful reload) starts new workers on the same socket first; the old ones finish what
+# they accepted, bounded by `timeout` above. Signal the master only: SIGHUP kills a worker outright.
 graceful_timeout = _env_int("ROUTER_GRACEFUL_TIMEOUT_S", 30)
 keepalive = _env_int("ROUTER_KEEPALIVE_S", 5)
 loglevel = os.environ.get("ROUTER_LOG_LEVEL", "info")

@@ -10,7 +10,10 @@
 
 Before the first token every failure of a worker (connect error, 5xx, timeout, broken stream) is
 retried on another one: a prefill retry reuses the decode worker's descriptor, a decode retry starts
-over. After the first token a failure ends the stream with an error event. Every wait is bounded.
+over. While the prefill runs the decode stream is watched too, so a decode worker that dies or whose
+lease on the reserved blocks runs out (the prefill stalled) ends the wait at once; a lost lease is
+retried with a fresh reservation. After the first token a failure ends the stream with an error
+event (generation is not migrated). Every wait is bounded.
 """
 from __future__ import annotations
 
@@ -119,6 +122,20 @@ class _Busy(Exception):
         self.message = message
 
 
+class _LeaseExpired(Exception):
+    """The decode worker's lease on the reserved blocks ran out before the KV arrived.
+
+    The decode worker is fine (it freed the blocks as specified); the request needs a fresh
+    reservation. `stalled` is the prefill worker that held the request when the lease ran out,
+    if any: it did not deliver in time and is not tried again for this request.
+    """
+
+    def __init__(self, message: str, stalled: Endpoint | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.stalled = stalled
+
+
 @dataclass(eq=False)
 class _Attempt:
     """One decode worker's try at a request, with everything that must be closed or aborted."""
@@ -154,10 +171,13 @@ def _error_message(raw: bytes) -> tuple[str, str | None]:
 
 
 def _raise_for_status(status: int, raw: bytes, role: str) -> None:
-    """Classify a non-200 answer: passthrough (RouterError), busy (429) or worker failure."""
+    """Classify a non-200 answer: passthrough (RouterError), busy (429), lost lease or worker failure."""
     message, kind = _error_message(raw)
     if status == 429:
         raise _Busy(message)
+    if role == "prefill" and status == 409 and kind == "lease_expired":
+        # Nobody's fault here (a previous prefill worker took the time): reserve again.
+        raise _LeaseExpired(message)
     # The decode worker validates the request (prompt length, sampling values): its 4xx is the
     # client's error, except 401/403, which say the router's shared secret is wrong. A prefill
     # worker sees an already validated request, so only its 400 is the request's fault;
@@ -201,6 +221,9 @@ class DisaggregatedClient:
     worker's first line; `stall_timeout_s` for any silence on the decode stream once the prefill
     answered; `request_timeout_s` for the whole request (it also bounds the prefill call);
     `abort_timeout_s` for each best-effort abort.
+
+    `max_inflight` (None: unlimited) caps the generations this client runs at once; one more is
+    refused at once with 429 (the view adds Retry-After) instead of queueing without bound.
     """
 
     def __init__(
@@ -212,8 +235,13 @@ class DisaggregatedClient:
         descriptor_timeout_s: float = 30.0,
         stall_timeout_s: float = 60.0,
         abort_timeout_s: float = 2.0,
+        max_inflight: int | None = None,
     ) -> None:
+        if max_inflight is not None and max_inflight < 1:
+            raise ValueError("max_inflight must be >= 1 (or None for no limit)")
         self.pool = pool
+        self.max_inflight = max_inflight
+        self.inflight = 0
         self.request_timeout_s = request_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.descriptor_timeout_s = descriptor_timeout_s
@@ -232,9 +260,27 @@ class DisaggregatedClient:
         Raises RouterError before the first event: 4xx from the decode worker (passed through),
         429 when every worker that answered was full, 502 when no worker could serve it (with
         `backends` naming each one tried), 503 when no endpoints are configured, 504 when the
-        request timeout passed first. Closing or cancelling the generator closes the decode
-        stream and posts `/internal/abort` to both workers.
+        request timeout passed first, 429 when `max_inflight` generations already run. Closing or
+        cancelling the generator closes the decode stream and posts `/internal/abort` to both
+        workers.
         """
+        if self.max_inflight is not None and self.inflight >= self.max_inflight:
+            raise RouterError(
+                429,
+                f"router is at its limit of {self.max_inflight} requests in flight "
+                "(ROUTER_MAX_INFLIGHT); retry later",
+            )
+        # One event loop per process: the check above and this increment cannot interleave.
+        self.inflight += 1
+        try:
+            # aclosing: closing this generator must run the inner one's cleanup (the aborts) now.
+            async with contextlib.aclosing(self._generate(req)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            self.inflight -= 1
+
+    async def _generate(self, req: GenerateRequest) -> AsyncGenerator[Event, None]:
         start = time.monotonic()
         deadline = start + self.request_timeout_s
         attempt, line, first_at, retries = await self._establish(req, deadline)
@@ -288,7 +334,7 @@ class DisaggregatedClient:
         """Open a decode stream, get its prompt prefilled and read the first output line.
 
         Returns the attempt (holding the open stream and a decode in-flight slot), the first
-        token (or done) line, when it arrived, and how many decode workers failed before.
+        token (or done) line, when it arrived, and how many attempts failed before.
         """
         pool = self.pool
         for role in ("decode", "prefill"):
@@ -298,16 +344,19 @@ class DisaggregatedClient:
         busy: list[dict[str, Any]] = []
         tried_decode: list[Endpoint] = []
         failed_prefill: list[Endpoint] = []
-        # Bounded: each pass tries a decode endpoint not tried before.
-        for attempt_no in range(len(pool.endpoints("decode"))):
+        # Bounded by the range: a failed pass normally excludes a decode endpoint (it failed or is
+        # busy) or a prefill endpoint (it stalled until the lease ran out), so one pass per
+        # endpoint of either role is enough; a lost lease keeps the decode worker a candidate.
+        for attempt_no in range(len(pool.endpoints("decode")) + len(pool.endpoints("prefill"))):
             decode = pool.choose("decode", exclude=tried_decode)
             if decode is None:
                 break
+            if not pool.candidates("prefill", exclude=failed_prefill):
+                break  # every prefill worker failed this request: no point in reserving again
             if time.monotonic() >= deadline:
                 raise RouterError(
                     504, f"no first token within {self.request_timeout_s:g}s", backends=failures
                 )
-            tried_decode.append(decode)
             request_id = req.request_id if attempt_no == 0 else f"{req.request_id}-r{attempt_no}"
             attempt = _Attempt(request_id=request_id, decode=decode)
             decode.acquire()
@@ -315,16 +364,30 @@ class DisaggregatedClient:
             try:
                 descriptor_line = await self._open_decode(attempt, req, deadline)
                 pool.record_success(decode)
-                await self._prefill(attempt, req, descriptor_line, deadline, failed_prefill, failures, busy)
-                line = await self._first_output(attempt, deadline)
+                line = await self._prefill_and_first_output(
+                    attempt, req, descriptor_line, deadline, failed_prefill, failures, busy
+                )
                 return attempt, line, time.monotonic(), attempt_no
+            except _LeaseExpired as exc:
+                # The decode worker freed the blocks itself; it stays a candidate for the retry.
+                stalled = exc.stalled
+                logger.warning("lease of %s on decode %s lost: %s", request_id, decode.url, exc.message)
+                if stalled is not None:
+                    pool.record_failure(stalled, exc.message)
+                    failed_prefill.append(stalled)
+                    failures.append({"url": stalled.url, "role": "prefill", "error": exc.message})
+                else:
+                    failures.append({"url": decode.url, "role": "decode", "error": exc.message})
+                await self._finish(attempt, abort=True, wait_for_abort=False)
             except _BackendFailure as exc:
+                tried_decode.append(decode)
                 logger.warning("decode %s failed for %s: %s", decode.url, request_id, exc.message)
                 pool.record_failure(decode, exc.message)
                 failures.append({"url": decode.url, "role": "decode", "error": exc.message})
                 # The next worker should not wait for a possibly dead one's abort.
                 await self._finish(attempt, abort=True, wait_for_abort=False)
             except _Busy as exc:
+                tried_decode.append(decode)
                 busy.append({"url": decode.url, "role": "decode", "error": f"busy: {exc.message}"})
                 await self._finish(attempt, abort=True, wait_for_abort=False)
             except BaseException:
@@ -390,6 +453,58 @@ class DisaggregatedClient:
         attempt.prompt_tokens = len(ids)
         return line
 
+    async def _prefill_and_first_output(
+        self,
+        attempt: _Attempt,
+        req: GenerateRequest,
+        descriptor_line: dict[str, Any],
+        deadline: float,
+        failed_prefill: list[Endpoint],
+        failures: list[dict[str, Any]],
+        busy: list[dict[str, Any]],
+    ) -> dict[str, Any]:
+        """Run the prefill while watching the decode stream; return the decode's first output line.
+
+        The decode stream is read concurrently with the prefill call because it can end the wait
+        early: a decode worker that dies (stream broken: `_BackendFailure`) or whose lease ran out
+        because the prefill stalled (error line `reason: kv_timeout`: `_LeaseExpired` naming the
+        prefill worker in flight) makes the prefill pointless, and waiting for a stalled prefill
+        would otherwise last until the request timeout. Both tasks are gone when this returns.
+        """
+        reader = asyncio.ensure_future(self._first_output(attempt, deadline))
+        prefiller = asyncio.ensure_future(
+            self._prefill(attempt, req, descriptor_line, deadline, failed_prefill, failures, busy)
+        )
+        try:
+            done, _pending = await asyncio.wait(
+                {reader, prefiller}, timeout=self._remaining(deadline), return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                raise RouterError(504, f"no first token within {self.request_timeout_s:g}s", backends=failures)
+            if prefiller in done:
+                prefiller.result()  # RouterError (no prefill worker left, 400) or _LeaseExpired
+                # The KV is acknowledged: the first token follows unless the decode worker stalls.
+                wait = self._remaining(deadline, self.stall_timeout_s)
+                try:
+                    return await asyncio.wait_for(reader, timeout=wait)
+                except TimeoutError:
+                    raise _BackendFailure(f"no first token within {wait:.1f}s after the prefill") from None
+            try:
+                line = reader.result()
+            except _LeaseExpired as exc:
+                exc.stalled = attempt.prefill  # the worker that held the prefill did not deliver
+                raise
+            # The first token came before the prefill answer (the KV is in place, the answer is on
+            # its way): give it a moment for its timings, but never fail the request over it.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(prefiller), timeout=self._remaining(deadline, 1.0))
+            return line
+        finally:
+            for task in (reader, prefiller):
+                task.cancel()
+            # Bounded: both tasks only await network calls, which end promptly when cancelled.
+            await asyncio.gather(reader, prefiller, return_exceptions=True)
+
     async def _prefill(
         self,
         attempt: _Attempt,
@@ -440,6 +555,10 @@ class DisaggregatedClient:
                 busy.append({"url": prefill.url, "role": "prefill", "error": f"busy: {exc.message}"})
                 attempt.prefill = None
                 continue
+            except _LeaseExpired:
+                # Not this worker's fault (it answered; an earlier one took the lease's time).
+                pool.record_success(prefill)
+                raise
             finally:
                 prefill.release()
             pool.record_success(prefill)
@@ -471,9 +590,14 @@ class DisaggregatedClient:
         return result
 
     async def _first_output(self, attempt: _Attempt, deadline: float) -> dict[str, Any]:
-        """The decode stream's first token (or done) line, now that the KV is in place."""
+        """The decode stream's first token (or done) line; read while the prefill runs.
+
+        Bounded by the request deadline only: the decode worker's own lease ends a wait for KV
+        that never comes, and `_prefill_and_first_output` applies the stall timeout once the
+        prefill answered.
+        """
         assert attempt.lines is not None
-        wait = self._remaining(deadline, self.stall_timeout_s)
+        wait = self._remaining(deadline)
         try:
             async with asyncio.timeout(wait):
                 while True:  # bounded by the timeout
@@ -484,9 +608,11 @@ class DisaggregatedClient:
                     if kind in ("token", "done"):
                         return line
                     if kind == "error":
+                        if line.get("reason") == "kv_timeout":
+                            raise _LeaseExpired(f"no KV within the decode worker's lease: {line.get('message')}")
                         raise _BackendFailure(f"error before the first token: {line.get('message')}")
         except TimeoutError:
-            raise _BackendFailure(f"no first token within {wait:.1f}s after the prefill") from None
+            raise _BackendFailure(f"no first token within {wait:.1f}s") from None
         except httpx.HTTPError as exc:
             raise _BackendFailure(describe_exception(exc)) from exc
         except ValueError as exc:

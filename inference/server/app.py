@@ -19,20 +19,30 @@ MAX_BODY_BYTES = 8 * 2**20
 Handler = Callable[[Request], Awaitable[Response]]
 
 
+# Seconds a client is told to wait after a 429 (queue or KV pool full); work drains within that.
+RETRY_AFTER_S = 1
+
+
 def _error(exc: WorkerError) -> JSONResponse:
-    return JSONResponse(exc.to_json(), status_code=exc.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else None
+    return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
+    too_large = WorkerError(413, f"request body over {MAX_BODY_BYTES} bytes", "request_too_large")
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise WorkerError(413, f"request body over {MAX_BODY_BYTES} bytes", "request_too_large")
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise WorkerError(413, f"request body over {MAX_BODY_BYTES} bytes", "request_too_large")
+        raise too_large
+    # Read chunk by chunk: a chunked body has no Content-Length, and request.body() would hold all
+    # of it in memory before any check.
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise too_large
     try:
         body = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep for the parser
         raise bad_request(f"body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise bad_request("body must be a JSON object")
@@ -49,7 +59,9 @@ def create_app(worker: Worker) -> Starlette:
             secret = worker.args.shared_secret
             if secret:
                 given = request.headers.get("x-platform-secret", "")
-                if not hmac.compare_digest(given, secret):
+                # As bytes: compare_digest raises TypeError (a 500) for non-ASCII str, and header
+                # values are latin-1 decoded text the caller controls.
+                if not hmac.compare_digest(given.encode("latin-1"), secret.encode()):
                     return JSONResponse(
                         {"error": {"message": "missing or wrong X-Platform-Secret", "type": "unauthorized"}},
                         status_code=401,

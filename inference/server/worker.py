@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,7 +25,9 @@ from inference.kv_transfer import (
     TransferDescriptor,
     TransferStats,
 )
+from inference.kv_transfer.rdma import RdmaKVReceiver, RdmaKVSender
 from inference.kv_transfer.tcp import TcpKVReceiver, TcpKVSender
+from inference.kv_transfer.verbs import VerbsDevice
 from inference.server.args import ServerArgs
 from inference.server.errors import StartupError, WorkerError, bad_request, overloaded
 from inference.server.metrics import WorkerMetrics
@@ -36,6 +39,23 @@ logger = logging.getLogger(__name__)
 # How long a decode stream waits for the next engine output before declaring the engine stuck.
 OUTPUT_TIMEOUT_S = 120.0
 
+# Test-only fault injection (docs/internals.md): a prefill worker started with this variable set
+# sleeps that many seconds between computing the prompt and sending its KV, so that tests can kill
+# or stall it mid-transfer reproducibly. Never set it in production.
+FAULT_PREFILL_DELAY_ENV = "PLATFORM_FAULT_PREFILL_DELAY_S"
+
+
+def fault_prefill_delay_s() -> float:
+    """The injected delay before each KV send, from PLATFORM_FAULT_PREFILL_DELAY_S (0: none)."""
+    raw = os.environ.get(FAULT_PREFILL_DELAY_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise StartupError(f"{FAULT_PREFILL_DELAY_ENV}={raw!r} is not a number of seconds") from exc
+    return max(value, 0.0)
+
 
 @dataclass
 class _KVWaiter:
@@ -44,6 +64,8 @@ class _KVWaiter:
     loop: asyncio.AbstractEventLoop
     event: asyncio.Event = field(default_factory=asyncio.Event)
     stats: TransferStats | None = None
+    # Set (with the event) by an abort, so the stream ends now instead of at the end of the lease.
+    aborted: bool = False
 
 
 class Worker:
@@ -54,8 +76,8 @@ class Worker:
         self.role = args.service_type
         self.cpus = pin_cpus(args.base_cpu_id, args.num_threads)
         self.device = select_device()
-        if args.kv_transport == "rdma":
-            self._check_rdma(args.rdma_device or "")
+        # Checked before the model loads, so a host without RDMA fails fast with a clear message.
+        rdma_device = self._check_rdma(args.rdma_device or "") if args.kv_transport == "rdma" else None
         try:
             self.engine = LLMEngine(
                 str(args.model_path),
@@ -79,7 +101,9 @@ class Worker:
         self._kv_waiters: dict[str, _KVWaiter] = {}
         self.receiver: KVReceiver | None = None
         self.sender: KVSender | None = None
-        if self.role == "decode":
+        if rdma_device is not None:
+            self._build_rdma(rdma_device)
+        elif self.role == "decode":
             self.receiver = TcpKVReceiver(
                 self.engine.kv_cache.data,
                 self.layout,
@@ -91,10 +115,44 @@ class Worker:
         else:
             self.sender = TcpKVSender(self.engine.kv_cache.data, self.layout, secret=args.shared_secret)
         self.started_at = time.time()
+        # Tasks that must finish even if the request that started them is cancelled (kept
+        # referenced here so that they are not garbage collected while running).
+        self._background: set[asyncio.Future[None]] = set()
+        # Prefills in progress by request id, so that /internal/abort can cancel them.
+        self._prefill_tasks: dict[str, asyncio.Task[dict[str, Any]]] = {}
+        self.fault_prefill_delay_s = fault_prefill_delay_s() if self.role == "prefill" else 0.0
+        if self.fault_prefill_delay_s:
+            logger.warning(
+                "fault injection active: every KV send waits %.1fs first (%s; tests only)",
+                self.fault_prefill_delay_s, FAULT_PREFILL_DELAY_ENV,
+            )
+
+    def _build_rdma(self, device: VerbsDevice) -> None:
+        """RDMA receiver (decode) or sender (prefill) on `device`; registering the KV pool can fail."""
+        args = self.args
+        try:
+            if self.role == "decode":
+                self.receiver = RdmaKVReceiver(
+                    self.engine.kv_cache.data,
+                    self.layout,
+                    self._on_kv_received,
+                    device=device,
+                    bind_host=args.host,
+                    port=args.kv_port,
+                    secret=args.shared_secret,
+                )
+            else:
+                self.sender = RdmaKVSender(
+                    self.engine.kv_cache.data, self.layout, device=device, secret=args.shared_secret
+                )
+        except KVTransferError as exc:
+            device.close()
+            raise StartupError(f"--rdma-device {device.name}: {exc}; start with --kv-transport tcp") from exc
 
     @staticmethod
-    def _check_rdma(device: str) -> None:
-        """Fail at startup, naming the device and the tools to inspect it, when RDMA is unusable."""
+    def _check_rdma(device: str) -> VerbsDevice:
+        """Open the RDMA device; fail at startup, naming it and the tools to inspect it, when unusable."""
+        from inference.kv_transfer import verbs
         from inference.kv_transfer.rdma_detect import rdma_available
 
         ok, reason, devices = rdma_available()
@@ -103,10 +161,10 @@ class Worker:
             raise StartupError(f"--rdma-device {device}: RDMA is not usable here ({reason}); {hint}")
         if device not in devices:
             raise StartupError(f"--rdma-device {device}: no such device (found {devices}); {hint}")
-        raise StartupError(
-            f"--rdma-device {device}: the RDMA KV transport is not available in this build; "
-            "start with --kv-transport tcp"
-        )
+        try:
+            return verbs.PyverbsVerbs.from_env().open_device(device)
+        except (verbs.VerbsError, ValueError) as exc:  # ValueError: malformed PLATFORM_RDMA_* variables
+            raise StartupError(f"--rdma-device {device}: cannot open it ({exc}); {hint}") from exc
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -194,10 +252,23 @@ class Worker:
         return params
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request in any state and free its blocks (idempotent)."""
+        """Abort a request in any state and free its blocks (idempotent).
+
+        A decode request waiting for its KV ends its stream at once; a prefill in progress is
+        cancelled (its blocks are freed once a KV send already under way has finished).
+        """
         if self.receiver is not None:
             await asyncio.to_thread(self.receiver.cancel, request_id)
-        self._kv_waiters.pop(request_id, None)
+        waiter = self._kv_waiters.pop(request_id, None)
+        if waiter is not None and not waiter.event.is_set():
+            waiter.aborted = True
+            waiter.event.set()
+        task = self._prefill_tasks.get(request_id)
+        if task is not None and not task.done():
+            logger.info("abort of %s: cancelling its prefill", request_id)
+            task.cancel()
+        elif waiter is not None:
+            logger.info("abort of %s: decode request cancelled", request_id)
         self.async_engine.abort(request_id)
 
     # ------------------------------------------------------------------ decode
@@ -257,11 +328,16 @@ class Worker:
                 await asyncio.wait_for(waiter.event.wait(), timeout=self.args.kv_lease_timeout)
             except TimeoutError:
                 outcome = "kv_timeout"
+                # `reason` lets the router tell a lease that ran out (the prefill side's fault: it
+                # retries with a fresh reservation) from a failing decode worker.
                 yield {
                     "type": "error",
-                    "message": f"KV cache did not arrive within the {self.args.kv_lease_timeout:.0f}s "
+                    "reason": "kv_timeout",
+                    "message": f"KV cache did not arrive within the {self.args.kv_lease_timeout:g}s "
                     "lease (prefill worker down or slow?)",
                 }
+                return
+            if waiter.aborted:
                 return
             kv_wait = time.perf_counter() - received_at
             decode_started = time.perf_counter()
@@ -288,7 +364,8 @@ class Worker:
                 if out.finished:
                     finished = True
                     if out.finish_reason in ("abort", "error"):
-                        outcome = out.finish_reason
+                        # One label for every abort, whichever way it reached the stream.
+                        outcome = "aborted" if out.finish_reason == "abort" else "error"
                         yield {"type": "error", "message": f"request ended: {out.finish_reason}"}
                         return
                     outcome = "ok"
@@ -312,17 +389,43 @@ class Worker:
             yield {"type": "error", "message": f"no output from the engine for {OUTPUT_TIMEOUT_S:.0f}s"}
         finally:
             self._kv_waiters.pop(request_id, None)
-            if not finished:
-                await self.abort(request_id)
             self.metrics.outcome(outcome)
+            if not finished:
+                # A client disconnect cancels this stream inside an anyio cancel scope, which
+                # cancels every await here too: the abort runs as its own task so that it always
+                # completes (a reservation still waiting for KV would otherwise never be freed).
+                abort = asyncio.ensure_future(self.abort(request_id))
+                self._background.add(abort)
+                abort.add_done_callback(self._background.discard)
+                await asyncio.shield(abort)
 
     # ------------------------------------------------------------------ prefill
     async def prefill(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Run the prompt, write its KV into the decode worker's blocks, answer with the first token."""
-        started = time.perf_counter()
+        """Run the prompt, write its KV into the decode worker's blocks, answer with the first token.
+
+        The work runs in its own task, registered under the request id, so that
+        `POST /internal/abort` can cancel it (409 `aborted`; the router has gone by then).
+        """
         request_id = body.get("request_id")
         if not isinstance(request_id, str) or not request_id:
             raise bad_request("'request_id' must be a non-empty string")
+        task = asyncio.ensure_future(self._prefill(request_id, body))
+        self._prefill_tasks[request_id] = task
+        try:
+            return await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and (current is None or not current.cancelling()):
+                # Cancelled by an abort, not by this handler being cancelled.
+                self.metrics.outcome("aborted")
+                raise WorkerError(409, f"prefill of {request_id} was aborted", "aborted") from None
+            raise
+        finally:
+            if self._prefill_tasks.get(request_id) is task:
+                del self._prefill_tasks[request_id]
+
+    async def _prefill(self, request_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        started = time.perf_counter()
         ids = parse_token_ids(body.get("prompt_token_ids"), self.engine.config.vocab_size, "prompt_token_ids")
         params = parse_sampling(body.get("sampling"), self.args.max_tokens_limit)
         try:
@@ -347,6 +450,7 @@ class Worker:
         first_params = SamplingParams.from_dict({**params.to_dict(), "max_tokens": 1})
         first_token: int | None = None
         block_ids: list[int] = []
+        send: asyncio.Future[TransferStats] | None = None
         try:
             try:
                 async with asyncio.timeout(remaining):
@@ -365,19 +469,36 @@ class Worker:
             prefill_s = time.perf_counter() - started
             self.metrics.ttft.observe(prefill_s)
             self.metrics.prompt_tokens.inc(len(ids))
-            try:
-                stats = await asyncio.to_thread(
+            if self.fault_prefill_delay_s:
+                logger.warning(
+                    "fault injection: delaying the KV send of %s by %.1fs", request_id, self.fault_prefill_delay_s
+                )
+                await asyncio.sleep(self.fault_prefill_delay_s)
+            if descriptor.lease_remaining() <= 0:
+                # The decode worker has freed the blocks: the router retries with a fresh reservation.
+                self.metrics.outcome("timeout")
+                raise WorkerError(409, f"the decode lease of {request_id} expired before the KV send", "lease_expired")
+            # Shielded: cancelling (an abort) must not free the source blocks while the send thread
+            # still reads them; the finally below defers the release until that thread is done.
+            send = asyncio.ensure_future(
+                asyncio.to_thread(
                     self.sender.send,  # type: ignore[union-attr]
                     descriptor,
                     block_ids,
                     first_token,
                     max(descriptor.lease_remaining(), 0.01),
                 )
+            )
+            try:
+                stats = await asyncio.shield(send)
             except KVTransferError as exc:
                 self.metrics.outcome("transfer_failed")
                 raise WorkerError(502, f"KV transfer failed: {exc}", "kv_transfer_error") from exc
         finally:
-            await asyncio.to_thread(self.async_engine.release, request_id)
+            if send is not None and not send.done():
+                send.add_done_callback(lambda done: self._release_after_send(request_id, done))
+            else:
+                await asyncio.to_thread(self.async_engine.release, request_id)
         self.metrics.kv_transfer_bytes.inc(stats.nbytes)
         self.metrics.kv_transfer_seconds.observe(stats.seconds)
         self.metrics.e2e.observe(time.perf_counter() - started)
@@ -388,3 +509,9 @@ class Worker:
             "prefill_s": round(prefill_s, 6),
             "transfer_s": round(stats.seconds, 6),
         }
+
+    def _release_after_send(self, request_id: str, send: asyncio.Future[TransferStats]) -> None:
+        """Free an aborted prefill's blocks once its KV send thread has finished with them."""
+        if not send.cancelled() and send.exception() is not None:  # retrieved, so asyncio does not warn
+            logger.info("KV send of aborted %s ended with: %s", request_id, send.exception())
+        self.async_engine.release(request_id)

@@ -108,11 +108,12 @@ def start_router(
     policy: str = "round-robin",
     env: dict[str, str] | None = None,
     port: int | None = None,
+    extra: list[str] | None = None,
 ) -> tuple[Proc, str]:
     """Start `python -m inference.launch_router` (gunicorn + uvicorn) and wait for /health."""
     port = port or free_port()
     args = [sys.executable, "-m", "inference.launch_router", "--listen-port", str(port), "--host", "127.0.0.1",
-            "--load-balance-strategy", policy]
+            "--load-balance-strategy", policy, *(extra or [])]
     for url in prefill:
         args += ["--prefill-endpoint", url]
     for url in decode:

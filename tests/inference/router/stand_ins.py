@@ -66,7 +66,9 @@ class StandIn:
 
     Decode behaviors: ok, http400, http401, http429, http500, no_descriptor (hangs before its first line),
     error_line (error line instead of the first token), die_after_first_token. Prefill behaviors:
-    ok, http400, http429, http500, hang. Health: "healthy", "unhealthy" (status field) or "http500".
+    ok, http400, http429, http500, hang, lease_expired_once (409 `lease_expired`, then ok).
+    Health: "healthy", "unhealthy" (status field) or "http500". A decode stand-in's lease is
+    `kv_wait_s`: without KV by then it sends the worker's `reason: kv_timeout` error line.
     """
 
     def __init__(self, role: str, bus: KVBus, model: str = "stub-model") -> None:
@@ -76,6 +78,7 @@ class StandIn:
         self.behavior = "ok"
         self.health = "healthy"
         self.token_delay_s = 0.0
+        self.kv_wait_s = KV_WAIT_S
         self.requests: list[dict[str, Any]] = []
         self.secrets: list[str | None] = []  # X-Platform-Secret of each internal request
         self.aborts: list[str] = []
@@ -93,6 +96,7 @@ class StandIn:
         self.behavior = "ok"
         self.health = "healthy"
         self.token_delay_s = 0.0
+        self.kv_wait_s = KV_WAIT_S
         with self._lock:
             self.requests.clear()
             self.secrets.clear()
@@ -212,8 +216,8 @@ class StandIn:
                 while first is None:  # wait for the "KV" (bounded)
                     first = self.bus.take(token)
                     if first is None:
-                        if time.monotonic() - started > KV_WAIT_S:
-                            yield _line({"type": "error", "message": "KV never arrived"})
+                        if time.monotonic() - started > self.kv_wait_s:
+                            yield _line({"type": "error", "reason": "kv_timeout", "message": "KV never arrived"})
                             finished = True
                             return
                         await asyncio.sleep(0.005)
@@ -255,6 +259,9 @@ class StandIn:
             return _error(500, "prefill worker exploded", "server_error")
         if behavior == "hang":
             await asyncio.sleep(30)
+        if behavior == "lease_expired_once":
+            self.behavior = "ok"
+            return _error(409, "the decode lease has expired", "lease_expired")
         descriptor = body.get("descriptor") or {}
         if descriptor.get("request_id") != body.get("request_id") or not isinstance(body.get("prompt_token_ids"), list):
             return _error(400, "descriptor does not match the request")

@@ -19,6 +19,8 @@ def test_flags_become_the_router_environment() -> None:
     assert env["ROUTER_POLICY"] == "least-connections"
     assert env["ROUTER_PORT"] == "8100" and env["ROUTER_WORKERS"] == "2"
     assert env["ROUTER_HOST"] == "0.0.0.0" and env["PLATFORM_LOG_LEVEL"] == "DEBUG"
+    assert "ROUTER_MAX_INFLIGHT" not in env  # unset flag: the environment (or 256) decides
+    assert router_environment(parse_args([*BASE, "--max-inflight", "8"]))["ROUTER_MAX_INFLIGHT"] == "8"
 
 
 @pytest.mark.parametrize(

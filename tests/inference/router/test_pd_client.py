@@ -28,7 +28,7 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def make_client(
-    prefill: list[str], decode: list[str], policy: str = "round-robin", **timeouts: float
+    prefill: list[str], decode: list[str], policy: str = "round-robin", **timeouts: Any
 ) -> DisaggregatedClient:
     # Generous timeouts: the stand-ins share this process (and a loaded CI machine) with the test.
     pool = WorkerPool(prefill, decode, policy, health_interval_s=0, connect_timeout_s=3, health_timeout_s=5)
@@ -302,6 +302,85 @@ def test_cancel_during_prefill_aborts_both_workers(stand_ins: Cluster) -> None:
     assert decode.wait_for("aborts") == [req.request_id]
     assert prefill.wait_for("aborts") == [req.request_id]
     assert_idle(client)
+
+
+def test_lease_lost_to_a_stalled_prefill_retries_with_a_fresh_reservation(stand_ins: Cluster) -> None:
+    stalled, healthy, decode = stand_ins.prefill[0], stand_ins.prefill[1], stand_ins.decode[0]
+    stalled.behavior = "hang"
+    decode.kv_wait_s = 0.5
+    client = make_client([stalled.url, healthy.url], [decode.url])
+    req = request()
+    started = time.monotonic()
+    events = run(drain(client, req))
+    assert time.monotonic() - started < 10  # not the 30 s of the stalled prefill
+    done = events[-1]
+    assert isinstance(done, DoneEvent) and done.prefill == healthy.url and done.retries == 1
+    assert [r["request_id"] for r in decode.requests] == [req.request_id, f"{req.request_id}-r1"]
+    assert stalled.wait_for("aborts") == [req.request_id]
+    assert client.pool.endpoints("prefill")[0].consecutive_failures == 1
+    assert_idle(client)
+
+
+def test_lease_lost_with_the_only_prefill_stalled_is_502_at_once(stand_ins: Cluster) -> None:
+    stalled, decode = stand_ins.prefill[0], stand_ins.decode[0]
+    stalled.behavior = "hang"
+    decode.kv_wait_s = 0.5
+    client = make_client([stalled.url], stand_ins.decode_urls)
+    req = request()
+    started = time.monotonic()
+
+    async def scenario() -> None:
+        try:
+            await drain(client, req)
+        finally:
+            # The aborts go out in the background: let them finish inside the loop.
+            assert await asyncio.to_thread(stalled.wait_for, "aborts") == [req.request_id]
+            assert await asyncio.to_thread(decode.wait_for, "aborts") == [req.request_id]
+
+    with pytest.raises(RouterError) as info:
+        run(scenario())
+    assert time.monotonic() - started < 10
+    assert info.value.status == 502 and stalled.url in info.value.message
+    assert len(decode.requests) == 1 and not stand_ins.decode[1].requests  # no pointless reservation
+    assert_idle(client)
+
+
+def test_prefill_answering_lease_expired_reserves_again(stand_ins: Cluster) -> None:
+    prefill, decode = stand_ins.prefill[0], stand_ins.decode[0]
+    prefill.behavior = "lease_expired_once"
+    client = make_client([prefill.url], [decode.url])
+    req = request()
+
+    async def scenario() -> list[Event]:
+        events = await drain(client, req)
+        # The first reservation is aborted in the background: let that finish inside the loop.
+        assert await asyncio.to_thread(decode.wait_for, "aborts") == [req.request_id]
+        assert await asyncio.to_thread(prefill.wait_for, "aborts") == [req.request_id]
+        return events
+
+    done = run(scenario())[-1]
+    assert isinstance(done, DoneEvent) and done.retries == 1 and len(decode.requests) == 2
+    assert client.pool.endpoints("prefill")[0].consecutive_failures == 0  # not the prefill's fault
+
+
+def test_max_inflight_refuses_more_with_429(stand_ins: Cluster) -> None:
+    decode = stand_ins.decode[0]
+    decode.token_delay_s = 0.05
+    pool = WorkerPool(stand_ins.prefill_urls[:1], [decode.url], health_interval_s=0)
+    client = DisaggregatedClient(pool, max_inflight=1)
+
+    async def scenario() -> None:
+        first = client.generate(request(max_tokens=50))
+        assert isinstance(await anext(first), TokenEvent)
+        with pytest.raises(RouterError) as info:
+            await drain(client, request())
+        assert info.value.status == 429 and "ROUTER_MAX_INFLIGHT" in info.value.message
+        await first.aclose()
+        assert client.inflight == 0
+        assert isinstance((await drain(client, request()))[-1], DoneEvent)
+
+    run(scenario())
+    assert client.inflight == 0
 
 
 def test_decode_dying_after_the_first_token_ends_with_an_error(stand_ins: Cluster) -> None:
