@@ -83,7 +83,10 @@ class HeldDecodeRequest:
         )
         response = self._cm.__enter__()
         assert response.status_code == 200
-        self.first = json.loads(next(response.iter_lines()))
+        # Keep the line iterator: dropping it closes the stream, and the worker (rightly) frees the
+        # reservation of a request whose client hung up.
+        self._lines = response.iter_lines()
+        self.first = json.loads(next(self._lines))
         assert self.first["type"] == "descriptor", self.first
 
     def close(self) -> None:

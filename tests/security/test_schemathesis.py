@@ -40,6 +40,23 @@ def token(db: None) -> str:
 
 
 @pytest.fixture(autouse=True)
+def _keep_test_connection() -> Iterator[None]:
+    """Requests go through Django's real WSGI handler, whose request signals close "old" connections.
+
+    Inside the test's transaction that closes the test connection itself (PostgreSQL; SQLite's
+    in-memory database ignores it), so, as Django's own test client does, the signals are unhooked.
+    """
+    from django.core import signals
+    from django.db import close_old_connections
+
+    signals.request_started.disconnect(close_old_connections)
+    signals.request_finished.disconnect(close_old_connections)
+    yield
+    signals.request_started.connect(close_old_connections)
+    signals.request_finished.connect(close_old_connections)
+
+
+@pytest.fixture(autouse=True)
 def _no_broker(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Scale requests are queued to Celery: stand in for the broker so fuzzing publishes nothing."""
     monkeypatch.setattr("inference.api.views._enqueue_scale", lambda kwargs: types.SimpleNamespace(id="fuzz"))
