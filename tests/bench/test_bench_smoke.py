@@ -1,0 +1,98 @@
+"""Every benchmark runs in its --quick mode and writes a well-formed result (timings are not checked:
+performance is only measured by `make bench`, as ratios within one run)."""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import disagg_itl, engine_throughput, kv_transfer, peer_clients, router_overhead, run_all
+from bench.common import Platform, platform_processes
+
+
+@pytest.fixture(scope="module")
+def plat(tiny_model_dir: Path, log_dir: Path) -> Iterator[Platform]:
+    """One router + prefill + decode on the tiny model, shared by the process-based benchmarks."""
+    with platform_processes(tiny_model_dir, log_dir, prefill_extra=["--base-cpu-id", "0"],
+                            decode_extra=["--base-cpu-id", "1"]) as platform:
+        yield platform
+
+
+def _attach(p: Platform) -> list[str]:
+    return ["--router-url", p.router_url, "--prefill-url", p.prefill_url, "--decode-url", p.decode_url,
+            "--router-pid", str(p.router_pid)]
+
+
+def _run(module: Any, name: str, tmp_path: Path, *extra: str) -> dict[str, Any]:
+    assert module.main(["--quick", "--out-dir", str(tmp_path), "--img-dir", str(tmp_path), *extra]) == 0
+    result = json.loads((tmp_path / f"{name}_quick.json").read_text())
+    assert result["benchmark"] == f"{name}_quick"
+    assert result["command"].startswith(".venv/bin/python -m bench.")
+    assert result["machine"]["cpus"] >= 1
+    png = Path(result["plot"])
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return result
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_engine_throughput_quick(tmp_path: Path, tiny_model_dir: Path) -> None:
+    result = _run(engine_throughput, "engine_throughput", tmp_path, "--model-dir", str(tiny_model_dir))
+    (model,) = result["models"]
+    assert [r["concurrency"] for r in model["engine"]] == [1, 4]
+    assert all(r["output_tokens"] == r["requests"] * model["max_tokens"] for r in model["engine"])
+    assert all(_positive(r["ratio_vs_hf_sequential"]) for r in model["engine"])
+    assert all(_positive(s["step_over_forward"]) and _positive(s["hf_forward_ms"]) for s in model["step_vs_forward"])
+    assert result["vllm"] == {"attempted": False}
+
+
+def test_kv_transfer_quick(tmp_path: Path, tiny_model_dir: Path, plat: Platform) -> None:
+    result = _run(kv_transfer, "kv_transfer", tmp_path, "--model-dir", str(tiny_model_dir), *_attach(plat))
+    assert [r["size_mib"] for r in result["bandwidth"]] == [1, 4]
+    assert all(_positive(r["tcp_gib_s"]) and _positive(r["memcpy_gib_s"]) for r in result["bandwidth"])
+    rows = result["ttft"]["rows"]
+    assert [r["prompt_tokens"] for r in rows] == [32, 64]
+    assert all(r["kv_bytes"] > 0 and 0 < r["transfer_share_of_ttft"] < 1 for r in rows)
+
+
+def test_disagg_itl_quick(tmp_path: Path, tiny_model_dir: Path, plat: Platform) -> None:
+    result = _run(disagg_itl, "disagg_itl", tmp_path, "--model-dir", str(tiny_model_dir), "--duration-s", "3",
+                  *_attach(plat))
+    configs = {c["config"]: c for c in result["configs"]}
+    assert set(configs) == {"colocated-1core", "disaggregated"}
+    for c in configs.values():
+        assert c["errors"] == 0 and c["short"]["count"] >= 1 and c["long"]["count"] >= 1
+        assert _positive(c["short"]["itl_ms"]["p99"]) and 0 <= c["slo_met"] <= c["requests"]
+
+
+def test_router_overhead_quick(tmp_path: Path, tiny_model_dir: Path, plat: Platform) -> None:
+    result = _run(router_overhead, "router_overhead", tmp_path, "--model-dir", str(tiny_model_dir), *_attach(plat))
+    (lat,) = result["latency"]
+    for path in ("router", "direct"):
+        assert lat[path]["requests"] == 6 and _positive(lat[path]["p50_ms"])
+    assert lat["router"]["cpu_ms_per_request"]["router"] >= 0
+    assert {(t["path"], t["concurrency"]) for t in result["throughput"]} == {("router", 2), ("direct", 2)}
+    assert all(t["errors"] == 0 and t["requests"] > 0 for t in result["throughput"])
+
+
+def test_peer_clients_quick(tmp_path: Path, tiny_model_dir: Path, plat: Platform) -> None:
+    result = _run(peer_clients, "peer_clients", tmp_path, "--model-dir", str(tiny_model_dir), *_attach(plat))
+    load = result["load_test"]
+    assert load["ok"] == load["requests"] > 0 and _positive(load["ttft_ms"]["p50"])
+    for tool in ("aiperf", "guidellm"):
+        entry = result["peers"][tool]
+        # Either it ran and reported numbers, or the result says why not.
+        assert entry["ran"] is True and _positive(entry["ttft_ms_p50"]) or entry["ran"] is False and entry["reason"]
+
+
+def test_run_all_rejects_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        run_all.main(["--only", "no_such_benchmark"])
+    assert "unknown benchmark" in capsys.readouterr().err
+    assert run_all.build_command("kv_transfer", True, Path("o"), Path("i"), [])[-1] == "--quick"
