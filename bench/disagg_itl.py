@@ -262,9 +262,19 @@ def summarize_config(name: str, records: list[Any], kinds: list[str], wall: floa
         "slo_met": met,
         "slo_attainment": met / len(records) if records else None,
         "goodput_req_s": met / wall if wall else None,
-        # Every gap, for the CDF plot (a few thousand numbers).
-        "itl_values_ms": sorted(round(v * 1000, 3) for r in short for v in r.itls_s),
+        "itl_max_ms": max((v * 1000 for r in short for v in r.itls_s), default=None),
+        # 201 quantiles of every gap (0 %, 0.5 %, ..., 100 %): the CDF plot without thousands of numbers.
+        "itl_cdf_ms": itl_quantiles([v * 1000 for r in short for v in r.itls_s]),
     }
+
+
+def itl_quantiles(values_ms: list[float], points: int = 201) -> list[float]:
+    """`points` evenly spaced quantiles (0..100 %) of the values, rounded to µs; [] for none."""
+    if not values_ms:
+        return []
+    ordered = sorted(values_ms)
+    n = len(ordered)
+    return [round(ordered[min(n - 1, round(i * (n - 1) / (points - 1)))], 3) for i in range(points)]
 
 
 def _tables(result: dict[str, Any]) -> str:
@@ -274,7 +284,7 @@ def _tables(result: dict[str, Any]) -> str:
         rows.append([
             c["config"], c["short"]["count"], fmt(c["short"]["itl_ms"]["p50"], 1), fmt(c["short"]["itl_ms"]["p99"], 1),
             fmt(ratio(c["short"]["itl_ms"]["p99"], base["short"]["itl_ms"]["p99"])),
-            fmt(c["itl_values_ms"][-1] if c["itl_values_ms"] else None, 0),
+            fmt(c["itl_max_ms"], 0),
             fmt(c["short"]["ttft_ms"]["p50"], 0), fmt(c["short"]["ttft_ms"]["p99"], 0),
             c["long"]["count"], fmt(c["long"]["ttft_ms"]["p50"], 0),
             f"{c['slo_met']}/{c['requests']}", fmt(c["goodput_req_s"]),
@@ -290,16 +300,16 @@ def _tables(result: dict[str, Any]) -> str:
 def _plot(result: dict[str, Any], img_dir: Path, name: str) -> Path:
     fig, (ax_cdf, ax_bar) = new_figure(12, 4.5, ncols=2)
     for c in result["configs"]:
-        vals = c["itl_values_ms"]
-        if vals:
-            ax_cdf.plot(vals, [(i + 1) / len(vals) for i in range(len(vals))], label=c["config"])
+        cdf = c["itl_cdf_ms"]
+        if cdf:
+            ax_cdf.plot(cdf, [i / (len(cdf) - 1) for i in range(len(cdf))], label=c["config"])
     ax_cdf.set(xscale="log", xlabel="inter-token latency of short streams (ms)", ylabel="fraction of tokens",
                title="ITL distribution while long prompts arrive")
     ax_cdf.axvline(result["slo"]["itl_s"] * 1000, color="grey", linestyle=":", label="ITL SLO")
     names = [c["config"] for c in result["configs"]]
     xs = list(range(len(names)))
     p99 = [c["short"]["itl_ms"]["p99"] or 0 for c in result["configs"]]
-    worst = [c["itl_values_ms"][-1] if c["itl_values_ms"] else 0 for c in result["configs"]]
+    worst = [c["itl_max_ms"] or 0 for c in result["configs"]]
     good = [c["goodput_req_s"] or 0 for c in result["configs"]]
     # Log scale: a colocated prefill stall is orders of magnitude above a normal token gap.
     ax_bar.bar([x - 0.2 for x in xs], p99, width=0.4, color="tab:orange", label="ITL p99")
