@@ -24,6 +24,11 @@ logger = logging.getLogger(__name__)
 # Default cap on the KV pool when `num_blocks` is not given.
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
+# Share of the KV pool that decode-side sequences not running yet (waiting for their KV, or ready and
+# queued for a batch slot) may hold together. The rest is headroom for the running batch to grow into,
+# so that a long queue cannot make the running sequences preempt each other for lack of blocks.
+DEFAULT_MAX_QUEUED_KV_FRACTION = 0.9
+
 
 @dataclass
 class CompletionResult:
@@ -55,15 +60,19 @@ class LLMEngine:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         load_tokenizer: bool = True,
+        max_queued_kv_fraction: float = DEFAULT_MAX_QUEUED_KV_FRACTION,
     ) -> None:
         """Load config, weights (and the tokenizer, if the folder has one) and allocate the KV pool.
 
         `num_blocks` defaults to enough blocks for `max_num_seqs * max_model_len` tokens, capped by
         `kv_cache_bytes` (default 1 GiB). `max_model_len` defaults to the model's
-        `max_position_embeddings`.
+        `max_position_embeddings`. `max_queued_kv_fraction` bounds the blocks held by reserved and
+        ready (not yet running) sequences together, see `reserve`.
         """
         if block_size <= 0 or max_num_seqs <= 0:
             raise ValueError("block_size and max_num_seqs must be positive")
+        if not 0.0 < max_queued_kv_fraction <= 1.0:
+            raise ValueError("max_queued_kv_fraction must be in (0, 1]")
         self.model_path = model_path
         self.config = ModelConfig.from_pretrained(model_path)
         self.device = torch.device(device)
@@ -91,6 +100,7 @@ class LLMEngine:
             self.device,
         )
         self.block_manager = BlockManager(num_blocks)
+        self.max_queued_blocks = max(1, int(num_blocks * max_queued_kv_fraction))
         self.scheduler = Scheduler(
             self.block_manager,
             block_size,
@@ -105,6 +115,7 @@ class LLMEngine:
 
         self.lock = threading.RLock()
         self._seqs: dict[str, Sequence] = {}
+        self._reserved: dict[str, Sequence] = {}  # decode side: WAITING_FOR_KV, by request id
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (kv_received, abort)
         self._inflight: list[Sequence] = []  # the batch of the step being executed (failed on error)
         self._arrival = 0
@@ -127,6 +138,23 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     @property
+    def num_ready(self) -> int:
+        """Decode-side sequences whose KV arrived, queued for a slot in the running batch."""
+        return len(self.scheduler.ready)
+
+    @property
+    def num_queued(self) -> int:
+        """Sequences waiting for a batch slot: ready plus queued for prefill (/health `queue_depth`)."""
+        return self.scheduler.num_queued
+
+    @property
+    def queued_blocks(self) -> int:
+        """KV blocks held by sequences that are not running yet (reserved or ready)."""
+        with self.lock:
+            held = sum(len(s.block_ids) for s in self._reserved.values())
+            return held + sum(len(s.block_ids) for s in self.scheduler.ready)
+
+    @property
     def num_running(self) -> int:
         """Sequences in the decode batch."""
         return len(self.scheduler.running)
@@ -134,8 +162,7 @@ class LLMEngine:
     @property
     def num_reserved(self) -> int:
         """Decode-side sequences waiting for their prompt KV."""
-        with self.lock:
-            return sum(1 for s in self._seqs.values() if s.status == SequenceStatus.WAITING_FOR_KV)
+        return len(self._reserved)
 
     @property
     def num_free_blocks(self) -> int:
@@ -148,7 +175,8 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         """Whether `step()` has anything to do (queued/running sequences or undelivered outputs)."""
-        return bool(self.scheduler.waiting or self.scheduler.running or self._pending)
+        sch = self.scheduler
+        return bool(sch.waiting or sch.ready or sch.running or self._pending)
 
     def get_sequence(self, request_id: str) -> Sequence | None:
         """The live sequence of a request (None once it finished and was dropped)."""
@@ -209,17 +237,33 @@ class LLMEngine:
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """Decode side: allocate blocks for the prompt's KV and park the request (`WAITING_FOR_KV`) until
-        `kv_received`. Returns the block ids; raises `NoFreeBlocks` if the pool cannot hold them now."""
+        `kv_received`. Returns the block ids.
+
+        Blocks are reserved at once (the prefill worker writes straight into them), but sequences not
+        running yet may hold at most `max_queued_blocks` together, so the running batch keeps room to
+        grow. Raises `NoFreeBlocks` when the pool cannot hold the prompt now or when that bound would be
+        passed (a request alone in the queue is only bound by the free blocks, so any prompt that fits
+        the pool can be served).
+        """
         with self.lock:
             seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only=False)
-            seq.block_ids = self.block_manager.allocate(self.scheduler.blocks_for(seq.num_prompt_tokens))
+            need = self.scheduler.blocks_for(seq.num_prompt_tokens)
+            queued = self.queued_blocks
+            if queued and queued + need > self.max_queued_blocks:
+                raise NoFreeBlocks(
+                    f"need {need} KV blocks; requests not running yet already hold {queued} of the "
+                    f"{self.max_queued_blocks} they may"
+                )
+            seq.block_ids = self.block_manager.allocate(need)
             seq.status = SequenceStatus.WAITING_FOR_KV
             self._seqs[request_id] = seq
+            self._reserved[request_id] = seq
             return list(seq.block_ids)
 
     def kv_received(self, request_id: str, first_token_id: int) -> None:
         """The prompt KV of a reserved request is in its blocks: append the first token (sampled by the
-        prefill worker; its output is delivered by the next `step()`), then join the decode batch."""
+        prefill worker; its output is delivered by the next `step()`), then queue for a batch slot
+        (FIFO in arrival order; it runs as soon as fewer than `max_num_seqs` sequences run)."""
         with self.lock:
             seq = self._seqs.get(request_id)
             if seq is None:
@@ -228,12 +272,13 @@ class LLMEngine:
                 raise ValueError(f"request {request_id!r} is {seq.status.value}, not waiting for KV")
             if not 0 <= int(first_token_id) < self.config.vocab_size:
                 raise ValueError(f"first_token_id {first_token_id} is outside the vocabulary")
+            del self._reserved[request_id]
             seq.num_cached = seq.num_prompt_tokens
             self._append_token(seq, int(first_token_id))
             if seq.finish_reason is not None:
                 self._finish(seq, seq.finish_reason)
             else:
-                self.scheduler.add_running(seq)
+                self.scheduler.add_ready(seq)
             self._pending.append(seq.take_output())
 
     def release(self, request_id: str) -> None:
@@ -431,6 +476,7 @@ class LLMEngine:
         seq.status = SequenceStatus.FINISHED
         self._free_blocks(seq)
         self._seqs.pop(seq.request_id, None)
+        self._reserved.pop(seq.request_id, None)
 
     def _free_blocks(self, seq: Sequence) -> None:
         """Return a sequence's blocks to the pool."""

@@ -23,11 +23,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Waiting queue + running list over a `BlockManager`.
+    """Waiting queue + ready queue + running list over a `BlockManager`.
 
-    Each step first admits waiting sequences (FCFS) whose blocks fit, as one prefill batch; when none
-    can be admitted it decodes every running sequence. A decode that needs a new block while none is
-    free preempts the newest running sequence (its blocks are freed and it is recomputed later).
+    `waiting` holds sequences that need a prefill (new prompts, or preempted sequences to recompute);
+    `ready` holds decode-side sequences whose prompt KV arrived from a prefill worker (their blocks are
+    already filled). At most `max_num_seqs` sequences run at once, whichever queue they came from.
+    Each step first fills free slots in arrival order (a ready sequence joins the batch directly, a
+    waiting one whose blocks fit goes into this step's prefill batch); when no prefill was admitted it
+    decodes every running sequence. A decode that needs a new block while none is free preempts the
+    newest running sequence (its blocks are freed and it is recomputed later).
     """
 
     def __init__(
@@ -43,6 +47,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
+        self.ready: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -54,8 +59,18 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
+    def add_ready(self, seq: Sequence) -> None:
+        """Queue a sequence whose prompt KV is cached (decode side, after the transfer) for a batch slot."""
+        seq.status = SequenceStatus.READY
+        self.ready.append(seq)
+
+    @property
+    def num_queued(self) -> int:
+        """Sequences waiting for a batch slot (ready, or waiting for a prefill)."""
+        return len(self.ready) + len(self.waiting)
+
     def add_running(self, seq: Sequence) -> None:
-        """Put a sequence whose KV is already cached (decode side, after the transfer) into the batch."""
+        """Put a sequence whose KV is cached into the running batch (no slot check: callers check)."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         # Keep arrival order so that "the newest" (the preemption victim) is always the last element.
@@ -66,6 +81,11 @@ class Scheduler:
         if seq.status == SequenceStatus.WAITING:
             try:
                 self.waiting.remove(seq)
+            except ValueError:
+                pass
+        elif seq.status == SequenceStatus.READY:
+            try:
+                self.ready.remove(seq)
             except ValueError:
                 pass
         elif seq.status == SequenceStatus.RUNNING:
@@ -84,10 +104,16 @@ class Scheduler:
         return out
 
     def _admit(self, out: SchedulerOutput) -> None:
-        """Move waiting sequences into a prefill batch while blocks, slots and the token budget allow."""
+        """Fill free batch slots in arrival order: ready sequences join the running batch, waiting ones
+        go into a prefill batch while blocks and the token budget allow."""
         tokens = 0
         bm = self.block_manager
-        while self.waiting and len(self.running) + len(out.prefill) < self.max_num_seqs:
+        while (self.waiting or self.ready) and len(self.running) + len(out.prefill) < self.max_num_seqs:
+            if self.ready and (not self.waiting or self.ready[0].arrival < self.waiting[0].arrival):
+                self.add_running(self.ready.popleft())
+                continue
+            if not self.waiting:
+                break
             seq = self.waiting[0]
             n = seq.num_tokens  # a preempted sequence recomputes its generated tokens too
             need = self.blocks_for(n)
@@ -97,10 +123,14 @@ class Scheduler:
                 out.too_long.append(seq)
                 continue
             # Always admit one, even over the token budget, or a long prompt would never run.
-            if out.prefill and tokens + n > self.max_num_batched_tokens:
+            if (out.prefill and tokens + n > self.max_num_batched_tokens) or not bm.can_allocate(need):
+                # FCFS among prompts: later (smaller) ones must not overtake the head of the queue. A
+                # ready sequence already holds its blocks, so it may take the slot instead: this is
+                # also what prevents a deadlock when ready sequences hold the blocks the head needs.
+                if self.ready:
+                    self.add_running(self.ready.popleft())
+                    continue
                 break
-            if not bm.can_allocate(need):
-                break  # FCFS: do not let later (smaller) prompts overtake the head of the queue
             self.waiting.popleft()
             seq.block_ids = bm.allocate(need)
             seq.num_cached = 0

@@ -14,6 +14,7 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued for prefill (new, or preempted and to be recomputed)
     RUNNING = "running"  # in the decode batch
     WAITING_FOR_KV = "waiting_for_kv"  # decode side: blocks reserved, prompt KV not yet received
+    READY = "ready"  # decode side: prompt KV received, queued for a slot in the running batch
     PREFILLED = "prefilled"  # prefill side: done, blocks kept until release()
     FINISHED = "finished"  # done, blocks freed
 
