@@ -21,6 +21,7 @@ class ServerArgs:
     kv_advertise_host: str | None
     context_length: int | None
     batch_size: int
+    max_num_batched_tokens: int | None
     base_cpu_id: int | None
     num_threads: int | None
     max_sequence_length: int | None
@@ -61,7 +62,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-port", type=int, default=0, help="decode: TCP port for KV writes (0: any free)")
     p.add_argument("--kv-advertise-host", default=None, help="decode: address prefill workers connect to")
     p.add_argument("--context-length", type=int, default=None, help="longest prompt accepted (tokens)")
-    p.add_argument("--batch-size", type=int, default=32, help="max sequences batched together")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=32,
+        help="max sequences in one batch: decode runs at most this many at once (the rest queue), "
+        "prefill batches at most this many prompts",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="max prompt tokens in one prefill batch (a longer prompt runs alone); "
+        "default max(2048, min(context length, 8192))",
+    )
     p.add_argument("--base-cpu-id", type=int, default=None, help="first CPU to pin the worker to")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads / CPUs pinned")
     p.add_argument(
@@ -94,6 +108,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     for flag, value, minimum in [
         ("--port", ns.port, 1),
         ("--batch-size", ns.batch_size, 1),
+        ("--max-num-batched-tokens", ns.max_num_batched_tokens, 1),
         ("--block-size", ns.block_size, 1),
         ("--max-queue", ns.max_queue, 1),
         ("--max-tokens-limit", ns.max_tokens_limit, 1),
@@ -146,6 +161,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         kv_advertise_host=ns.kv_advertise_host,
         context_length=ns.context_length,
         batch_size=ns.batch_size,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
         base_cpu_id=ns.base_cpu_id,
         num_threads=ns.num_threads,
         max_sequence_length=ns.max_sequence_length,

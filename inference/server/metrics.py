@@ -56,7 +56,16 @@ class WorkerMetrics:
             registry=r,
         ).labels(**labels)
         self.queue_depth = Gauge(
-            "worker_queue_depth", "Requests waiting (incl. waiting for KV)", ["role", "model"], registry=r
+            "worker_queue_depth",
+            "Sequences waiting for a batch slot (KV arrived, or queued for prefill)",
+            ["role", "model"],
+            registry=r,
+        ).labels(**labels)
+        self.reserved = Gauge(
+            "worker_reserved_requests",
+            "Decode requests holding reserved KV blocks, waiting for their KV",
+            ["role", "model"],
+            registry=r,
         ).labels(**labels)
         self.running = Gauge(
             "worker_running_requests", "Sequences in the running batch", ["role", "model"], registry=r

@@ -84,6 +84,7 @@ class Worker:
                 block_size=args.block_size,
                 num_blocks=args.num_kv_blocks,
                 max_num_seqs=args.batch_size,
+                max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_sequence_length or args.context_length,
                 kv_cache_bytes=(args.kv_cache_memory_mb * 2**20) if args.kv_cache_memory_mb else None,
                 device=self.device,
@@ -183,7 +184,12 @@ class Worker:
 
     # ------------------------------------------------------------------ status
     def health(self) -> dict[str, Any]:
-        """The guide's health answer plus role, model, queue depth, running and KV usage."""
+        """The guide's health answer plus role, model, queue depth, running, reserved and KV usage.
+
+        `queue_depth`: sequences waiting for a batch slot (KV arrived, or queued for prefill);
+        `running`: sequences in the batch (at most `batch_size`); `reserved`: decode requests whose
+        blocks are reserved and whose KV has not arrived yet.
+        """
         body: dict[str, Any] = {"status": "healthy"}
         gpu = self.utilization.gpu()
         if gpu is not None:
@@ -193,8 +199,10 @@ class Worker:
         body.update(
             role=self.role,
             model=self.model_name,
-            queue_depth=self.engine.num_waiting,
+            queue_depth=self.engine.num_queued,
             running=self.engine.num_running,
+            reserved=self.engine.num_reserved,
+            batch_size=self.args.batch_size,
             kv_usage=round(self.engine.kv_usage(), 4),
         )
         return body
@@ -211,6 +219,8 @@ class Worker:
             "num_kv_blocks": self.engine.kv_cache.num_blocks,
             "kv_transport": self.args.kv_transport,
             "max_tokens_limit": self.args.max_tokens_limit,
+            "batch_size": self.args.batch_size,
+            "max_queue": self.args.max_queue,
             "device": str(self.device),
             "cpus": self.cpus,
             "started_at": self.started_at,
@@ -222,7 +232,8 @@ class Worker:
     def render_metrics(self) -> bytes:
         """Prometheus text with gauges refreshed now."""
         m = self.metrics
-        m.queue_depth.set(self.engine.num_waiting)
+        m.queue_depth.set(self.engine.num_queued)
+        m.reserved.set(self.engine.num_reserved)
         m.running.set(self.engine.num_running)
         m.kv_usage.set(self.engine.kv_usage())
         m.cpu_utilization.set(self.utilization.cpu())

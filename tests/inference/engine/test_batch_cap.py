@@ -126,3 +126,18 @@ def test_preemption_with_a_full_ready_queue_does_not_deadlock(llama: TinyModel) 
     assert decode.num_preemptions > 0
     assert all(results[f"r{i}"].token_ids == expected for i in range(6))
     assert decode.block_manager.num_free == 16
+
+
+@pytest.mark.parametrize(("max_seqs", "max_tokens", "per_step"), [(2, 4096, 2), (8, 40, 2), (8, 4096, 5)])
+def test_prefill_batches_honour_seq_and_token_caps(
+    llama: TinyModel, max_seqs: int, max_tokens: int, per_step: int
+) -> None:
+    """A prefill worker batches at most `max_num_seqs` prompts and `max_num_batched_tokens` tokens
+    (17-token prompts: 40 tokens fit two) per forward pass."""
+    engine = LLMEngine(llama.path, num_blocks=64, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens)
+    for i in range(5):
+        engine.add_request(f"p{i}", llama.prompts[1], GREEDY, prefill_only=True)
+    sizes: list[int] = []
+    while engine.has_work():
+        sizes.append(sum(1 for out in engine.step() if out.finish_reason == "prefilled"))
+    assert sizes[0] == per_step and max(sizes) == per_step and sum(sizes) == 5
