@@ -6,9 +6,12 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # lease.py imports this module for the descriptor
+    from inference.kv_transfer.lease import Lease
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -86,6 +89,10 @@ class TransferDescriptor:
     lease_expires_at: float
     token: str
     rdma: dict[str, Any] | None = field(default=None)
+    # The lease period (renew after a fraction of it) and the hard cap on renewals (wall-clock
+    # time on the decode host). 0 in a descriptor from a decode worker without renewals.
+    lease_s: float = 0.0
+    lease_cap_at: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form, as sent through the router."""
@@ -110,12 +117,18 @@ class TransferDescriptor:
                 lease_expires_at=float(data["lease_expires_at"]),
                 token=str(data["token"]),
                 rdma=data.get("rdma"),
+                lease_s=float(data.get("lease_s", 0.0)),
+                lease_cap_at=float(data.get("lease_cap_at", 0.0)),
             )
-        except (KeyError, TypeError, OverflowError) as exc:  # OverflowError: int(Infinity) from JSON
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(Infinity)
             raise ValueError(f"malformed descriptor: missing or bad field {exc}") from exc
         # A lease is seconds long; an infinite or far-future one would overflow socket timeouts.
         if not math.isfinite(descriptor.lease_expires_at) or descriptor.lease_remaining() > _MAX_LEASE_S:
             raise ValueError(f"descriptor lease_expires_at {descriptor.lease_expires_at!r} is not a time soon")
+        if not (math.isfinite(descriptor.lease_s) and 0.0 <= descriptor.lease_s <= _MAX_LEASE_S):
+            raise ValueError(f"descriptor lease_s {descriptor.lease_s!r} is not a lease period")
+        if not math.isfinite(descriptor.lease_cap_at) or descriptor.lease_cap_at - time.time() > _MAX_LEASE_S:
+            raise ValueError(f"descriptor lease_cap_at {descriptor.lease_cap_at!r} is not a time soon")
         needed = -(-descriptor.num_tokens // descriptor.layout.block_size)
         if descriptor.num_tokens <= 0 or len(descriptor.block_ids) != needed:
             raise ValueError(
@@ -127,8 +140,18 @@ class TransferDescriptor:
         return descriptor
 
     def lease_remaining(self) -> float:
-        """Seconds until the decode worker frees the reserved blocks."""
+        """Seconds until the decode worker frees the reserved blocks (unless the lease is renewed)."""
         return self.lease_expires_at - time.time()
+
+    def renewable(self) -> bool:
+        """Whether the decode worker accepts lease renewals for this descriptor."""
+        return self.lease_s > 0 and self.lease_cap_at > 0
+
+    def lease_cap_remaining(self) -> float:
+        """Seconds until no renewal can extend the lease any more (the lease itself without renewals)."""
+        if not self.renewable():
+            return self.lease_remaining()
+        return self.lease_cap_at - time.time()
 
 
 @dataclass
@@ -137,6 +160,17 @@ class TransferStats:
 
     nbytes: int
     seconds: float
+
+
+def send_bound(descriptor: TransferDescriptor, timeout: float) -> float:
+    """Seconds a KV send may take: `timeout`, and within the lease when nobody can renew it.
+
+    A renewable lease is kept alive by the sender's lease keeper while the bytes flow (a large KV
+    over a slow link may take longer than one lease), so only the caller's timeout bounds it.
+    """
+    if descriptor.renewable():
+        return max(timeout, 0.0)
+    return min(timeout, max(descriptor.lease_remaining(), 0.0))
 
 
 def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
@@ -177,6 +211,10 @@ class KVReceiver(abc.ABC):
     def cancel(self, request_id: str) -> None:
         """Forget a registered transfer (aborted or expired): later writes for it are refused."""
 
+    @abc.abstractmethod
+    def lease(self, request_id: str) -> Lease | None:
+        """The lease of a transfer still expected (None once it arrived or was cancelled)."""
+
 
 class KVSender(abc.ABC):
     """Prefill side: writes local KV blocks into a decode worker's reserved blocks."""
@@ -191,4 +229,7 @@ class KVSender(abc.ABC):
         first_token: int,
         timeout: float,
     ) -> TransferStats:
-        """Write the blocks and the first token; return once the decode side acknowledged them."""
+        """Write the blocks and the first token; return once the decode side acknowledged them.
+
+        Bounded by `send_bound(descriptor, timeout)`; an already expired lease fails at once.
+        """

@@ -19,7 +19,6 @@ sender) and only then lets the blocks go. Peers that know the shared secret are 
 """
 from __future__ import annotations
 
-import hmac
 import logging
 import secrets
 import socket
@@ -38,7 +37,9 @@ from inference.kv_transfer.base import (
     TransferDescriptor,
     TransferStats,
     block_runs,
+    send_bound,
 )
+from inference.kv_transfer.lease import LEASE_MAX_MULTIPLE, Lease, answer_renewal, peer_address, same_secret
 from inference.kv_transfer.verbs import MemoryRegion, QPInfo, VerbsDevice, VerbsError, VerbsQP
 from inference.kv_transfer.wire import recv_frame, send_frame
 
@@ -84,7 +85,7 @@ class _Pending:
     block_ids: list[int]
     num_tokens: int
     token: str
-    expires_at: float
+    lease: Lease
     lock: threading.Lock = field(default_factory=threading.Lock)
     cancelled: bool = False
     conn: socket.socket | None = None
@@ -108,6 +109,7 @@ class RdmaKVReceiver(KVReceiver):
         io_timeout: float = 30.0,
         idle_timeout: float = 300.0,
         max_connections: int = 64,
+        max_lease_multiple: float = LEASE_MAX_MULTIPLE,
     ) -> None:
         _check_pool(kv_data, layout)
         self._kv = kv_data
@@ -121,6 +123,7 @@ class RdmaKVReceiver(KVReceiver):
         self._io_timeout = io_timeout
         self._idle_timeout = idle_timeout  # a cached link may sit unused between transfers this long
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._max_lease_multiple = max_lease_multiple
         self._pending: dict[str, _Pending] = {}
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -172,9 +175,10 @@ class RdmaKVReceiver(KVReceiver):
     ) -> TransferDescriptor:
         """Register the reserved blocks of `request_id`; the descriptor carries the pool's address and rkey."""
         token = secrets.token_hex(16)
-        expires = time.time() + lease_s
+        lease = Lease(lease_s, max_multiple=self._max_lease_multiple)
+        now = time.time()
         with self._lock:
-            self._pending[request_id] = _Pending(list(block_ids), num_tokens, token, expires)
+            self._pending[request_id] = _Pending(list(block_ids), num_tokens, token, lease)
         return TransferDescriptor(
             request_id=request_id,
             transport=self.transport,
@@ -183,8 +187,10 @@ class RdmaKVReceiver(KVReceiver):
             block_ids=list(block_ids),
             num_tokens=num_tokens,
             layout=self._layout,
-            lease_expires_at=expires,
+            lease_expires_at=now + lease_s,
             token=token,
+            lease_s=lease_s,
+            lease_cap_at=now + (lease.cap_at - lease.granted_at),
             rdma={
                 "addr": self._region.addr,
                 "rkey": self._region.rkey,
@@ -206,6 +212,18 @@ class RdmaKVReceiver(KVReceiver):
             _shutdown(conn)
         with pending.lock:  # released only once no write for this request can land any more
             pass
+
+    def lease(self, request_id: str) -> Lease | None:
+        """The lease of a transfer still expected (None once it arrived or was cancelled)."""
+        with self._lock:
+            pending = self._pending.get(request_id)
+        return None if pending is None or pending.cancelled else pending.lease
+
+    def _find(self, request_id: str) -> tuple[str, Lease] | None:
+        """(token, lease) of a transfer still expected, for a lease renewal."""
+        with self._lock:
+            pending = self._pending.get(request_id)
+        return None if pending is None or pending.cancelled else (pending.token, pending.lease)
 
     def _accept_loop(self) -> None:
         assert self._sock is not None
@@ -256,11 +274,14 @@ class RdmaKVReceiver(KVReceiver):
             self._slots.release()
 
     def _secret_ok(self, header: dict[str, object]) -> bool:
-        return not self._secret or hmac.compare_digest(str(header.get("secret", "")), self._secret)
+        return not self._secret or same_secret(header.get("secret", ""), self._secret)
 
     def _handshake(self, conn: socket.socket) -> VerbsQP | None:
         """Answer the prefill side's connect frame with a QP connected to its QP; None when refused."""
         hello = recv_frame(conn)
+        if hello.get("op") == "renew":  # a lease renewal: one frame each way on its own connection
+            send_frame(conn, answer_renewal(hello, self._find, self._secret, peer_address(conn)))
+            return None
         if not self._secret_ok(hello):
             send_frame(conn, {"ok": False, "error": "bad shared secret"})
             return None
@@ -300,8 +321,11 @@ class RdmaKVReceiver(KVReceiver):
         if pending is None or pending.cancelled:
             send_frame(conn, {"ok": False, "error": f"unknown or expired request {request_id!r}"})
             return False
-        if not hmac.compare_digest(str(header.get("token", "")), pending.token):
+        if not same_secret(header.get("token", ""), pending.token):
             send_frame(conn, {"ok": False, "error": "bad transfer token"})
+            return False
+        if pending.lease.expire():  # the decode worker is about to free the blocks (or has)
+            send_frame(conn, {"ok": False, "error": f"the lease of request {request_id!r} expired"})
             return False
         try:
             if header.get("op") != "write":
@@ -464,9 +488,9 @@ class RdmaKVSender(KVSender):
         src = list(src_block_ids[: len(dst)])
         if any(not 0 <= b < self._kv.shape[0] for b in src):
             raise KVTransferError(f"source blocks {src} fall outside the local KV pool")
-        deadline = time.monotonic() + min(timeout, max(descriptor.lease_remaining(), 0.0))
-        if deadline <= time.monotonic():
+        if descriptor.lease_remaining() <= 0:
             raise KVTransferError(f"lease of request {descriptor.request_id} already expired")
+        deadline = time.monotonic() + send_bound(descriptor, timeout)
         started = time.perf_counter()
         expected = len(dst) * self._layout.block_nbytes
         header = {

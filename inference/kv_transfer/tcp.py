@@ -25,7 +25,9 @@ from inference.kv_transfer.base import (
     TransferDescriptor,
     TransferStats,
     block_runs,
+    send_bound,
 )
+from inference.kv_transfer.lease import LEASE_MAX_MULTIPLE, Lease, answer_renewal, peer_address
 from inference.kv_transfer.wire import recv_exact_into, recv_frame, send_frame
 
 logger = logging.getLogger(__name__)
@@ -72,7 +74,7 @@ class _Pending:
     block_ids: list[int]
     num_tokens: int
     token: str
-    expires_at: float
+    lease: Lease
     lock: threading.Lock = field(default_factory=threading.Lock)
     cancelled: bool = False
 
@@ -93,6 +95,7 @@ class TcpKVReceiver(KVReceiver):
         secret: str = "",
         io_timeout: float = 30.0,
         max_connections: int = 64,
+        max_lease_multiple: float = LEASE_MAX_MULTIPLE,
     ) -> None:
         self._kv = kv_data
         self._layout = layout
@@ -102,6 +105,7 @@ class TcpKVReceiver(KVReceiver):
         self._secret = secret
         self._io_timeout = io_timeout
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._max_lease_multiple = max_lease_multiple
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
@@ -143,9 +147,10 @@ class TcpKVReceiver(KVReceiver):
     ) -> TransferDescriptor:
         """Register the reserved blocks of `request_id` and describe them for the prefill side."""
         token = secrets.token_hex(16)
-        expires = time.time() + lease_s
+        lease = Lease(lease_s, max_multiple=self._max_lease_multiple)
+        now = time.time()
         with self._lock:
-            self._pending[request_id] = _Pending(list(block_ids), num_tokens, token, expires)
+            self._pending[request_id] = _Pending(list(block_ids), num_tokens, token, lease)
         return TransferDescriptor(
             request_id=request_id,
             transport=self.transport,
@@ -154,8 +159,10 @@ class TcpKVReceiver(KVReceiver):
             block_ids=list(block_ids),
             num_tokens=num_tokens,
             layout=self._layout,
-            lease_expires_at=expires,
+            lease_expires_at=now + lease_s,
             token=token,
+            lease_s=lease_s,
+            lease_cap_at=now + (lease.cap_at - lease.granted_at),
         )
 
     def cancel(self, request_id: str) -> None:
@@ -167,6 +174,18 @@ class TcpKVReceiver(KVReceiver):
         pending.cancelled = True
         with pending.lock:  # a receive in progress holds it: after this no byte lands in the blocks
             pass
+
+    def lease(self, request_id: str) -> Lease | None:
+        """The lease of a transfer still expected (None once it arrived or was cancelled)."""
+        with self._lock:
+            pending = self._pending.get(request_id)
+        return None if pending is None or pending.cancelled else pending.lease
+
+    def _find(self, request_id: str) -> tuple[str, Lease] | None:
+        """(token, lease) of a transfer still expected, for a lease renewal."""
+        with self._lock:
+            pending = self._pending.get(request_id)
+        return None if pending is None or pending.cancelled else (pending.token, pending.lease)
 
     def _accept_loop(self) -> None:
         assert self._sock is not None
@@ -200,12 +219,15 @@ class TcpKVReceiver(KVReceiver):
         try:
             conn.settimeout(self._io_timeout)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            # One connection may carry several transfers back to back.
+            # One connection may carry several transfers (or lease renewals) back to back.
             while not self._stopped.is_set():
                 try:
                     header = recv_frame(conn)
                 except KVTransferError:
                     return  # peer closed between transfers
+                if header.get("op") == "renew":
+                    send_frame(conn, answer_renewal(header, self._find, self._secret, peer_address(conn)))
+                    continue
                 if not self._receive_one(conn, header):
                     return
         except (OSError, KVTransferError) as exc:
@@ -228,6 +250,9 @@ class TcpKVReceiver(KVReceiver):
             return False
         if not _same(header.get("token", ""), pending.token):
             send_frame(conn, {"ok": False, "error": "bad transfer token"})
+            return False
+        if pending.lease.expire():  # the decode worker is about to free the blocks (or has)
+            send_frame(conn, {"ok": False, "error": f"the lease of request {request_id!r} expired"})
             return False
         try:
             runs = [(int(a), int(b)) for a, b in header.get("runs", [])]  # type: ignore[attr-defined]
@@ -289,9 +314,9 @@ class TcpKVSender(KVSender):
         dst = descriptor.block_ids
         if len(src_block_ids) < len(dst):
             raise KVTransferError(f"prefill holds {len(src_block_ids)} blocks, decode expects {len(dst)}")
-        deadline = time.monotonic() + min(timeout, max(descriptor.lease_remaining(), 0.0))
-        if deadline <= time.monotonic():
+        if descriptor.lease_remaining() <= 0:
             raise KVTransferError(f"lease of request {descriptor.request_id} already expired")
+        deadline = time.monotonic() + send_bound(descriptor, timeout)
         started = time.perf_counter()
         runs = block_runs(dst)
         header = {
