@@ -11,19 +11,31 @@ role's *active* workers (PENDING, STARTING, RUNNING, UNHEALTHY; DRAINING and lat
 - PENDING workers whose agent did not pick them up within CONTROLLER_PENDING_RESEND_S get their start
   request again (agents also pick up their PENDING workers by themselves, see nodes.agent.supervisor).
 
-Placement (`place_worker`): a node fits when it is ONLINE with a heartbeat younger than
-NODE_HEARTBEAT_TIMEOUT_S, accepts the role (`labels["roles"]`, set by `agent --roles`), has RDMA devices
-when the deployment wants RDMA, has a free port in its range (two for decode: HTTP and KV), and had no
-FAILED worker of this deployment+role within CONTROLLER_FAILURE_COOLDOWN_S (a crash-looping replica is not
-put back on the node that just gave up on it). Among those, prefill prefers nodes with a free GPU and decode
-nodes without GPUs (the guide's split: prefill on GPU, decode on CPU); then the node with the most free
-CPUs, then the one with the fewest replicas of this deployment+role (spread). CPUs: each worker gets
-`threads_per_worker` contiguous CPU ids; the range is chosen to overlap first the other role's CPUs as
-little as possible, then any worker's; prefill ranges grow from CPU 0 upwards and decode ranges from the
-last CPU downwards, so on a shared host the two roles end up on different cores when there are enough.
-CPU oversubscription is allowed (ranges then overlap the least used CPUs): a host is never refused for
-lack of CPUs, only ranked lower. GPUs: a prefill worker gets one free GPU of its node if there is one;
-decode workers run on CPU (CUDA_VISIBLE_DEVICES="").
+Placement (`place_worker`): every registered node is considered, and a node fits when it is ONLINE with a
+heartbeat younger than NODE_HEARTBEAT_TIMEOUT_S, accepts the role (`labels["roles"]`, set by `agent
+--roles`), has RDMA devices when the deployment wants RDMA, had no FAILED worker of this deployment+role
+within CONTROLLER_FAILURE_COOLDOWN_S (a crash-looping replica is not put back on the node that just gave
+up on it), has a free port in its range (two for decode: HTTP and KV), and has CPUs for the worker's
+threads: `threads_per_worker` contiguous CPU ids (clipped to the host's CPU count) that no live worker of
+the node (DRAINING included: its process still runs) is pinned to. A worker is never started on CPUs
+another worker uses, since a third worker on two busy CPUs slows every request of the host, unless the
+node allows it (`Node.allow_cpu_oversubscription`, off by default, set in the node admin or with `PATCH
+/api/nodes/{id}/`); then its range overlaps first the other role's CPUs as little as possible, then any
+worker's. Among the nodes that fit: one that needs no oversubscription first; then a node labelled for
+the role; prefill prefers nodes with a free GPU and decode nodes without GPUs (the guide's split: prefill
+on GPU, decode on CPU); then the node with the fewest replicas of this deployment+role (spread), then the
+most free CPUs. Prefill ranges grow from CPU 0 upwards and decode ranges from the last CPU downwards, so
+on a shared host the two roles end up on different cores. GPUs: a prefill worker gets one free GPU of its
+node if there is one; decode workers run on CPU (CUDA_VISIBLE_DEVICES="").
+
+A replica that no node fits stays missing (the next reconcile tries again) and is recorded as a
+ScaleEvent (source "recovery": the controller restoring the desired count) whose reason names each node
+considered and why it was refused ("no free CPUs ...", "no free port ...", "role not accepted ...",
+"heartbeat stale ...", "offline", ...). Reconciles run every few seconds, so the event is written once:
+again only when the reason or the counts change, a worker of the deployment+role was placed since, or
+another scale change of the role was recorded since. Placements are serialised across reconciles (a
+PostgreSQL advisory lock held to the end of the reconcile's transaction), because two deployments placed
+at once would otherwise both see the same CPUs as free; ports are also protected by a unique constraint.
 """
 from __future__ import annotations
 
@@ -35,10 +47,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
-from inference.models import Deployment, DeploymentStatus
+from inference.models import Deployment, DeploymentStatus, ScaleEvent, ScaleSource
 from nodes import actions as node_actions
 from nodes.models import ACTIVE_WORKER_STATUSES, Node, NodeStatus, Worker, WorkerRole, WorkerStatus
 
@@ -47,6 +59,8 @@ logger = logging.getLogger(__name__)
 ROLES: tuple[str, ...] = tuple(WorkerRole.values)
 # Placement retries when another reconcile took the chosen port between our read and our insert.
 PLACEMENT_ATTEMPTS = 3
+# pg_advisory_xact_lock key serialising placements (any constant the platform uses for nothing else).
+PLACEMENT_LOCK_ID = 0x706C6163  # "plac"
 # Order in which surplus workers are removed (lower first).
 _REMOVAL_RANK = {
     WorkerStatus.UNHEALTHY: 0,
@@ -77,6 +91,7 @@ class ReconcileResult:
     stopped: list[int] = field(default_factory=list)
     unplaced: dict[str, int] = field(default_factory=dict)
     resent: list[int] = field(default_factory=list)
+    refused_events: list[int] = field(default_factory=list)  # ScaleEvents recording unplaced workers
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe form (the task's result and log line)."""
@@ -87,6 +102,7 @@ class ReconcileResult:
             "stopped": self.stopped,
             "unplaced": self.unplaced,
             "resent": self.resent,
+            "refused_events": self.refused_events,
         }
 
 
@@ -102,7 +118,7 @@ def node_roles(node: Node) -> set[str] | None:
 
 
 def schedulable_nodes(now: datetime | None = None) -> list[Node]:
-    """ONLINE nodes whose agent sent a heartbeat within NODE_HEARTBEAT_TIMEOUT_S."""
+    """ONLINE nodes whose agent sent a heartbeat within NODE_HEARTBEAT_TIMEOUT_S (placement checks more)."""
     now = now or timezone.now()
     cutoff = now - timedelta(seconds=float(settings.NODE_HEARTBEAT_TIMEOUT_S))
     return list(Node.objects.filter(status=NodeStatus.ONLINE, last_heartbeat__gte=cutoff).order_by("name"))
@@ -167,52 +183,124 @@ def recently_failed_nodes(deployment: Deployment, role: str, now: datetime) -> s
     )
 
 
-def plan_placement(deployment: Deployment, role: str, *, now: datetime | None = None) -> Placement | None:
-    """Choose a node, ports, CPUs and GPUs for a new worker (no database write); None if no node fits."""
+def busy_cpus(node: Node, live: Sequence[Worker]) -> set[int]:
+    """The node's CPU ids that live workers are pinned to."""
+    return {int(c) for w in live for c in (w.cpu_ids or []) if 0 <= int(c) < max(1, node.cpu_count)}
+
+
+@dataclass
+class PlacementPlan:
+    """The outcome of considering every node for one new worker: where it goes, or why nowhere."""
+
+    placement: Placement | None
+    # (node name, why it was refused), in node-name order; the nodes that fitted are not listed.
+    refusals: list[tuple[str, str]] = field(default_factory=list)
+
+    def explain(self) -> str:
+        """The refusals as one line: "a: no free CPUs (...); b: offline" ("no nodes registered" if none)."""
+        if not self.refusals:
+            return "no nodes registered"
+        return "; ".join(f"{name}: {why}" for name, why in self.refusals)
+
+
+def _refusal(
+    node: Node, deployment: Deployment, role: str, *, now: datetime, failed: set[int]
+) -> str | None:
+    """Why `node` cannot take a worker of `deployment`/`role` before its resources are looked at."""
+    if node.status != NodeStatus.ONLINE:
+        return str(node.status)  # "offline" or "draining"
+    timeout = float(settings.NODE_HEARTBEAT_TIMEOUT_S)
+    if node.last_heartbeat is None:
+        return "heartbeat stale (never sent one)"
+    if node.last_heartbeat < now - timedelta(seconds=timeout):
+        return f"heartbeat stale (none within {timeout:g}s)"
+    accepted = node_roles(node)
+    if accepted is not None and role not in accepted:
+        return f"role not accepted (takes {', '.join(sorted(accepted))})"
+    if deployment.kv_transport == "rdma" and not node.rdma_devices:
+        return "no RDMA devices"
+    if node.pk in failed:
+        cooldown = float(settings.CONTROLLER_FAILURE_COOLDOWN_S)
+        return f"a {role} worker of this deployment failed here within {cooldown:g}s"
+    return None
+
+
+def plan_placement_explained(deployment: Deployment, role: str, *, now: datetime | None = None) -> PlacementPlan:
+    """Choose a node, ports, CPUs and GPUs for a new worker (no database write), saying why nodes were refused."""
     now = now or timezone.now()
     failed = recently_failed_nodes(deployment, role, now)
+    plan = PlacementPlan(placement=None)
     candidates: list[tuple[tuple[Any, ...], Placement]] = []
-    for node in schedulable_nodes(now):
-        accepted = node_roles(node)
-        if accepted is not None and role not in accepted:
-            continue
-        if deployment.kv_transport == "rdma" and not node.rdma_devices:
-            continue
-        if node.pk in failed:
+    for node in Node.objects.order_by("name"):
+        why = _refusal(node, deployment, role, now=now, failed=failed)
+        if why is not None:
+            plan.refusals.append((node.name, why))
             continue
         live = _live_workers(node)
-        ports = free_ports(node, live, 2 if role == WorkerRole.DECODE else 1)
+        port_count = 2 if role == WorkerRole.DECODE else 1
+        ports = free_ports(node, live, port_count)
         if ports is None:
+            plan.refusals.append(
+                (node.name, f"no free port (needs {port_count} in {node.port_range_start}-{node.port_range_end})")
+            )
             continue
         cpus = choose_cpus(node.cpu_count, deployment.threads_per_worker, role, live)
+        busy = busy_cpus(node, live)
+        total = max(1, node.cpu_count)
+        oversubscribes = bool(busy & set(cpus))  # choose_cpus takes a free range whenever there is one
+        if oversubscribes and not node.allow_cpu_oversubscription:
+            plan.refusals.append(
+                (node.name, f"no free CPUs (needs {len(cpus)} contiguous, {total - len(busy)} of {total} free; "
+                            "oversubscription not allowed)")
+            )
+            continue
         gpus = choose_gpus(node, role, live)
-        busy_cpus = {int(c) for w in live for c in (w.cpu_ids or [])}
-        free_cpu_count = max(0, node.cpu_count - len(busy_cpus))
         replicas_here = sum(1 for w in live if w.deployment_id == deployment.pk and w.role == role)
         if role == WorkerRole.PREFILL:
             device_pref = 0 if gpus else (1 if not node.gpus else 2)  # free GPU, CPU host, full GPU host
         else:
             device_pref = 0 if not node.gpus else 1  # keep GPU hosts for prefill
-        explicit = 0 if accepted is not None else 1  # a node labelled for this role beats a generic one
-        key = (explicit, device_pref, replicas_here, -free_cpu_count, len(live), node.name)
+        explicit = 0 if node_roles(node) is not None else 1  # a node labelled for this role beats a generic one
+        key = (oversubscribes, explicit, device_pref, replicas_here, len(busy) - total, len(live), node.name)
         placement = Placement(
             node=node, port=ports[0], kv_port=ports[1] if len(ports) > 1 else None, cpu_ids=cpus, gpu_ids=gpus
         )
         candidates.append((key, placement))
-    if not candidates:
-        return None
-    return min(candidates, key=lambda item: item[0])[1]
+    if candidates:
+        plan.placement = min(candidates, key=lambda item: item[0])[1]
+    return plan
 
 
-def place_worker(deployment: Deployment, role: str, *, now: datetime | None = None) -> Worker | None:
-    """Create a PENDING worker of `deployment`/`role` on a node that fits; None when none does.
+def plan_placement(deployment: Deployment, role: str, *, now: datetime | None = None) -> Placement | None:
+    """Choose a node, ports, CPUs and GPUs for a new worker (no database write); None if no node fits."""
+    return plan_placement_explained(deployment, role, now=now).placement
+
+
+def _serialise_placements() -> None:
+    """Hold the placement lock until the current transaction ends (PostgreSQL; SQLite serialises writers).
+
+    CPU ranges have no database constraint (unlike ports), so without it two reconciles of different
+    deployments could both read the same CPUs as free and pin a worker each to them.
+    """
+    if connection.vendor == "postgresql" and connection.in_atomic_block:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [PLACEMENT_LOCK_ID])
+
+
+def place_worker_explained(
+    deployment: Deployment, role: str, *, now: datetime | None = None
+) -> tuple[Worker | None, PlacementPlan]:
+    """Create a PENDING worker of `deployment`/`role` on a node that fits; the plan says why when none does.
 
     The caller sends the start request (`nodes.actions.request_start`), normally on commit.
     """
+    _serialise_placements()
+    plan = PlacementPlan(placement=None)
     for attempt in range(PLACEMENT_ATTEMPTS):
-        placement = plan_placement(deployment, role, now=now)
+        plan = plan_placement_explained(deployment, role, now=now)
+        placement = plan.placement
         if placement is None:
-            return None
+            return None, plan
         try:
             with transaction.atomic():  # a savepoint: a lost port race leaves the outer transaction usable
                 worker = Worker.objects.create(
@@ -230,8 +318,46 @@ def place_worker(deployment: Deployment, role: str, *, now: datetime | None = No
             continue
         logger.info("placed %s %s worker #%s on %s:%s (CPUs %s, GPUs %s)", deployment.name, role, worker.pk,
                     placement.node.name, placement.port, placement.cpu_ids, placement.gpu_ids)
-        return worker
-    return None
+        return worker, plan
+    return None, PlacementPlan(placement=None, refusals=plan.refusals + [("*", "ports taken meanwhile")])
+
+
+def place_worker(deployment: Deployment, role: str, *, now: datetime | None = None) -> Worker | None:
+    """Create a PENDING worker of `deployment`/`role` on a node that fits; None when none does."""
+    return place_worker_explained(deployment, role, now=now)[0]
+
+
+def record_unplaced(
+    deployment: Deployment, role: str, *, active: int, desired: int, plan: PlacementPlan
+) -> ScaleEvent | None:
+    """Record that `desired - active` workers of the role could not be placed, once per distinct reason.
+
+    Written as a ScaleEvent (source "recovery") naming every node considered and why it was refused;
+    None when the role's latest ScaleEvent already says exactly this and no worker of the role was
+    placed since (the reconcile loop would otherwise write one per round). Call with `deployment` locked.
+    """
+    reason = (
+        f"placement refused: {desired - active} {role} worker(s) not placed ({active} of {desired} running "
+        f"or starting); nodes considered: {plan.explain()}"
+    )
+    last = ScaleEvent.objects.filter(deployment=deployment, role=role).order_by("-created_at", "-pk").first()
+    if (
+        last is not None
+        and last.source == ScaleSource.RECOVERY
+        and (last.reason, last.from_replicas, last.to_replicas) == (reason, active, desired)
+        and not Worker.objects.filter(deployment=deployment, role=role, created_at__gt=last.created_at).exists()
+    ):
+        return None
+    event = ScaleEvent.objects.create(
+        deployment=deployment,
+        role=role,
+        from_replicas=active,
+        to_replicas=desired,
+        source=ScaleSource.RECOVERY,
+        reason=reason,
+    )
+    logger.warning("%s: %s", deployment.name, reason)
+    return event
 
 
 # ------------------------------------------------------------------------------------------ reconcile
@@ -272,15 +398,20 @@ def reconcile(deployment: Deployment | int, *, now: datetime | None = None) -> R
                 result.stopped += [w.pk for w in lost]
                 workers = [w for w in workers if w not in lost]
             if len(workers) < desired:
+                placed = 0
                 for _ in range(desired - len(workers)):
-                    worker = place_worker(locked, role, now=now)
+                    worker, plan = place_worker_explained(locked, role, now=now)
                     if worker is None:
-                        result.unplaced[role] = result.unplaced.get(role, 0) + 1
-                        continue
+                        # Nothing changes until a node frees up: the rest would be refused for the same reason.
+                        result.unplaced[role] = desired - len(workers) - placed
+                        event = record_unplaced(locked, role, active=len(workers) + placed, desired=desired,
+                                                plan=plan)
+                        if event is not None:
+                            result.refused_events.append(event.pk)
+                        break
                     node_actions.request_start(worker)
                     result.started.append(worker.pk)
-                if role in result.unplaced:
-                    logger.warning("%s: no node fits %d %s worker(s)", locked.name, result.unplaced[role], role)
+                    placed += 1
             elif len(workers) > desired:
                 for worker in sorted(workers, key=_removal_key)[: len(workers) - desired]:
                     drain = worker.status == WorkerStatus.RUNNING

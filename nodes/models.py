@@ -27,6 +27,11 @@ class Node(models.Model):
     labels = models.JSONField(default=dict, blank=True)
     port_range_start = models.PositiveIntegerField(default=30000)
     port_range_end = models.PositiveIntegerField(default=30999)
+    allow_cpu_oversubscription = models.BooleanField(
+        default=False,
+        help_text="let the controller place workers on CPUs other workers of this host already use "
+        "(otherwise a worker only starts where its threads get CPUs of their own)",
+    )
     last_heartbeat = models.DateTimeField(null=True, blank=True)
     last_metrics = models.JSONField(default=dict, blank=True, help_text="host CPU/memory at the last heartbeat")
     registered_at = models.DateTimeField(auto_now_add=True)

@@ -43,6 +43,8 @@ def test_ports_and_cpus_of_a_shared_host() -> None:
     assert (decode.port, decode.kv_port) == (31001, 31002)  # decode also gets its KV port from the range
     assert prefill.cpu_ids == [0, 1] and decode.cpu_ids == [2, 3]  # the roles do not share cores
     assert prefill.gpu_ids == [] and decode.gpu_ids == []
+    assert controller.place_worker(dep, "decode") is None  # all four CPUs taken: no third worker
+    Node.objects.filter(pk=node.pk).update(allow_cpu_oversubscription=True)
     third = controller.place_worker(dep, "decode")
     assert third is not None and third.port == 31003 and third.kv_port == 31004
     assert third.cpu_ids == [2, 3]  # oversubscribed: shares with its own role, not with prefill
@@ -103,6 +105,138 @@ def test_a_node_that_just_failed_a_replica_is_avoided() -> None:
     assert later is not None and later.node_id == bad.pk
 
 
+def test_cpu_ranges_never_overlap_without_oversubscription() -> None:
+    node = online_node(cpu_count=8)
+    dep = make_deployment(threads_per_worker=2)
+    other = make_deployment()
+    make_worker(other, node, role="decode", status="draining", cpu_ids=[4, 5])  # still running: still busy
+    make_worker(other, node, role="decode", status="stopped", cpu_ids=[2, 3])  # gone: its CPUs are free
+    placed = []
+    for role in ["prefill", "decode", "prefill", "decode"]:
+        worker = controller.place_worker(dep, role)
+        if worker is not None:
+            placed.append((role, worker.cpu_ids))
+    assert placed == [("prefill", [0, 1]), ("decode", [6, 7]), ("prefill", [2, 3])]  # CPUs 0-7 all taken
+    plan = controller.plan_placement_explained(dep, "prefill")
+    assert plan.placement is None
+    assert plan.refusals == [
+        (node.name, "no free CPUs (needs 2 contiguous, 0 of 8 free; oversubscription not allowed)")
+    ]
+
+
+def test_contiguous_free_cpus_are_needed() -> None:
+    node = online_node(cpu_count=4)
+    other = make_deployment()
+    make_worker(other, node, role="prefill", cpu_ids=[0])
+    make_worker(other, node, role="prefill", cpu_ids=[2])
+    dep = make_deployment(threads_per_worker=2)
+    # CPUs 1 and 3 are free, but not next to each other: --base-cpu-id takes a contiguous range.
+    assert controller.place_worker(dep, "decode") is None
+    single = make_deployment(threads_per_worker=1)
+    worker = controller.place_worker(single, "decode")
+    assert worker is not None and worker.cpu_ids == [3]
+
+
+def test_oversubscription_is_allowed_per_node_and_used_last() -> None:
+    other = make_deployment()
+    dep = make_deployment()
+    strict = online_node(name="a-strict", cpu_count=2)
+    lenient = online_node(name="b-lenient", cpu_count=2, allow_cpu_oversubscription=True,
+                          labels={"roles": "decode"})
+    for node in (strict, lenient):
+        make_worker(other, node, role="prefill", cpu_ids=[0])
+        make_worker(other, node, role="decode", cpu_ids=[1])
+    worker = controller.place_worker(dep, "decode")
+    assert worker is not None and worker.node_id == lenient.pk  # only the node that allows it
+    assert worker.cpu_ids == [1]  # shares with its own role rather than with prefill
+    roomy = online_node(name="c-roomy", cpu_count=2)
+    worker = controller.place_worker(dep, "decode")
+    # Free CPUs beat the labelled node that would oversubscribe.
+    assert worker is not None and (worker.node_id, worker.cpu_ids) == (roomy.pk, [1])
+
+
+def test_refusals_name_every_node_and_its_reason(settings: Any) -> None:
+    settings.NODE_HEARTBEAT_TIMEOUT_S = 30.0
+    settings.CONTROLLER_FAILURE_COOLDOWN_S = 300.0
+    dep = make_deployment(kv_transport="tcp")
+    now = timezone.now()
+    online_node(name="a-stale", last_heartbeat=now - timedelta(minutes=5))
+    online_node(name="b-never", last_heartbeat=None)
+    online_node(name="c-offline", status=NodeStatus.OFFLINE)
+    online_node(name="d-draining", status=NodeStatus.DRAINING)
+    online_node(name="e-prefill", labels={"roles": ["prefill"]})
+    online_node(name="f-one-port", port_range_start=33000, port_range_end=33000)
+    failing = online_node(name="g-failing")
+    make_worker(dep, failing, role="decode", status="failed")
+    plan = controller.plan_placement_explained(dep, "decode", now=now)
+    assert plan.placement is None
+    assert dict(plan.refusals) == {
+        "a-stale": "heartbeat stale (none within 30s)",
+        "b-never": "heartbeat stale (never sent one)",
+        "c-offline": "offline",
+        "d-draining": "draining",
+        "e-prefill": "role not accepted (takes prefill)",
+        "f-one-port": "no free port (needs 2 in 33000-33000)",
+        "g-failing": "a decode worker of this deployment failed here within 300s",
+    }
+    assert [name for name, _ in plan.refusals] == sorted(dict(plan.refusals))
+    Node.objects.all().delete()
+    assert controller.plan_placement_explained(dep, "decode").explain() == "no nodes registered"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_reconciles_do_not_share_a_cpu(
+    monkeypatch: pytest.MonkeyPatch, sent_tasks: SentTasks  # noqa: F811
+) -> None:
+    """Two deployments placed at once while a worker stops: each gets its own CPU (PostgreSQL)."""
+    from django.db import connection, connections
+
+    if connection.vendor != "postgresql":
+        pytest.skip("the placement lock is a PostgreSQL advisory lock")
+    node = online_node(name="duo", cpu_count=2)
+    leaving = make_worker(make_deployment(), node, role="decode", port=30000, kv_port=30001, cpu_ids=[1])
+    dep_a = make_deployment(prefill_replicas=0, prefill_min=0, decode_replicas=1)
+    dep_b = make_deployment(prefill_replicas=1, decode_replicas=0, decode_min=0)
+    # A (decode) reads the node while `leaving` still holds CPU 1 and port 30000: CPU 0, port 30002.
+    # Then `leaving` stops and B (prefill) reads: without the placement lock it sees CPU 0 free too
+    # and takes it with port 30000 (no port conflict to stop it); with the lock it waits for A's commit.
+    a_read, b_read = threading.Event(), threading.Event()
+    real_choose_cpus = controller.choose_cpus
+
+    def choose_cpus_in_order(cpu_count: int, threads: int, role: str, live_workers: Any) -> list[int]:
+        cpus = real_choose_cpus(cpu_count, threads, role, live_workers)
+        if role == "decode":
+            a_read.set()
+            b_read.wait(timeout=1.5)  # only reached without the lock; with it B is waiting for this commit
+        else:
+            b_read.set()
+        return cpus
+
+    monkeypatch.setattr(controller, "choose_cpus", choose_cpus_in_order)
+    errors: list[BaseException] = []
+
+    def run(dep: Deployment) -> None:
+        try:
+            controller.reconcile(dep.pk)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+        finally:
+            connections.close_all()  # this thread's connection, else the test database cannot be dropped
+
+    thread_a = threading.Thread(target=run, args=(dep_a,))
+    thread_a.start()
+    assert a_read.wait(timeout=10)
+    Worker.objects.filter(pk=leaving.pk).update(status=WorkerStatus.STOPPED)
+    thread_b = threading.Thread(target=run, args=(dep_b,))
+    thread_b.start()
+    thread_a.join()
+    thread_b.join()
+    assert not errors
+    [a] = Worker.objects.filter(deployment=dep_a)
+    [b] = Worker.objects.filter(deployment=dep_b)
+    assert (a.cpu_ids, b.cpu_ids) == ([0], [1])
+
+
 # ------------------------------------------------------------------------------------------ reconcile
 def test_reconcile_up_places_and_sends_start_to_the_node_queue(
     sent_tasks: SentTasks, django_capture_on_commit_callbacks  # noqa: F811
@@ -121,6 +255,113 @@ def test_reconcile_up_places_and_sends_start_to_the_node_queue(
         again = controller.reconcile(dep)  # nothing to do the second time
     assert again.started == [] and sent_tasks.calls == []
     assert node.workers.count() == 3
+
+
+def refusals(dep: Deployment, role: str = "decode") -> list[ScaleEvent]:
+    return list(ScaleEvent.objects.filter(deployment=dep, role=role, source="recovery").order_by("created_at", "pk"))
+
+
+def test_an_unplaceable_scale_out_is_recorded_once_with_its_reasons(
+    sent_tasks: SentTasks, django_capture_on_commit_callbacks  # noqa: F811
+) -> None:
+    local = online_node(name="local", cpu_count=2)
+    tiny = online_node(name="one-port", port_range_start=33000, port_range_end=33000)
+    online_node(name="prefill-box", labels={"roles": ["prefill"]}, cpu_count=1)
+    dep = make_deployment(prefill_replicas=1, decode_replicas=1, decode_max=4)
+    with django_capture_on_commit_callbacks(execute=True):
+        first = controller.reconcile(dep)
+    assert len(first.started) == 2 and not first.unplaced and not refusals(dep)
+    Deployment.objects.filter(pk=dep.pk).update(decode_replicas=3)
+    with django_capture_on_commit_callbacks(execute=True):
+        result = controller.reconcile(dep)
+    assert len(result.started) == 1 and result.unplaced == {"decode": 1}  # local's second CPU, then nothing
+    [event] = refusals(dep)
+    assert result.refused_events == [event.pk]
+    assert (event.from_replicas, event.to_replicas) == (2, 3)
+    assert event.reason == (
+        "placement refused: 1 decode worker(s) not placed (2 of 3 running or starting); nodes considered: "
+        "local: no free CPUs (needs 1 contiguous, 0 of 2 free; oversubscription not allowed); "
+        "one-port: no free port (needs 2 in 33000-33000); prefill-box: role not accepted (takes prefill)"
+    )
+    assert sorted(w.cpu_ids for w in live(dep, "decode")) == [[0], [1]]  # the prefill is on prefill-box
+    sent_tasks.clear()
+    for _ in range(3):  # the reconcile loop: no new event while nothing changed
+        with django_capture_on_commit_callbacks(execute=True):
+            again = controller.reconcile(dep)
+        assert again.unplaced == {"decode": 1} and again.refused_events == [] and again.started == []
+    assert len(refusals(dep)) == 1 and sent_tasks.calls == []
+    # Another reason (the one-port node stops heartbeating): recorded again, once.
+    Node.objects.filter(pk=tiny.pk).update(last_heartbeat=timezone.now() - timedelta(hours=1))
+    controller.reconcile(dep)
+    controller.reconcile(dep)
+    assert len(refusals(dep)) == 2 and "one-port: heartbeat stale" in refusals(dep)[-1].reason
+    # The operator allows oversubscription on the host: the missing worker is placed, nothing is refused.
+    Node.objects.filter(pk=local.pk).update(allow_cpu_oversubscription=True)
+    with django_capture_on_commit_callbacks(execute=True):
+        placed = controller.reconcile(dep)
+    assert len(placed.started) == 1 and not placed.unplaced and len(refusals(dep)) == 2
+    assert Worker.objects.get(pk=placed.started[0]).cpu_ids in ([0], [1])
+
+
+def test_a_refusal_is_recorded_again_after_a_placement_or_a_scale_change(
+    sent_tasks: SentTasks, django_capture_on_commit_callbacks  # noqa: F811
+) -> None:
+    from inference import actions
+
+    online_node(name="solo", cpu_count=1)
+    dep = make_deployment(prefill_replicas=0, prefill_min=0, decode_replicas=2, decode_max=4)
+    result = controller.reconcile(dep)
+    assert len(result.started) == 1 and result.unplaced == {"decode": 1} and len(refusals(dep)) == 1
+    controller.reconcile(dep)
+    assert len(refusals(dep)) == 1
+    # The worker goes away and a new one is placed in its CPU: the same refusal is news again.
+    Worker.objects.filter(pk=result.started[0]).update(status=WorkerStatus.STOPPED)
+    replaced = controller.reconcile(dep)
+    assert len(replaced.started) == 1 and len(replaced.refused_events) == 1
+    first, second = refusals(dep)
+    assert (first.reason, first.from_replicas, first.to_replicas) == (
+        second.reason, second.from_replicas, second.to_replicas)
+    # A scale change in between (here a threshold-like step) makes the next refusal news too.
+    with django_capture_on_commit_callbacks(execute=True):
+        actions.scale_deployment(dep, "decode", 3, source="api", reason="more decode")
+    controller.reconcile(dep)
+    controller.reconcile(dep)
+    events = list(ScaleEvent.objects.filter(deployment=dep, role="decode").order_by("created_at", "pk"))
+    assert [(e.source, e.from_replicas, e.to_replicas) for e in events] == [
+        ("recovery", 1, 2), ("recovery", 1, 2), ("api", 2, 3), ("recovery", 1, 3),
+    ]
+    assert "2 decode worker(s) not placed" in events[-1].reason
+
+
+def test_the_demo_starts_on_two_cpus_and_its_scale_out_is_refused(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, sent_tasks: SentTasks,  # noqa: F811
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    """`make up` on a 2-CPU host: bootstrap_demo's 1 prefill + 1 decode fit, a rule's third worker does not."""
+    from django.core.management import call_command
+
+    from inference import actions
+    from inference.models import ScalingRule
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setenv("PLATFORM_ADMIN_PASSWORD", "demo-password")
+    call_command("bootstrap_demo", "--model-path", str(tmp_path), stdout=open("/dev/null", "w"))  # noqa: SIM115
+    online_node(name="local", cpu_count=2)  # what `agent --name local` registers here (sched_getaffinity)
+    dep = Deployment.objects.get(name="demo")
+    with django_capture_on_commit_callbacks(execute=True):
+        started = controller.reconcile(dep)
+    assert len(started.started) == 2 and not started.unplaced
+    assert {(w.role, tuple(w.cpu_ids)) for w in live(dep, "prefill") + live(dep, "decode")} == {
+        ("prefill", (0,)), ("decode", (1,))}
+    rule = ScalingRule.objects.get(deployment=dep, name="decode load > 0.7")
+    with django_capture_on_commit_callbacks(execute=True):
+        actions.scale_deployment_by(dep, "decode", rule.step, source="threshold", reason="load 0.9 > 0.7", rule=rule)
+    with django_capture_on_commit_callbacks(execute=True):
+        refused = controller.reconcile(dep)
+    assert refused.started == [] and refused.unplaced == {"decode": 1}
+    [event] = refusals(dep)
+    assert "local: no free CPUs (needs 1 contiguous, 0 of 2 free" in event.reason
+    assert len(live(dep, "decode")) == 1
 
 
 def test_reconcile_down_drains_preferring_unhealthy_and_idle(
