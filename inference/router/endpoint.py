@@ -53,6 +53,12 @@ class Endpoint:
     last_health_at: float | None = None
     total_requests: int = 0
     total_failures: int = 0
+    # Health checks that timed out in a row: a late answer may be the router's own lateness, so
+    # only `threshold` of them in a row (not one) take the worker out (see `record_health_timeout`).
+    health_timeouts: int = 0
+    # A decode worker that answered 429 gets no new request before this (time.monotonic()), unless
+    # one of its requests finishes first: the router queues instead of hammering a full worker.
+    full_until: float = 0.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -65,8 +71,14 @@ class Endpoint:
         self.total_requests += 1
 
     def release(self) -> None:
-        """Count one request fewer in flight (never below zero)."""
+        """Count one request fewer in flight (never below zero); a finished request frees a slot."""
         self.inflight = max(0, self.inflight - 1)
+        self.full_until = 0.0
+
+    def batch_size(self) -> int | None:
+        """The worker's `--batch-size` as its last health answer reported it, if it did."""
+        value = (self.last_health or {}).get("batch_size")
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
     def record_success(self) -> None:
         """A request went through: the failure streak is over."""
@@ -83,6 +95,7 @@ class Endpoint:
     def record_health(self, ok: bool, payload: dict[str, Any] | None, error: str | None) -> None:
         """Apply one health-check result: healthy puts the worker back, anything else takes it out."""
         self.last_health_at = time.time()
+        self.health_timeouts = 0
         if payload is not None:
             self.last_health = payload
         if ok:
@@ -91,6 +104,19 @@ class Endpoint:
         else:
             self.healthy = False
             self.last_error = error
+
+    def record_health_timeout(self, error: str, threshold: int) -> bool:
+        """A health check got no answer in time; True when that took the worker out of rotation.
+
+        One slow answer says as much about a busy router as about the worker, so the worker stays
+        in rotation until `threshold` checks in a row timed out (a stopped or wedged process).
+        """
+        self.health_timeouts += 1
+        self.last_error = error
+        if self.health_timeouts >= threshold and self.healthy:
+            self.healthy = False
+            return True
+        return False
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe snapshot for /health and /router/status."""
@@ -105,4 +131,5 @@ class Endpoint:
             "last_health_at": self.last_health_at,
             "total_requests": self.total_requests,
             "total_failures": self.total_failures,
+            "health_timeouts": self.health_timeouts,
         }

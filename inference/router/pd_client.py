@@ -11,129 +11,51 @@
 Before the first token every failure of a worker (connect error, 5xx, timeout, broken stream) is
 retried on another one: a prefill retry reuses the decode worker's descriptor, a decode retry starts
 over. While the prefill runs the decode stream is watched too, so a decode worker that dies or whose
-lease on the reserved blocks runs out (the prefill stalled) ends the wait at once; a lost lease is
-retried with a fresh reservation. After the first token a failure ends the stream with an error
-event (generation is not migrated). Every wait is bounded.
+lease on the reserved blocks runs out (the prefill made no progress) ends the wait at once; a lost
+lease is retried with a fresh reservation. After the first token a failure ends the stream with an
+error event (generation is not migrated). Every wait is bounded.
+
+Decode workers are taken through `Admission` (admission.py): at most a worker's batch slots at
+once, the rest wait in a FIFO queue until `ROUTER_QUEUE_TIMEOUT_S`, then 429. Worker calls use one
+aiohttp session per event loop; token lines that arrived together go to the client as one event.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-import httpx
+import aiohttp
+import orjson
 
+from inference.router.admission import Admission
 from inference.router.endpoint import Endpoint
 from inference.router.errors import RouterError
-from inference.router.pool import WorkerPool, describe_exception
+from inference.router.events import DoneEvent, ErrorEvent, Event, GenerateRequest, TokenEvent, new_request_id
+from inference.router.failures import BackendFailure, Busy, LeaseExpired, kv_timeout_message, raise_for_status
+from inference.router.health import describe_exception
+from inference.router.metrics import RouterMetrics
+from inference.router.ndjson import NdjsonReader
+from inference.router.pool import WorkerPool
 
 logger = logging.getLogger(__name__)
 
-# How much of a worker's error body is quoted back to the client.
-_MAX_ERROR_TEXT = 500
+__all__ = [
+    "DisaggregatedClient",
+    "DoneEvent",
+    "ErrorEvent",
+    "Event",
+    "GenerateRequest",
+    "TokenEvent",
+    "new_request_id",
+]
 
-
-def new_request_id() -> str:
-    """A fresh public request id."""
-    return f"req-{uuid.uuid4().hex}"
-
-
-@dataclass
-class GenerateRequest:
-    """One generation: the prompt (text, chat messages or token ids) and the sampling parameters.
-
-    `sampling` is sent to the workers as is (the `SamplingParams.to_dict()` shape); the decode
-    worker validates it and answers 400 on bad values, which the router passes through.
-    """
-
-    sampling: dict[str, Any]
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    input_ids: list[int] | None = None
-    request_id: str = field(default_factory=new_request_id)
-
-    def decode_body(self, request_id: str) -> dict[str, Any]:
-        """The JSON body of `POST /internal/decode`."""
-        body: dict[str, Any] = {"request_id": request_id, "sampling": self.sampling}
-        if self.input_ids is not None:
-            body["input_ids"] = self.input_ids
-        elif self.messages is not None:
-            body["messages"] = self.messages
-        else:
-            body["prompt"] = self.prompt
-        return body
-
-
-@dataclass
-class TokenEvent:
-    """New output: the text delta and the token ids it came from."""
-
-    text: str
-    token_ids: list[int]
-    type: Literal["token"] = "token"
-
-
-@dataclass
-class DoneEvent:
-    """The request finished: why, token counts, timings, and which workers served it."""
-
-    request_id: str
-    finish_reason: str
-    usage: dict[str, int]
-    timings: dict[str, float | None]
-    prefill: str
-    decode: str
-    kv_bytes: int | None = None
-    retries: int = 0
-    type: Literal["done"] = "done"
-
-
-@dataclass
-class ErrorEvent:
-    """The stream broke after the first token; `status` is what a fresh request would have got."""
-
-    message: str
-    status: int = 502
-    type: Literal["error"] = "error"
-
-
-Event = TokenEvent | DoneEvent | ErrorEvent
-
-
-class _BackendFailure(Exception):
-    """A worker failed in a way that says nothing about the request: try another worker."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-
-class _Busy(Exception):
-    """A worker answered 429: it is alive but full, so another one may take the request."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-
-class _LeaseExpired(Exception):
-    """The decode worker's lease on the reserved blocks ran out before the KV arrived.
-
-    The decode worker is fine (it freed the blocks as specified); the request needs a fresh
-    reservation. `stalled` is the prefill worker that held the request when the lease ran out,
-    if any: it did not deliver in time and is not tried again for this request.
-    """
-
-    def __init__(self, message: str, stalled: Endpoint | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.stalled = stalled
+# Transport errors of a worker call (aiohttp's, and the OS errors it lets through).
+_TRANSPORT_ERRORS = (aiohttp.ClientError, OSError)
 
 
 @dataclass(eq=False)
@@ -142,8 +64,8 @@ class _Attempt:
 
     request_id: str
     decode: Endpoint
-    response: httpx.Response | None = None
-    lines: AsyncIterator[str] | None = None
+    response: aiohttp.ClientResponse | None = None
+    reader: NdjsonReader | None = None
     prompt_tokens: int = 0
     prefill: Endpoint | None = None
     prefill_result: dict[str, Any] = field(default_factory=dict)
@@ -151,56 +73,6 @@ class _Attempt:
     # True when the decode worker certainly holds nothing for this request (it could not be
     # reached, or it refused the request with an error status): no abort is sent to it.
     decode_untouched: bool = False
-
-
-def _error_message(raw: bytes) -> tuple[str, str | None]:
-    """The message and `type` of a worker's error body (`{"error": {...}}` or plain text)."""
-    text = raw.decode("utf-8", errors="replace").strip()
-    try:
-        body = json.loads(text)
-    except ValueError:
-        return (text[:_MAX_ERROR_TEXT] or "(empty body)"), None
-    if isinstance(body, dict):
-        error = body.get("error", body.get("detail"))
-        if isinstance(error, dict) and "message" in error:
-            kind = error.get("type")
-            return str(error["message"])[:_MAX_ERROR_TEXT], kind if isinstance(kind, str) else None
-        if isinstance(error, str):
-            return error[:_MAX_ERROR_TEXT], None
-    return text[:_MAX_ERROR_TEXT], None
-
-
-def _raise_for_status(status: int, raw: bytes, role: str) -> None:
-    """Classify a non-200 answer: passthrough (RouterError), busy (429), lost lease or worker failure."""
-    message, kind = _error_message(raw)
-    if status == 429:
-        raise _Busy(message)
-    if role == "prefill" and status == 409 and kind == "lease_expired":
-        # Nobody's fault here (a previous prefill worker took the time): reserve again.
-        raise _LeaseExpired(message)
-    # The decode worker validates the request (prompt length, sampling values): its 4xx is the
-    # client's error, except 401/403, which say the router's shared secret is wrong. A prefill
-    # worker sees an already validated request, so only its 400 is the request's fault;
-    # 401/404/409... mean that one worker is misconfigured.
-    client_error = status == 400 or (role == "decode" and 400 <= status < 500 and status not in (401, 403))
-    if client_error:
-        raise RouterError(status, message, error_type=kind)
-    raise _BackendFailure(f"HTTP {status}: {message}")
-
-
-async def _read_json_line(lines: AsyncIterator[str]) -> dict[str, Any] | None:
-    """The next JSON object of an NDJSON stream (blank lines skipped), None at its end."""
-    while True:  # bounded by the caller's timeout
-        try:
-            line = await anext(lines)
-        except StopAsyncIteration:
-            return None
-        if line.strip():
-            break
-    obj = json.loads(line)
-    if not isinstance(obj, dict):
-        raise ValueError(f"expected a JSON object, got {line[:100]!r}")
-    return obj
 
 
 def _token_ids(line: dict[str, Any]) -> list[int]:
@@ -220,16 +92,19 @@ class DisaggregatedClient:
     Timeouts: `connect_timeout_s` for every TCP connect; `descriptor_timeout_s` for the decode
     worker's first line; `stall_timeout_s` for any silence on the decode stream once the prefill
     answered; `request_timeout_s` for the whole request (it also bounds the prefill call);
-    `abort_timeout_s` for each best-effort abort.
+    `abort_timeout_s` for each best-effort abort; `admission.queue_timeout_s` for the wait for a
+    decode slot.
 
-    `max_inflight` (None: unlimited) caps the generations this client runs at once; one more is
-    refused at once with 429 (the view adds Retry-After) instead of queueing without bound.
+    `max_inflight` (None: unlimited) is a hard cap on the generations this client holds at once,
+    queued ones included; one more is refused at once with 429 (the view adds Retry-After).
     """
 
     def __init__(
         self,
         pool: WorkerPool,
         *,
+        admission: Admission | None = None,
+        metrics: RouterMetrics | None = None,
         request_timeout_s: float = 300.0,
         connect_timeout_s: float = 3.0,
         descriptor_timeout_s: float = 30.0,
@@ -240,6 +115,8 @@ class DisaggregatedClient:
         if max_inflight is not None and max_inflight < 1:
             raise ValueError("max_inflight must be >= 1 (or None for no limit)")
         self.pool = pool
+        self.admission = admission or Admission(pool)
+        self.metrics = metrics or RouterMetrics()
         self.max_inflight = max_inflight
         self.inflight = 0
         self.request_timeout_s = request_timeout_s
@@ -249,22 +126,25 @@ class DisaggregatedClient:
         self.abort_timeout_s = abort_timeout_s
         # Abort posts that outlive a cancelled request; kept referenced so they are not collected.
         self._background: set[asyncio.Future[None]] = set()
+        self.metrics.bind_gauges(lambda: self.inflight, lambda: self.admission.queued, self.admission.capacity)
 
     # ----------------------------------------------------------------------------------------
     # Public
     # ----------------------------------------------------------------------------------------
 
-    async def generate(self, req: GenerateRequest) -> AsyncGenerator[Event, None]:
+    async def generate(self, req: GenerateRequest, arrived: float | None = None) -> AsyncGenerator[Event, None]:
         """Run `req` and yield TokenEvents, then one DoneEvent (or an ErrorEvent after a failure).
 
-        Raises RouterError before the first event: 4xx from the decode worker (passed through),
-        429 when every worker that answered was full, 502 when no worker could serve it (with
-        `backends` naming each one tried), 503 when no endpoints are configured, 504 when the
-        request timeout passed first, 429 when `max_inflight` generations already run. Closing or
-        cancelling the generator closes the decode stream and posts `/internal/abort` to both
-        workers.
+        `arrived` (time.monotonic() when the client's request came in) starts the queue and
+        request deadlines; default now. Raises RouterError before the first event: 4xx from the
+        decode worker (passed through), 429 when no decode slot freed within the queue timeout or
+        the queue or `max_inflight` is full, 502 when no worker could serve it (with `backends`
+        naming each one tried), 503 when no endpoints are configured, 504 when the request
+        timeout passed first. Closing or cancelling the generator closes the decode stream and
+        posts `/internal/abort` to both workers.
         """
         if self.max_inflight is not None and self.inflight >= self.max_inflight:
+            self.metrics.rejected.labels("inflight").inc()
             raise RouterError(
                 429,
                 f"router is at its limit of {self.max_inflight} requests in flight "
@@ -274,33 +154,53 @@ class DisaggregatedClient:
         self.inflight += 1
         try:
             # aclosing: closing this generator must run the inner one's cleanup (the aborts) now.
-            async with contextlib.aclosing(self._generate(req)) as events:
+            async with contextlib.aclosing(self._generate(req, arrived or time.monotonic())) as events:
                 async for event in events:
                     yield event
         finally:
             self.inflight -= 1
 
-    async def _generate(self, req: GenerateRequest) -> AsyncGenerator[Event, None]:
-        start = time.monotonic()
-        deadline = start + self.request_timeout_s
-        attempt, line, first_at, retries = await self._establish(req, deadline)
+    async def _generate(self, req: GenerateRequest, arrived: float) -> AsyncGenerator[Event, None]:
+        deadline = arrived + self.request_timeout_s
+        attempt, line, first_at, retries = await self._establish(req, arrived, deadline)
+        metrics = self.metrics
+        metrics.ttft.observe(first_at - arrived)
+        if retries:
+            metrics.migrations.inc(retries)
         finished = False
         completion_tokens = 0
+        last_at = first_at
         try:
             while True:  # bounded: every read below has a timeout and the request a deadline
                 kind = line.get("type")
+                following: dict[str, Any] | None = None
                 if kind == "token":
                     ids = _token_ids(line)
-                    completion_tokens += len(ids)
-                    yield TokenEvent(text=str(line.get("text") or ""), token_ids=ids)
+                    text = str(line.get("text") or "")
+                    # Tokens that arrived in the same read go out as one event (one client write).
+                    while (following := self._ready(attempt)) is not None and following.get("type") == "token":
+                        ids = ids + _token_ids(following)
+                        text += str(following.get("text") or "")
+                    if ids:
+                        now = time.monotonic()
+                        if completion_tokens:
+                            metrics.itl.observe((now - last_at) / len(ids))
+                        last_at = now
+                        completion_tokens += len(ids)
+                        metrics.tokens.inc(len(ids))
+                    yield TokenEvent(text=text, token_ids=ids)
                 elif kind == "done":
                     finished = True
-                    yield self._done_event(req, attempt, line, start, first_at, completion_tokens, retries)
+                    metrics.e2e.observe(time.monotonic() - arrived)
+                    yield self._done_event(req, attempt, line, arrived, first_at, completion_tokens, retries)
                     return
                 elif kind == "error":
                     yield ErrorEvent(f"decode worker {attempt.decode.url} failed: {line.get('message')}")
                     return
                 # Other line types are skipped: newer workers may add some.
+                if following is not None:
+                    line = following
+                    continue
                 next_line, error = await self._next_line(attempt, deadline)
                 if error is not None:
                     yield error
@@ -312,99 +212,124 @@ class DisaggregatedClient:
 
     async def abort(self, urls: list[str], request_id: str) -> None:
         """Post `/internal/abort` for `request_id` to each URL; best effort, bounded, never raises."""
+        session = self.pool.session()
+        timeout = aiohttp.ClientTimeout(total=self.abort_timeout_s)
+        body = orjson.dumps({"request_id": request_id})
 
         async def post(url: str) -> None:
             with contextlib.suppress(Exception):
-                async with asyncio.timeout(self.abort_timeout_s):
-                    await self.pool.http_client().post(
-                        f"{url}/internal/abort",
-                        json={"request_id": request_id},
-                        timeout=httpx.Timeout(self.abort_timeout_s),
-                    )
+                async with session.post(f"{url}/internal/abort", data=body, timeout=timeout,
+                                        headers={"Content-Type": "application/json"}) as response:
+                    await response.read()
 
         await asyncio.gather(*(post(url) for url in urls))
 
     # ----------------------------------------------------------------------------------------
-    # Before the first token: choose, open, prefill, retry
+    # Before the first token: admit, open, prefill, retry
     # ----------------------------------------------------------------------------------------
 
     async def _establish(
-        self, req: GenerateRequest, deadline: float
+        self, req: GenerateRequest, arrived: float, deadline: float
     ) -> tuple[_Attempt, dict[str, Any], float, int]:
-        """Open a decode stream, get its prompt prefilled and read the first output line.
+        """Take a decode slot, open its stream, get the prompt prefilled and read the first line.
 
-        Returns the attempt (holding the open stream and a decode in-flight slot), the first
-        token (or done) line, when it arrived, and how many attempts failed before.
+        Returns the attempt (holding the open stream and a decode slot), the first token (or done)
+        line, when it arrived, and how many attempts failed before.
         """
         pool = self.pool
-        for role in ("decode", "prefill"):
-            if not pool.endpoints(role):
-                raise RouterError(503, f"no {role} endpoints configured")
+        if not pool.endpoints("prefill"):
+            raise RouterError(503, "no prefill endpoints configured")
         failures: list[dict[str, Any]] = []
         busy: list[dict[str, Any]] = []
         tried_decode: list[Endpoint] = []
         failed_prefill: list[Endpoint] = []
-        # Bounded by the range: a failed pass normally excludes a decode endpoint (it failed or is
-        # busy) or a prefill endpoint (it stalled until the lease ran out), so one pass per
-        # endpoint of either role is enough; a lost lease keeps the decode worker a candidate.
-        for attempt_no in range(len(pool.endpoints("decode")) + len(pool.endpoints("prefill"))):
-            decode = pool.choose("decode", exclude=tried_decode)
-            if decode is None:
-                break
+        queue_deadline = min(arrived + self.admission.queue_timeout_s, deadline)
+        # Bounds: each worker failure excludes a decode endpoint or a prefill endpoint for the rest
+        # of the request; lost leases are retried at most once per prefill endpoint; a full worker
+        # (429) sends the request back to the queue, which ends at the queue deadline.
+        lease_losses = 0
+        attempt_no = 0
+        while True:
             if not pool.candidates("prefill", exclude=failed_prefill):
                 break  # every prefill worker failed this request: no point in reserving again
             if time.monotonic() >= deadline:
-                raise RouterError(
-                    504, f"no first token within {self.request_timeout_s:g}s", backends=failures
-                )
+                raise RouterError(504, f"no first token within {self.request_timeout_s:g}s", backends=failures)
+            waited_from = time.monotonic()
+            # A retry after a worker failure still gets a moment in the queue even if the first
+            # wait used the whole queue timeout.
+            decode = await self.admission.acquire(
+                queue_deadline if attempt_no == 0 else max(queue_deadline, min(deadline, waited_from + 1.0)),
+                exclude=tried_decode,
+            )
+            if decode is None:
+                break
+            now = time.monotonic()
+            if attempt_no == 0:
+                self.metrics.queue_wait.observe(now - waited_from)
+                self.metrics.dispatch.observe(waited_from - arrived)
             request_id = req.request_id if attempt_no == 0 else f"{req.request_id}-r{attempt_no}"
-            attempt = _Attempt(request_id=request_id, decode=decode)
-            decode.acquire()
-            attempt.holds_decode_slot = True
+            attempt_no += 1
+            attempt = _Attempt(request_id=request_id, decode=decode, holds_decode_slot=True)
+            self.metrics.selections.labels("decode", decode.url).inc()
             try:
                 descriptor_line = await self._open_decode(attempt, req, deadline)
                 pool.record_success(decode)
                 line = await self._prefill_and_first_output(
                     attempt, req, descriptor_line, deadline, failed_prefill, failures, busy
                 )
-                return attempt, line, time.monotonic(), attempt_no
-            except _LeaseExpired as exc:
+                return attempt, line, time.monotonic(), attempt_no - 1
+            except LeaseExpired as exc:
                 # The decode worker freed the blocks itself; it stays a candidate for the retry.
                 stalled = exc.stalled
+                lease_losses += 1
                 logger.warning("lease of %s on decode %s lost: %s", request_id, decode.url, exc.message)
                 if stalled is not None:
-                    pool.record_failure(stalled, exc.message)
+                    self._record_failure(stalled, exc.message)
                     failed_prefill.append(stalled)
-                    failures.append({"url": stalled.url, "role": "prefill", "error": exc.message})
+                    failures.append({"url": stalled.url, "role": "prefill", "error": exc.message, "lease": True})
                 else:
-                    failures.append({"url": decode.url, "role": "decode", "error": exc.message})
+                    failures.append({"url": decode.url, "role": "decode", "error": exc.message, "lease": True})
                 await self._finish(attempt, abort=True, wait_for_abort=False)
-            except _BackendFailure as exc:
+                if lease_losses > len(pool.endpoints("prefill")):
+                    break
+            except BackendFailure as exc:
                 tried_decode.append(decode)
                 logger.warning("decode %s failed for %s: %s", decode.url, request_id, exc.message)
-                pool.record_failure(decode, exc.message)
+                self._record_failure(decode, exc.message)
                 failures.append({"url": decode.url, "role": "decode", "error": exc.message})
                 # The next worker should not wait for a possibly dead one's abort.
                 await self._finish(attempt, abort=True, wait_for_abort=False)
-            except _Busy as exc:
-                tried_decode.append(decode)
+            except Busy as exc:
+                # Full (its KV pool, typically): back to the queue until a slot frees somewhere.
                 busy.append({"url": decode.url, "role": "decode", "error": f"busy: {exc.message}"})
                 await self._finish(attempt, abort=True, wait_for_abort=False)
+                self.admission.mark_full(decode)  # after the release, which ends a back-off
+                if time.monotonic() >= queue_deadline:
+                    break
             except BaseException:
                 # RouterError (passthrough, prefill exhausted) or cancellation: clean up, re-raise.
                 await self._finish(attempt, abort=True)
                 raise
         raise self._exhausted(failures, busy)
 
+    def _record_failure(self, endpoint: Endpoint, message: str) -> None:
+        self.pool.record_failure(endpoint, message)
+        self.metrics.failures.labels(endpoint.role, endpoint.url).inc()
+
     def _exhausted(self, failures: list[dict[str, Any]], busy: list[dict[str, Any]]) -> RouterError:
         """The error when no worker of a role could take the request."""
-        if busy:
+        backends = [{k: v for k, v in f.items() if k != "lease"} for f in busy + failures]
+        if busy and not failures:
+            self.metrics.rejected.labels("busy").inc()
             names = ", ".join(f"{b['role']} {b['url']}" for b in busy)
-            return RouterError(429, f"all workers that answered are busy: {names}", backends=busy + failures)
+            return RouterError(429, f"all workers that answered are busy: {names}", backends=backends)
         if not failures:
             return RouterError(503, "no backend available")
         names = "; ".join(f"{f['role']} {f['url']} ({f['error']})" for f in failures)
-        return RouterError(502, f"no backend reachable: {names}", backends=failures)
+        if all(f.get("lease") for f in failures):
+            # Every worker was reachable; the prefill side made no progress within the leases.
+            return RouterError(504, f"no prefill progress: {names}", error_type="timeout_error", backends=backends)
+        return RouterError(502, f"no backend reachable: {names}", backends=backends)
 
     def _remaining(self, deadline: float, bound: float | None = None) -> float:
         remaining = max(0.0, deadline - time.monotonic())
@@ -412,44 +337,42 @@ class DisaggregatedClient:
 
     async def _open_decode(self, attempt: _Attempt, req: GenerateRequest, deadline: float) -> dict[str, Any]:
         """POST /internal/decode and read its descriptor line."""
-        client = self.pool.http_client()
-        url = f"{attempt.decode.url}/internal/decode"
+        session = self.pool.session()
         wait = self._remaining(deadline, self.descriptor_timeout_s)
-        request = client.build_request(
-            "POST",
-            url,
-            json=req.decode_body(attempt.request_id),
-            # The read timeout is a backstop for each network read; the asyncio timeouts below and
-            # in the streaming loop are the real bounds.
-            timeout=httpx.Timeout(self.request_timeout_s, connect=self.connect_timeout_s),
-        )
         try:
             async with asyncio.timeout(wait):
-                response = await client.send(request, stream=True)
+                # The asyncio timeouts here and in the streaming loop are the real bounds; aiohttp's
+                # own covers only the connect.
+                response = await session.post(
+                    f"{attempt.decode.url}/internal/decode",
+                    data=orjson.dumps(req.decode_body(attempt.request_id)),
+                    headers={"Content-Type": "application/json"},
+                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
+                )
                 attempt.response = response
-                if response.status_code != 200:
+                if response.status != 200:
                     attempt.decode_untouched = True
-                    _raise_for_status(response.status_code, await response.aread(), "decode")
-                attempt.lines = response.aiter_lines()
-                line = await _read_json_line(attempt.lines)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                    raise_for_status(response.status, await response.read(), "decode")
+                attempt.reader = NdjsonReader(response.content)
+                line = await attempt.reader.next()
+        except aiohttp.ClientConnectorError as exc:
             attempt.decode_untouched = True
-            raise _BackendFailure(describe_exception(exc)) from exc
+            raise BackendFailure(describe_exception(exc)) from exc
         except TimeoutError:
-            raise _BackendFailure(f"no descriptor within {wait:.1f}s") from None
-        except httpx.HTTPError as exc:
-            raise _BackendFailure(describe_exception(exc)) from exc
+            raise BackendFailure(f"no descriptor within {wait:.1f}s") from None
+        except _TRANSPORT_ERRORS as exc:
+            raise BackendFailure(describe_exception(exc)) from exc
         except ValueError as exc:
-            raise _BackendFailure(f"bad descriptor line: {exc}") from exc
+            raise BackendFailure(f"bad descriptor line: {exc}") from exc
         if line is None:
-            raise _BackendFailure("closed the stream before sending a descriptor")
+            raise BackendFailure("closed the stream before sending a descriptor")
         if line.get("type") == "error":
-            raise _BackendFailure(f"error before the descriptor: {line.get('message')}")
+            raise BackendFailure(f"error before the descriptor: {line.get('message')}")
         if line.get("type") != "descriptor" or not isinstance(line.get("descriptor"), dict):
-            raise _BackendFailure(f"expected a descriptor line, got {str(line)[:200]}")
+            raise BackendFailure(f"expected a descriptor line, got {str(line)[:200]}")
         ids = line.get("prompt_token_ids")
         if not isinstance(ids, list):
-            raise _BackendFailure("descriptor line has no prompt_token_ids list")
+            raise BackendFailure("descriptor line has no prompt_token_ids list")
         attempt.prompt_tokens = len(ids)
         return line
 
@@ -466,10 +389,11 @@ class DisaggregatedClient:
         """Run the prefill while watching the decode stream; return the decode's first output line.
 
         The decode stream is read concurrently with the prefill call because it can end the wait
-        early: a decode worker that dies (stream broken: `_BackendFailure`) or whose lease ran out
-        because the prefill stalled (error line `reason: kv_timeout`: `_LeaseExpired` naming the
-        prefill worker in flight) makes the prefill pointless, and waiting for a stalled prefill
-        would otherwise last until the request timeout. Both tasks are gone when this returns.
+        early: a decode worker that dies (stream broken: `BackendFailure`) or whose lease ran out
+        because the prefill made no progress (error line `reason: kv_timeout`: `LeaseExpired`
+        naming the prefill worker in flight) makes the prefill pointless, and waiting for a
+        stalled prefill would otherwise last until the request timeout. Both tasks are gone when
+        this returns.
         """
         reader = asyncio.ensure_future(self._first_output(attempt, deadline))
         prefiller = asyncio.ensure_future(
@@ -482,17 +406,20 @@ class DisaggregatedClient:
             if not done:
                 raise RouterError(504, f"no first token within {self.request_timeout_s:g}s", backends=failures)
             if prefiller in done:
-                prefiller.result()  # RouterError (no prefill worker left, 400) or _LeaseExpired
+                prefiller.result()  # RouterError (no prefill worker left, 400) or LeaseExpired
                 # The KV is acknowledged: the first token follows unless the decode worker stalls.
                 wait = self._remaining(deadline, self.stall_timeout_s)
                 try:
                     return await asyncio.wait_for(reader, timeout=wait)
                 except TimeoutError:
-                    raise _BackendFailure(f"no first token within {wait:.1f}s after the prefill") from None
+                    raise BackendFailure(f"no first token within {wait:.1f}s after the prefill") from None
             try:
                 line = reader.result()
-            except _LeaseExpired as exc:
-                exc.stalled = attempt.prefill  # the worker that held the prefill did not deliver
+            except LeaseExpired as exc:
+                stalled = attempt.prefill  # the worker that held the prefill did not deliver
+                exc.stalled = stalled
+                if stalled is not None and exc.line is not None:
+                    exc.message = kv_timeout_message(exc.line, stalled.url)
                 raise
             # The first token came before the prefill answer (the KV is in place, the answer is on
             # its way): give it a moment for its timings, but never fail the request over it.
@@ -522,42 +449,42 @@ class DisaggregatedClient:
         the decode worker, so there is no point in starting over with another one).
         """
         pool = self.pool
-        body = {
+        body = orjson.dumps({
             "request_id": attempt.request_id,
             "prompt_token_ids": descriptor_line["prompt_token_ids"],
             "sampling": req.sampling,
             "descriptor": descriptor_line["descriptor"],  # reused as is by every retry
-        }
+        })
         tried: list[Endpoint] = list(failed_prefill)
         for _ in range(len(pool.endpoints("prefill"))):  # each prefill endpoint at most once
             prefill = pool.choose("prefill", exclude=tried)
             if prefill is None:
                 break
             if time.monotonic() >= deadline:
-                raise RouterError(
-                    504, f"no first token within {self.request_timeout_s:g}s", backends=failures
-                )
+                raise RouterError(504, f"no first token within {self.request_timeout_s:g}s", backends=failures)
             tried.append(prefill)
             attempt.prefill = prefill
+            self.metrics.selections.labels("prefill", prefill.url).inc()
             prefill.acquire()
             try:
                 attempt.prefill_result = await self._post_prefill(prefill, body, deadline)
-            except _BackendFailure as exc:
+            except BackendFailure as exc:
                 logger.warning("prefill %s failed for %s: %s", prefill.url, attempt.request_id, exc.message)
-                pool.record_failure(prefill, exc.message)
+                self._record_failure(prefill, exc.message)
                 failed_prefill.append(prefill)
                 failures.append({"url": prefill.url, "role": "prefill", "error": exc.message})
                 # A prefill that timed out may still be working: tell it to stop, in the background.
                 self._spawn(self.abort([prefill.url], attempt.request_id))
                 attempt.prefill = None
                 continue
-            except _Busy as exc:
+            except Busy as exc:
                 busy.append({"url": prefill.url, "role": "prefill", "error": f"busy: {exc.message}"})
                 attempt.prefill = None
                 continue
-            except _LeaseExpired:
+            except LeaseExpired as exc:
                 # Not this worker's fault (it answered; an earlier one took the lease's time).
                 pool.record_success(prefill)
+                exc.message = f"prefill worker {prefill.url} found the decode lease expired: {exc.message}"
                 raise
             finally:
                 prefill.release()
@@ -565,28 +492,31 @@ class DisaggregatedClient:
             return
         raise self._exhausted(failures, busy)
 
-    async def _post_prefill(self, prefill: Endpoint, body: dict[str, Any], deadline: float) -> dict[str, Any]:
+    async def _post_prefill(self, prefill: Endpoint, body: bytes, deadline: float) -> dict[str, Any]:
         """POST /internal/prefill; the answer comes once the decode worker acknowledged the KV."""
         wait = self._remaining(deadline)
         try:
             async with asyncio.timeout(wait):
-                response = await self.pool.http_client().post(
+                async with self.pool.session().post(
                     f"{prefill.url}/internal/prefill",
-                    json=body,
-                    timeout=httpx.Timeout(max(wait, 0.001), connect=self.connect_timeout_s),
-                )
+                    data=body,
+                    headers={"Content-Type": "application/json"},
+                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
+                ) as response:
+                    raw = await response.read()
+                    status = response.status
         except TimeoutError:
-            raise _BackendFailure(f"no prefill answer within {wait:.1f}s") from None
-        except httpx.HTTPError as exc:
-            raise _BackendFailure(describe_exception(exc)) from exc
-        if response.status_code != 200:
-            _raise_for_status(response.status_code, response.content, "prefill")
+            raise BackendFailure(f"no prefill answer within {wait:.1f}s") from None
+        except _TRANSPORT_ERRORS as exc:
+            raise BackendFailure(describe_exception(exc)) from exc
+        if status != 200:
+            raise_for_status(status, raw, "prefill")
         try:
-            result = response.json()
+            result = orjson.loads(raw)
         except ValueError:
             result = None
         if not isinstance(result, dict):
-            raise _BackendFailure("prefill answer is not a JSON object")
+            raise BackendFailure("prefill answer is not a JSON object")
         return result
 
     async def _first_output(self, attempt: _Attempt, deadline: float) -> dict[str, Any]:
@@ -596,55 +526,60 @@ class DisaggregatedClient:
         that never comes, and `_prefill_and_first_output` applies the stall timeout once the
         prefill answered.
         """
-        assert attempt.lines is not None
+        assert attempt.reader is not None
         wait = self._remaining(deadline)
         try:
             async with asyncio.timeout(wait):
                 while True:  # bounded by the timeout
-                    line = await _read_json_line(attempt.lines)
+                    line = await attempt.reader.next()
                     if line is None:
-                        raise _BackendFailure("decode stream ended before the first token")
+                        raise BackendFailure("decode stream ended before the first token")
                     kind = line.get("type")
                     if kind in ("token", "done"):
                         return line
                     if kind == "error":
                         if line.get("reason") == "kv_timeout":
-                            raise _LeaseExpired(f"no KV within the decode worker's lease: {line.get('message')}")
-                        raise _BackendFailure(f"error before the first token: {line.get('message')}")
+                            # The caller knows which prefill worker held it and names it.
+                            raise LeaseExpired(kv_timeout_message(line, None), line=line)
+                        raise BackendFailure(f"error before the first token: {line.get('message')}")
         except TimeoutError:
-            raise _BackendFailure(f"no first token within {wait:.1f}s") from None
-        except httpx.HTTPError as exc:
-            raise _BackendFailure(describe_exception(exc)) from exc
+            raise BackendFailure(f"no first token within {wait:.1f}s") from None
+        except _TRANSPORT_ERRORS as exc:
+            raise BackendFailure(describe_exception(exc)) from exc
         except ValueError as exc:
-            raise _BackendFailure(f"bad line on the decode stream: {exc}") from exc
+            raise BackendFailure(f"bad line on the decode stream: {exc}") from exc
 
     # ----------------------------------------------------------------------------------------
     # After the first token
     # ----------------------------------------------------------------------------------------
 
+    @staticmethod
+    def _ready(attempt: _Attempt) -> dict[str, Any] | None:
+        return attempt.reader.ready() if attempt.reader is not None else None
+
     async def _next_line(
         self, attempt: _Attempt, deadline: float
     ) -> tuple[dict[str, Any] | None, ErrorEvent | None]:
         """The next decode line, or the ErrorEvent that ends the stream."""
-        assert attempt.lines is not None
+        assert attempt.reader is not None
         decode = attempt.decode
         remaining = self._remaining(deadline)
         wait = min(self.stall_timeout_s, remaining)
         try:
             async with asyncio.timeout(wait):
-                line = await _read_json_line(attempt.lines)
+                line = await attempt.reader.next()
         except TimeoutError:
             if wait >= remaining:
                 return None, ErrorEvent(f"request exceeded {self.request_timeout_s:g}s", status=504)
-            self.pool.record_failure(decode, f"stream stalled for {wait:.1f}s")
+            self._record_failure(decode, f"stream stalled for {wait:.1f}s")
             return None, ErrorEvent(f"decode worker {decode.url} sent nothing for {wait:.1f}s", status=504)
-        except httpx.HTTPError as exc:
-            self.pool.record_failure(decode, describe_exception(exc))
+        except _TRANSPORT_ERRORS as exc:
+            self._record_failure(decode, describe_exception(exc))
             return None, ErrorEvent(f"decode worker {decode.url} failed: {describe_exception(exc)}")
         except ValueError as exc:
             return None, ErrorEvent(f"decode worker {decode.url} sent a bad line: {exc}")
         if line is None:
-            self.pool.record_failure(decode, "stream ended before done")
+            self._record_failure(decode, "stream ended before done")
             return None, ErrorEvent(f"decode worker {decode.url} closed the stream before finishing")
         return line, None
 
@@ -702,20 +637,15 @@ class DisaggregatedClient:
         the background.
         """
         try:
-            if attempt.lines is not None:
-                closer = getattr(attempt.lines, "aclose", None)
-                attempt.lines = None
-                if closer is not None:
-                    with contextlib.suppress(Exception):
-                        async with asyncio.timeout(self.abort_timeout_s):
-                            await closer()
+            attempt.reader = None
             if attempt.response is not None:
                 response, attempt.response = attempt.response, None
-                # Closing an unfinished stream drops the connection: the decode worker sees the
-                # disconnect and frees the request even if the abort below gets lost.
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(self.abort_timeout_s):
-                        await response.aclose()
+                if abort:
+                    # Closing an unfinished stream drops the connection: the decode worker sees the
+                    # disconnect and frees the request even if the abort below gets lost.
+                    response.close()
+                else:
+                    response.release()  # read to the end: the connection goes back to the pool
             urls = [] if attempt.decode_untouched else [attempt.decode.url]
             if attempt.prefill is not None:
                 urls.append(attempt.prefill.url)
@@ -727,7 +657,7 @@ class DisaggregatedClient:
         finally:
             if attempt.holds_decode_slot:
                 attempt.holds_decode_slot = False
-                attempt.decode.release()
+                self.admission.release(attempt.decode)
 
     def _spawn(self, coro: Any) -> asyncio.Future[None]:
         task: asyncio.Future[None] = asyncio.ensure_future(coro)

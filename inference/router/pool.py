@@ -7,15 +7,15 @@ asyncio task polls `GET /health` on every endpoint each interval.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
-import httpx
+import aiohttp
 
 from inference.router.endpoint import ROLES, Endpoint
+from inference.router.health import HealthChecker, check_endpoint, new_session
 from inference.router.policies import Policy, canonical_policy_name, make_policy
 
 logger = logging.getLogger(__name__)
@@ -23,18 +23,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_FAILURE_THRESHOLD = 3
 
 
-def describe_exception(exc: BaseException) -> str:
-    """A short one-line description of a transport error, e.g. `ConnectError: [Errno 111] ...`."""
-    text = str(exc).strip() or repr(exc)
-    return f"{type(exc).__name__}: {text}"
-
-
 class WorkerPool:
     """Prefill and decode endpoints, a policy per role, health checks and one HTTP client.
 
     The pool is used from one event loop at a time (a gunicorn/uvicorn worker has exactly one).
-    Its httpx client and health task are bound to the loop they were created in; when the pool is
-    used from a new loop (tests, `async_to_sync`) both are recreated there.
+    Its HTTP session is bound to the loop it was created in; when the pool is used from a new loop
+    (tests, `async_to_sync`) it is recreated there. Health checks run in their own thread.
     """
 
     def __init__(
@@ -59,10 +53,9 @@ class WorkerPool:
         self.headers: dict[str, str] = dict(headers or {})
         self._policies: dict[str, Policy] = {role: make_policy(self.policy_name) for role in ROLES}
         self._endpoints: dict[str, list[Endpoint]] = {role: [] for role in ROLES}
-        self._http: httpx.AsyncClient | None = None
+        self._http: aiohttp.ClientSession | None = None
         self._http_loop: asyncio.AbstractEventLoop | None = None
-        self._health_task: asyncio.Task[None] | None = None
-        self._health_loop: asyncio.AbstractEventLoop | None = None
+        self._checker: HealthChecker | None = None
         self._info_cache: tuple[float, list[dict[str, Any]]] | None = None
         self.started_at = time.time()
         self.set_endpoints("prefill", prefill_urls)
@@ -128,6 +121,10 @@ class WorkerPool:
             return None
         return self._policies[role].choose(candidates)
 
+    def choose_among(self, role: str, candidates: list[Endpoint]) -> Endpoint:
+        """The endpoint the role's policy picks among `candidates` (non-empty)."""
+        return self._policies[role].choose(candidates)
+
     def record_failure(self, endpoint: Endpoint, error: str) -> None:
         """A request failed on `endpoint` (connect error, 5xx, timeout): count it toward removal."""
         was_healthy = endpoint.healthy
@@ -147,111 +144,66 @@ class WorkerPool:
         return all(any(e.healthy for e in self._endpoints[role]) for role in ROLES)
 
     # ----------------------------------------------------------------------------------------
-    # HTTP client and health checks
+    # HTTP session and health checks
     # ----------------------------------------------------------------------------------------
 
-    def http_client(self) -> httpx.AsyncClient:
-        """The pool's HTTP client for the running event loop (created on first use in a loop)."""
+    def session(self) -> aiohttp.ClientSession:
+        """The pool's HTTP session for the running event loop (created on first use in a loop).
+
+        aiohttp, not httpx: measured by bench/http_clients.py, httpx spends about 10x the CPU per
+        call and 5x per streamed line, and this client is the router's hot path.
+        """
         loop = asyncio.get_running_loop()
-        if self._http is None or self._http_loop is not loop or self._http.is_closed:
-            # The old client (if any) belongs to another loop and cannot be closed from here;
+        if self._http is None or self._http_loop is not loop or self._http.closed:
+            # The old session (if any) belongs to another loop and cannot be closed from here;
             # its connections die with that loop.
-            self._http = httpx.AsyncClient(
-                headers=self.headers,
-                timeout=httpx.Timeout(self.health_timeout_s, connect=self.connect_timeout_s),
-                # Streams hold a connection each; workers apply backpressure (429) themselves,
-                # so the client must not queue requests behind a connection limit.
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-                # Worker traffic is internal: never route it through an HTTP(S)_PROXY.
-                trust_env=False,
-            )
+            self._http = new_session(self.headers)
             self._http_loop = loop
         return self._http
 
     def start_health_checks(self) -> None:
-        """Start the background health-check task in the running loop (idempotent)."""
+        """Start the health-check thread (idempotent).
+
+        The checks run in a thread with an event loop and HTTP session of their own: a router
+        whose request loop is saturated must still see healthy workers answer in time, or it would
+        take them out of rotation for its own lateness.
+        """
         if self.health_interval_s <= 0:
             return
-        loop = asyncio.get_running_loop()
-        task = self._health_task
-        if task is not None and not task.done():
-            if self._health_loop is loop:
-                return
-            old_loop = self._health_loop
-            if old_loop is not None and not old_loop.is_closed():
-                with contextlib.suppress(RuntimeError):  # that loop stopped meanwhile
-                    old_loop.call_soon_threadsafe(task.cancel)
-        self._health_loop = loop
-        self._health_task = loop.create_task(self._health_check_loop(), name="router-health-checks")
+        if self._checker is None or not self._checker.running:
+            self._checker = HealthChecker(self)
+            self._checker.start()
 
     @property
     def health_checks_running(self) -> bool:
-        """Whether the background health-check task is alive."""
-        return self._health_task is not None and not self._health_task.done()
-
-    async def _health_check_loop(self) -> None:
-        while True:  # runs for the life of the process; every check inside is bounded
-            try:
-                await self.check_all()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001  the loop must survive anything one round throws
-                logger.exception("health-check round failed")
-            await asyncio.sleep(self.health_interval_s)
+        """Whether the background health-check thread is alive."""
+        return self._checker is not None and self._checker.running
 
     async def check_all(self) -> None:
-        """Check every endpoint once, concurrently."""
+        """Check every endpoint once, concurrently, from the running loop."""
         endpoints = self.all_endpoints()
         if endpoints:
-            await asyncio.gather(*(self.check_health(endpoint) for endpoint in endpoints))
+            session = self.session()
+            await asyncio.gather(*(check_endpoint(self, session, endpoint) for endpoint in endpoints))
 
     async def check_health(self, endpoint: Endpoint) -> bool:
-        """`GET /health` on `endpoint` and apply the result; True when it answered healthy."""
-        payload: dict[str, Any] | None = None
-        error: str | None = None
-        try:
-            # The outer bound also covers DNS and a peer that trickles bytes.
-            async with asyncio.timeout(self.health_timeout_s + self.connect_timeout_s):
-                response = await self.http_client().get(
-                    f"{endpoint.url}/health",
-                    timeout=httpx.Timeout(self.health_timeout_s, connect=self.connect_timeout_s),
-                )
-            try:
-                body = response.json()
-            except ValueError:
-                body = None
-            if isinstance(body, dict):
-                payload = body
-            if response.status_code != 200:
-                error = f"health check answered HTTP {response.status_code}"
-            elif payload is None or payload.get("status") != "healthy":
-                status = payload.get("status") if payload else None
-                error = f"health check status is {status!r}, not 'healthy'"
-        except (httpx.HTTPError, TimeoutError, OSError) as exc:
-            error = f"health check failed: {describe_exception(exc)}"
-        ok = error is None
-        was_healthy = endpoint.healthy
-        endpoint.record_health(ok, payload, error)
-        if was_healthy != endpoint.healthy:
-            if ok:
-                logger.info("%s endpoint %s back in rotation", endpoint.role, endpoint.url)
-            else:
-                logger.warning("%s endpoint %s out of rotation: %s", endpoint.role, endpoint.url, error)
-        return ok
+        """`GET /health` on `endpoint` from the running loop and apply the result; True when healthy."""
+        return await check_endpoint(self, self.session(), endpoint)
 
     async def worker_info(self, max_age_s: float = 10.0) -> list[dict[str, Any]]:
         """`GET /info` of every endpoint in rotation (each dict gets its `url`), cached `max_age_s`."""
         now = time.monotonic()
         if self._info_cache is not None and now - self._info_cache[0] < max_age_s:
             return self._info_cache[1]
-        client = self.http_client()
+        session = self.session()
+        timeout = aiohttp.ClientTimeout(total=self.health_timeout_s + self.connect_timeout_s,
+                                        sock_connect=self.connect_timeout_s)
 
         async def fetch(endpoint: Endpoint) -> dict[str, Any] | None:
             try:
-                async with asyncio.timeout(self.health_timeout_s + self.connect_timeout_s):
-                    response = await client.get(f"{endpoint.url}/info")
-                body = response.json() if response.status_code == 200 else None
-            except (httpx.HTTPError, TimeoutError, OSError, ValueError):
+                async with session.get(f"{endpoint.url}/info", timeout=timeout) as response:
+                    body = await response.json(content_type=None) if response.status == 200 else None
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
                 return None
             return {**body, "url": endpoint.url} if isinstance(body, dict) else None
 
@@ -263,16 +215,13 @@ class WorkerPool:
         return infos
 
     async def aclose(self) -> None:
-        """Stop the health checks and close the HTTP client (call from the pool's loop)."""
-        task, self._health_task = self._health_task, None
-        if task is not None and not task.done():
-            task.cancel()
-            if self._health_loop is asyncio.get_running_loop():
-                with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                    await asyncio.wait_for(task, timeout=self.health_timeout_s + self.connect_timeout_s)
-        client, self._http = self._http, None
-        if client is not None and self._http_loop is asyncio.get_running_loop():
-            await client.aclose()
+        """Stop the health checks and close the HTTP session (call from the pool's loop)."""
+        checker, self._checker = self._checker, None
+        if checker is not None:
+            await asyncio.to_thread(checker.stop)
+        session, self._http = self._http, None
+        if session is not None and self._http_loop is asyncio.get_running_loop():
+            await session.close()
 
     # ----------------------------------------------------------------------------------------
     # Reporting

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from inference.router.errors import RouterError
-from inference.router.pd_client import DoneEvent, ErrorEvent, Event, GenerateRequest, TokenEvent
+from inference.router.events import DoneEvent, ErrorEvent, Event, GenerateRequest, TokenEvent
 
 Kind = Literal["generate", "completion", "chat"]
 

@@ -1,0 +1,73 @@
+"""What a generation is made of on the router: the request, and the events clients are sent."""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+def new_request_id() -> str:
+    """A fresh public request id."""
+    return f"req-{uuid.uuid4().hex}"
+
+
+@dataclass
+class GenerateRequest:
+    """One generation: the prompt (text, chat messages or token ids) and the sampling parameters.
+
+    `sampling` is sent to the workers as is (the `SamplingParams.to_dict()` shape); the decode
+    worker validates it and answers 400 on bad values, which the router passes through.
+    """
+
+    sampling: dict[str, Any]
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    input_ids: list[int] | None = None
+    request_id: str = field(default_factory=new_request_id)
+
+    def decode_body(self, request_id: str) -> dict[str, Any]:
+        """The JSON body of `POST /internal/decode`."""
+        body: dict[str, Any] = {"request_id": request_id, "sampling": self.sampling}
+        if self.input_ids is not None:
+            body["input_ids"] = self.input_ids
+        elif self.messages is not None:
+            body["messages"] = self.messages
+        else:
+            body["prompt"] = self.prompt
+        return body
+
+
+@dataclass
+class TokenEvent:
+    """New output: the text delta and the token ids it came from."""
+
+    text: str
+    token_ids: list[int]
+    type: Literal["token"] = "token"
+
+
+@dataclass
+class DoneEvent:
+    """The request finished: why, token counts, timings, and which workers served it."""
+
+    request_id: str
+    finish_reason: str
+    usage: dict[str, int]
+    timings: dict[str, float | None]
+    prefill: str
+    decode: str
+    kv_bytes: int | None = None
+    retries: int = 0
+    type: Literal["done"] = "done"
+
+
+@dataclass
+class ErrorEvent:
+    """The stream broke after the first token; `status` is what a fresh request would have got."""
+
+    message: str
+    status: int = 502
+    type: Literal["error"] = "error"
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent

@@ -1,0 +1,96 @@
+"""How the router classifies what went wrong with a worker call.
+
+A worker's answer is either the request's fault (passed through to the client: RouterError), a
+full worker (`Busy`: try another or queue), a lost KV lease (`LeaseExpired`: reserve again), or a
+failure of that worker (`BackendFailure`: count it and try another).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import orjson
+
+from inference.router.errors import RouterError
+
+if TYPE_CHECKING:
+    from inference.router.endpoint import Endpoint
+
+# How much of a worker's error body is quoted back to the client.
+MAX_ERROR_TEXT = 500
+
+
+class BackendFailure(Exception):
+    """A worker failed in a way that says nothing about the request: try another worker."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class Busy(Exception):
+    """A worker answered 429: it is alive but full, so another one may take the request."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class LeaseExpired(Exception):
+    """The decode worker's lease on the reserved blocks ran out before the KV arrived.
+
+    The decode worker is fine (it freed the blocks as specified); the request needs a fresh
+    reservation. `stalled` is the prefill worker that held the request when the lease ran out,
+    if any: it made no progress in time and is not tried again for this request.
+    """
+
+    def __init__(self, message: str, stalled: Endpoint | None = None, line: dict[str, object] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.stalled = stalled
+        self.line = line  # the decode worker's kv_timeout line, when it reported the loss
+
+
+def error_message(raw: bytes) -> tuple[str, str | None]:
+    """The message and `type` of a worker's error body (`{"error": {...}}` or plain text)."""
+    text = raw.decode("utf-8", errors="replace").strip()
+    try:
+        body = orjson.loads(text)
+    except ValueError:
+        return (text[:MAX_ERROR_TEXT] or "(empty body)"), None
+    if isinstance(body, dict):
+        error = body.get("error", body.get("detail"))
+        if isinstance(error, dict) and "message" in error:
+            kind = error.get("type")
+            return str(error["message"])[:MAX_ERROR_TEXT], kind if isinstance(kind, str) else None
+        if isinstance(error, str):
+            return error[:MAX_ERROR_TEXT], None
+    return text[:MAX_ERROR_TEXT], None
+
+
+def raise_for_status(status: int, raw: bytes, role: str) -> None:
+    """Classify a non-200 answer: passthrough (RouterError), busy (429), lost lease or worker failure."""
+    message, kind = error_message(raw)
+    if status == 429:
+        raise Busy(message)
+    if role == "prefill" and status == 409 and kind == "lease_expired":
+        # Nobody's fault here (a previous prefill worker took the time): reserve again.
+        raise LeaseExpired(message)
+    # The decode worker validates the request (prompt length, sampling values): its 4xx is the
+    # client's error, except 401/403, which say the router's shared secret is wrong. A prefill
+    # worker sees an already validated request, so only its 400 is the request's fault;
+    # 401/404/409... mean that one worker is misconfigured.
+    client_error = status == 400 or (role == "decode" and 400 <= status < 500 and status not in (401, 403))
+    if client_error:
+        raise RouterError(status, message, error_type=kind)
+    raise BackendFailure(f"HTTP {status}: {message}")
+
+
+def kv_timeout_message(line: dict[str, object], prefill_url: str | None) -> str:
+    """What a decode worker's `reason: kv_timeout` line means, naming the prefill worker that held it."""
+    detail = str(line.get("message") or "the KV cache did not arrive within the lease")
+    silent = line.get("silent_s")
+    if prefill_url is None:
+        return f"no KV within the decode worker's lease: {detail}"
+    if isinstance(silent, int | float) and not isinstance(silent, bool):
+        return f"prefill worker {prefill_url} made no progress for {silent:.1f}s: {detail}"
+    return f"prefill worker {prefill_url} made no progress within the lease: {detail}"

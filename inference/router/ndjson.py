@@ -1,0 +1,77 @@
+"""Reading a worker's NDJSON stream: one JSON object per line, parsed with orjson.
+
+`next()` waits for the next line; `ready()` returns a line that has already arrived without
+waiting, so the router can forward every token that came in one network read as one chunk to the
+client (fewer writes per token under load) instead of one write per line.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import aiohttp
+import orjson
+
+# A worker's line is a token or a small control object; anything this long is a broken stream.
+MAX_LINE_BYTES = 4 * 2**20
+
+
+def parse_line(raw: bytes) -> dict[str, Any]:
+    """One NDJSON line as a dict; ValueError when it is not a JSON object."""
+    obj = orjson.loads(raw)
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {raw[:100]!r}")
+    return obj
+
+
+class NdjsonReader:
+    """Lines of an aiohttp response body, as dicts."""
+
+    def __init__(self, content: aiohttp.StreamReader) -> None:
+        self._content = content
+        self._partial = b""
+        self._lines: collections.deque[bytes] = collections.deque()
+
+    def _feed(self, data: bytes) -> None:
+        *complete, self._partial = (self._partial + data).split(b"\n")
+        self._lines.extend(line for line in complete if line.strip())
+        if len(self._partial) > MAX_LINE_BYTES:
+            raise ValueError(f"a line longer than {MAX_LINE_BYTES} bytes")
+
+    async def next(self) -> dict[str, Any] | None:
+        """The next line (blank lines skipped), None at the end of the stream.
+
+        Raises ValueError for a line that is not a JSON object, aiohttp.ClientError when the
+        connection breaks. Bounded by the caller's timeout.
+        """
+        while not self._lines:
+            data = await self._content.readany()
+            if not data:  # end of stream: a last line may lack its newline
+                rest, self._partial = self._partial, b""
+                return parse_line(rest) if rest.strip() else None
+            self._feed(data)
+        return parse_line(self._lines.popleft())
+
+    def ready(self) -> dict[str, Any] | None:
+        """A complete line that has already arrived, or None; never waits and never raises.
+
+        A line that does not parse is left for `next()`, which reports it.
+        """
+        if not self._lines:
+            try:
+                data = self._content.read_nowait()
+            except Exception:  # noqa: BLE001  a broken stream is reported by next()
+                return None
+            if data:
+                try:
+                    self._feed(data)
+                except ValueError:
+                    return None
+        if not self._lines:
+            return None
+        try:
+            line = parse_line(self._lines[0])
+        except ValueError:
+            return None
+        self._lines.popleft()
+        return line
