@@ -160,7 +160,7 @@ class NodeAdmin(admin.ModelAdmin):
         "rdma",
         "worker_count",
     ]
-    list_filter = ["status"]
+    list_filter = ["status", "allow_cpu_oversubscription"]
     search_fields = ["name", "hostname", "address"]
     actions = ["drain_nodes", "activate_nodes"]
     inlines = [WorkerInline]
@@ -179,7 +179,8 @@ class NodeAdmin(admin.ModelAdmin):
     ]
     fieldsets = [
         (None, {"fields": ["name", "hostname", "address", "status", "labels"]}),
-        ("Ports", {"fields": ["port_range_start", "port_range_end"]}),
+        # What the controller may place here (ports, and whether workers may share CPUs).
+        ("Placement", {"fields": ["port_range_start", "port_range_end", "allow_cpu_oversubscription"]}),
         (
             "Registered resources and heartbeat",
             {"fields": ["cpu_count", "memory_bytes", "gpus", "rdma_devices", "rdma_note", "last_heartbeat",
@@ -211,12 +212,14 @@ class NodeAdmin(admin.ModelAdmin):
 
     @admin.display(description="CPU")
     def cpu(self, node: Node) -> str:
-        """CPU count and utilisation at the last heartbeat."""
+        """CPU count and utilisation at the last heartbeat, and whether workers may share CPUs here."""
         used = first_number(node.last_metrics, "cpu_utilization", "cpu_percent")
         text = f"{node.cpu_count} CPUs" + (f", {percent(used)} busy" if used is not None else "")
         load = node.last_metrics.get("load_avg") if isinstance(node.last_metrics, Mapping) else None
         if isinstance(load, list) and load and isinstance(load[0], int | float):
             text += f", load {load[0]:g}"
+        if node.allow_cpu_oversubscription:
+            text += " (oversubscription allowed)"
         return text
 
     @admin.display(description="memory")

@@ -41,7 +41,11 @@ class ModelCleanMixin(serializers.ModelSerializer):
 
 
 class NodeSerializer(serializers.ModelSerializer):
-    """A host with the resources its agent registered, its heartbeat age and live worker count."""
+    """A host with the resources its agent registered, its heartbeat age and live worker count.
+
+    Agents own these rows; the operator's only write is `allow_cpu_oversubscription` (PATCH), which
+    lets the controller place workers on CPUs other workers of the host already use.
+    """
 
     queue_name = serializers.CharField(read_only=True)
     heartbeat_age_s = serializers.SerializerMethodField()
@@ -49,12 +53,12 @@ class NodeSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Node
-        fields = [
+        read_only_fields = [
             "id", "name", "hostname", "address", "status", "cpu_count", "memory_bytes", "gpus",
             "rdma_devices", "rdma_note", "labels", "port_range_start", "port_range_end", "last_heartbeat",
             "heartbeat_age_s", "last_metrics", "registered_at", "queue_name", "worker_count",
         ]  # fmt: skip
-        read_only_fields = fields
+        fields = [*read_only_fields, "allow_cpu_oversubscription"]
 
     @extend_schema_field(serializers.FloatField(allow_null=True))
     def get_heartbeat_age_s(self, node: Node) -> float | None:

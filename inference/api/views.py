@@ -10,7 +10,7 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db.models import Count, ProtectedError, Q, QuerySet
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
-from rest_framework import status, viewsets
+from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import APIException, ValidationError
 from rest_framework.request import Request
@@ -99,11 +99,16 @@ def _role_param() -> OpenApiParameter:
 @extend_schema_view(
     list=extend_schema(summary="List nodes with their resources, heartbeat age and live worker count"),
     retrieve=extend_schema(summary="One node"),
+    partial_update=extend_schema(
+        summary="Allow or forbid CPU oversubscription on a node (its only field an operator sets)"
+    ),
 )
-class NodeViewSet(viewsets.ReadOnlyModelViewSet):
-    """Hosts registered by their agents (read-only: agents own these rows) and the drain action."""
+class NodeViewSet(mixins.UpdateModelMixin, viewsets.ReadOnlyModelViewSet):
+    """Hosts registered by their agents (agents own these rows), the drain action and the placement setting."""
 
     serializer_class = NodeSerializer
+    # PATCH only: a PUT would have to restate fields the agent owns.
+    http_method_names = ["get", "post", "patch", "head", "options"]
     queryset = Node.objects.annotate(
         live_workers=Count("workers", filter=Q(workers__status__in=ACTIVE_WORKER_STATUSES))
     ).order_by("name")
