@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from inference.kv_transfer import KVLayout, KVTransferError, TransferDescriptor, TransferStats
+from inference.kv_transfer.lease import LeaseLost, request_renewal
 from inference.kv_transfer.rdma import RdmaKVReceiver, RdmaKVSender
 from inference.kv_transfer.rdma_detect import rdma_available
 from inference.kv_transfer.verbs import (
@@ -289,6 +290,36 @@ def test_link_dropped_by_decode_is_replaced_transparently(fabric: FakeFabric) ->
     finally:
         sender.close()
         receiver.stop()
+
+
+def test_lease_renewal_over_the_control_port_keeps_the_blocks(pair: Pair) -> None:
+    """The RDMA control port answers renewals like the TCP KV port: same frames, same checks."""
+    receiver = pair.receiver
+    desc = receiver.expect("slow", [4, 5], num_tokens=8, lease_s=0.5, host="127.0.0.1")
+    desc = TransferDescriptor.from_dict(desc.to_dict())
+    assert desc.renewable() and desc.lease_s == 0.5
+    for _ in range(3):  # 0.9 s in all: past the first lease
+        time.sleep(0.3)
+        assert request_renewal(desc, secret="s3cret", stage="computing", holder="p", timeout=2) > 0.3
+    with pytest.raises(LeaseLost, match="bad shared secret"):
+        request_renewal(desc, secret="nope", stage="computing", holder="p", timeout=2)
+    lease = receiver.lease("slow")
+    assert lease is not None and lease.renewals == 3 and not lease.expire()
+    pair.sender.send(desc, [0, 1], first_token=9, timeout=5)
+    assert torch.equal(pair.decode_kv[4:6], pair.prefill_kv[0:2])
+    assert pair.fabric.qps_created == 2, "renewals set up no queue pair"
+    with pytest.raises(LeaseLost, match="unknown or expired"):
+        request_renewal(desc, secret="s3cret", stage="sending", holder="p", timeout=2)
+
+
+def test_write_after_the_lease_expired_is_refused(pair: Pair) -> None:
+    desc = expect(pair, "late", [0])
+    lease = pair.receiver.lease("late")
+    assert lease is not None
+    lease._expires_at = time.monotonic() - 0.01  # noqa: SLF001  ran out; decode frees it next
+    with pytest.raises(KVTransferError, match="lease of request 'late' expired"):
+        pair.sender.send(desc, [0], first_token=1, timeout=5)
+    assert torch.count_nonzero(pair.decode_kv) == 0
 
 
 # --------------------------------------------------------------------------- refusals
