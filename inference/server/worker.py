@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,6 +26,8 @@ from inference.kv_transfer import (
     TransferDescriptor,
     TransferStats,
 )
+from inference.kv_transfer.keeper import LeaseKeeper
+from inference.kv_transfer.lease import Lease, LeaseLost
 from inference.kv_transfer.rdma import RdmaKVReceiver, RdmaKVSender
 from inference.kv_transfer.tcp import TcpKVReceiver, TcpKVSender
 from inference.kv_transfer.verbs import VerbsDevice
@@ -323,6 +326,34 @@ class Worker:
         self.metrics.prompt_tokens.inc(len(ids))
         return self._decode_events(request_id, ids, descriptor, waiter, received_at)
 
+    async def _wait_for_kv(self, request_id: str, waiter: _KVWaiter) -> dict[str, Any] | None:
+        """Wait for the prompt's KV for as long as the prefill worker keeps the lease alive.
+
+        Returns None once the KV arrived (or an abort ended the wait), else the fields of the
+        `kv_timeout` error line: who went silent, for how long, and the last progress seen.
+        """
+        assert self.receiver is not None
+        lease = self.receiver.lease(request_id)
+        if lease is None:
+            # Already gone from the receiver: the KV arrived or an abort came first, and the event
+            # is about to be set; a lease nobody can renew bounds the wait should it not be.
+            lease = Lease(self.args.kv_lease_timeout)
+        while not waiter.event.is_set():
+            try:
+                await asyncio.wait_for(waiter.event.wait(), timeout=max(lease.remaining(), 0.0))
+            except TimeoutError:
+                if lease.expire():  # else a renewal came in meanwhile: wait on
+                    logger.warning("lease of %s expired: %s", request_id, lease.expiry_message())
+                    return {"message": lease.expiry_message(), **lease.describe()}
+        if lease.renewals and not waiter.aborted:
+            progress = lease.last_progress
+            logger.info(
+                "KV of %s arrived after %d lease renewal(s) over %.1fs (last progress: %s)",
+                request_id, lease.renewals, time.monotonic() - lease.granted_at,
+                progress.stage if progress else "none",
+            )
+        return None
+
     async def _decode_events(
         self,
         request_id: str,
@@ -335,18 +366,12 @@ class Worker:
         outcome = "aborted"
         try:
             yield {"type": "descriptor", "descriptor": descriptor.to_dict(), "prompt_token_ids": ids}
-            try:
-                await asyncio.wait_for(waiter.event.wait(), timeout=self.args.kv_lease_timeout)
-            except TimeoutError:
+            expiry = await self._wait_for_kv(request_id, waiter)
+            if expiry is not None:
                 outcome = "kv_timeout"
-                # `reason` lets the router tell a lease that ran out (the prefill side's fault: it
-                # retries with a fresh reservation) from a failing decode worker.
-                yield {
-                    "type": "error",
-                    "reason": "kv_timeout",
-                    "message": f"KV cache did not arrive within the {self.args.kv_lease_timeout:g}s "
-                    "lease (prefill worker down or slow?)",
-                }
+                # `reason` lets the router tell a lease that ran out (the prefill side went silent:
+                # it retries with a fresh reservation) from a failing decode worker.
+                yield {"type": "error", "reason": "kv_timeout", **expiry}
                 return
             if waiter.aborted:
                 return
@@ -453,42 +478,54 @@ class Worker:
                 f"{self.args.kv_transport} (--kv-transport)"
             )
         self._check_prompt_length(len(ids))
-        remaining = descriptor.lease_remaining()
-        if remaining <= 0:
+        if descriptor.lease_remaining() <= 0:
             raise WorkerError(409, f"the decode lease of {request_id} has expired", "lease_expired")
         # The first token is sampled here with the request's own parameters (seeded streams continue
         # on the decode side), but only one token: decode owns the rest.
         first_params = SamplingParams.from_dict({**params.to_dict(), "max_tokens": 1})
-        first_token: int | None = None
-        block_ids: list[int] = []
+        phase = "accepted"
+
+        def stage() -> str:
+            """The progress renewals report; while computing, the engine says queued or running."""
+            if phase != "computing":
+                return phase
+            seq = self.engine.get_sequence(request_id)
+            return "computing" if seq is not None and seq.status.value == "running" else "queued"
+
+        # Renews the decode worker's lease from now until the KV send has finished, so the blocks
+        # stay reserved however long a valid prompt takes; a lost lease stops the work.
+        keeper = LeaseKeeper(descriptor, secret=self.args.shared_secret, holder=self._holder(), stage=stage)
+        keeper.start()
         send: asyncio.Future[TransferStats] | None = None
         try:
             try:
-                async with asyncio.timeout(remaining):
-                    async for out in self.async_engine.generate(request_id, ids, first_params, prefill_only=True):
-                        if out.new_token_ids:
-                            first_token = out.new_token_ids[0]
-                        if out.finished:
-                            if out.finish_reason != "prefilled":
-                                raise WorkerError(500, f"prefill ended with {out.finish_reason}", "engine_error")
-                            block_ids = list(out.block_ids or [])
+                # Bounded by the lease's hard cap (just the lease for a decode worker without renewals).
+                async with asyncio.timeout(max(descriptor.lease_cap_remaining(), 0.01)):
+                    phase = "computing"
+                    first_token, block_ids = await keeper.guard(self._compute_prompt(request_id, ids, first_params))
+                    prefill_s = time.perf_counter() - started
+                    self.metrics.ttft.observe(prefill_s)
+                    self.metrics.prompt_tokens.inc(len(ids))
+                    phase = "prefilled"
+                    if self.fault_prefill_delay_s:
+                        logger.warning(
+                            "fault injection: delaying the KV send of %s by %.1fs",
+                            request_id, self.fault_prefill_delay_s,
+                        )
+                        await keeper.guard(asyncio.sleep(self.fault_prefill_delay_s))
             except TimeoutError as exc:
                 self.metrics.outcome("timeout")
-                raise WorkerError(504, f"prefill of {request_id} outlived the decode lease", "timeout") from exc
-            if first_token is None or not block_ids:
-                raise WorkerError(500, "prefill produced no first token", "engine_error")
-            prefill_s = time.perf_counter() - started
-            self.metrics.ttft.observe(prefill_s)
-            self.metrics.prompt_tokens.inc(len(ids))
-            if self.fault_prefill_delay_s:
-                logger.warning(
-                    "fault injection: delaying the KV send of %s by %.1fs", request_id, self.fault_prefill_delay_s
-                )
-                await asyncio.sleep(self.fault_prefill_delay_s)
-            if descriptor.lease_remaining() <= 0:
+                raise WorkerError(
+                    504, f"prefill of {request_id} outlived the decode lease's cap", "timeout"
+                ) from exc
+            except LeaseLost as exc:
                 # The decode worker has freed the blocks: the router retries with a fresh reservation.
                 self.metrics.outcome("timeout")
+                raise WorkerError(409, f"the decode lease of {request_id} was lost: {exc}", "lease_expired") from exc
+            if descriptor.lease_remaining() <= 0 or keeper.lost.is_set():
+                self.metrics.outcome("timeout")
                 raise WorkerError(409, f"the decode lease of {request_id} expired before the KV send", "lease_expired")
+            phase = "sending"
             # Shielded: cancelling (an abort) must not free the source blocks while the send thread
             # still reads them; the finally below defers the release until that thread is done.
             send = asyncio.ensure_future(
@@ -497,7 +534,7 @@ class Worker:
                     descriptor,
                     block_ids,
                     first_token,
-                    max(descriptor.lease_remaining(), 0.01),
+                    max(descriptor.lease_cap_remaining(), 0.01),
                 )
             )
             try:
@@ -506,6 +543,7 @@ class Worker:
                 self.metrics.outcome("transfer_failed")
                 raise WorkerError(502, f"KV transfer failed: {exc}", "kv_transfer_error") from exc
         finally:
+            keeper.stop()
             if send is not None and not send.done():
                 send.add_done_callback(lambda done: self._release_after_send(request_id, done))
             else:
@@ -520,6 +558,28 @@ class Worker:
             "prefill_s": round(prefill_s, 6),
             "transfer_s": round(stats.seconds, 6),
         }
+
+    async def _compute_prompt(
+        self, request_id: str, ids: list[int], params: SamplingParams
+    ) -> tuple[int, list[int]]:
+        """Run the prompt in the engine (batched with other prefills): its first token and KV blocks."""
+        first_token: int | None = None
+        block_ids: list[int] = []
+        async for out in self.async_engine.generate(request_id, ids, params, prefill_only=True):
+            if out.new_token_ids:
+                first_token = out.new_token_ids[0]
+            if out.finished:
+                if out.finish_reason != "prefilled":
+                    raise WorkerError(500, f"prefill ended with {out.finish_reason}", "engine_error")
+                block_ids = list(out.block_ids or [])
+        if first_token is None or not block_ids:
+            raise WorkerError(500, "prefill produced no first token", "engine_error")
+        return first_token, block_ids
+
+    def _holder(self) -> str:
+        """How this prefill worker names itself in lease renewals (the decode worker quotes it)."""
+        host = self.args.host if self.args.host not in ("", "0.0.0.0", "::") else socket.gethostname()
+        return f"http://{host}:{self.args.port}"
 
     def _release_after_send(self, request_id: str, send: asyncio.Future[TransferStats]) -> None:
         """Free an aborted prefill's blocks once its KV send thread has finished with them."""
