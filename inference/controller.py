@@ -117,13 +117,6 @@ def node_roles(node: Node) -> set[str] | None:
     return {str(r) for r in roles}
 
 
-def schedulable_nodes(now: datetime | None = None) -> list[Node]:
-    """ONLINE nodes whose agent sent a heartbeat within NODE_HEARTBEAT_TIMEOUT_S (placement checks more)."""
-    now = now or timezone.now()
-    cutoff = now - timedelta(seconds=float(settings.NODE_HEARTBEAT_TIMEOUT_S))
-    return list(Node.objects.filter(status=NodeStatus.ONLINE, last_heartbeat__gte=cutoff).order_by("name"))
-
-
 def _live_workers(node: Node) -> list[Worker]:
     return list(Worker.objects.filter(node=node, status__in=node_actions.LIVE_WORKER_STATUSES))
 
