@@ -50,10 +50,11 @@ MODULE = "bench.engine_throughput"
 VLLM_VENV = ROOT / "bench" / ".venv-vllm"
 
 
-def _engine(model_dir: Path, max_num_seqs: int, max_len: int) -> Any:
+def _engine(model_dir: Path, max_num_seqs: int, max_len: int, dtype: str = "float32", device: str = "cpu") -> Any:
     from inference.engine import LLMEngine
 
-    return LLMEngine(str(model_dir), block_size=16, max_num_seqs=max_num_seqs, max_model_len=max_len)
+    return LLMEngine(str(model_dir), block_size=16, max_num_seqs=max_num_seqs, max_model_len=max_len,
+                     dtype=dtype, device=device)
 
 
 def engine_generate_tps(
@@ -79,11 +80,20 @@ def engine_generate_tps(
             "seconds": elapsed, "tokens_per_s": tokens / elapsed}
 
 
-def _hf_model(model_dir: Path) -> Any:
+def _hf_model(model_dir: Path, device: str = "cpu", dtype: str = "float32") -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    torch_dtype = getattr(torch, dtype)
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype).eval().to(device)
+
+
+def _sync(device: Any) -> None:
+    """Wait for queued GPU work, so that wall-clock timings cover it (no-op on CPU)."""
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def hf_sequential_tps(model: Any, prompts: list[list[int]], max_tokens: int, requests: int) -> dict[str, Any]:
@@ -91,10 +101,11 @@ def hf_sequential_tps(model: Any, prompts: list[list[int]], max_tokens: int, req
     import torch
 
     tokens = 0
+    device = model.device
     started = time.perf_counter()
     with torch.inference_mode():
         for i in range(requests):
-            ids = torch.tensor([prompts[i % len(prompts)]])
+            ids = torch.tensor([prompts[i % len(prompts)]], device=device)
             out = model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                 do_sample=False, pad_token_id=model.config.eos_token_id,
@@ -105,13 +116,15 @@ def hf_sequential_tps(model: Any, prompts: list[list[int]], max_tokens: int, req
 
 
 def step_vs_forward(
-    engine: Any, hf_model: Any, prompts: list[list[int]], batch: int, iters: int
+    engine: Any, hf_model: Any, prompts: list[list[int]], batch: int, iters: int,
+    long_prompt: list[int] | None = None,
 ) -> dict[str, Any]:
     """Median ms of one engine decode step, of its parts, of the bare forward, and of HF's forward.
 
     The engine step and our bare forward use the very same running batch (metadata built once by
-    the engine's own `_prepare`), so the difference is exactly scheduler + preparation + sampler +
-    bookkeeping. The transformers forward runs a batch of the same width and context length.
+    the engine's runner's own `prepare`), so the difference is exactly scheduler + preparation +
+    sampler + bookkeeping. The transformers forward runs a batch of the same width and context length.
+    With `long_prompt`, the first sequence of the batch is that long one (mixed contexts).
     """
     import torch
 
@@ -119,7 +132,10 @@ def step_vs_forward(
 
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     ids = [f"sv-{batch}-{i}" for i in range(batch)]
-    for rid, prompt in zip(ids, (prompts[i % len(prompts)] for i in range(batch)), strict=True):
+    batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+    if long_prompt is not None:
+        batch_prompts[0] = long_prompt
+    for rid, prompt in zip(ids, batch_prompts, strict=True):
         engine.add_request(rid, prompt, params)
     guard = 0
     while engine.num_running < batch and guard < 4 * batch:  # prefill until all are decoding
@@ -133,7 +149,8 @@ def step_vs_forward(
     # of exactly the batch that step ran (its inputs and metadata recorded from the engine's own
     # `_prepare`). Re-running it writes the same K/V values into the same slots: the cache stays right.
     captured: dict[str, Any] = {}
-    prepare = engine._prepare
+    runner = engine.runner
+    prepare = runner.prepare
 
     def recording_prepare(batch: list[Any], is_prefill: bool) -> Any:
         t = time.perf_counter()
@@ -142,10 +159,11 @@ def step_vs_forward(
         captured["inputs"] = out
         return out
 
-    setattr(engine, "_prepare", recording_prepare)  # noqa: B010 - instance attribute shadows the method
+    setattr(runner, "prepare", recording_prepare)  # noqa: B010 - instance attribute shadows the method
     try:
         with torch.inference_mode():
             for _ in range(iters):
+                _sync(engine.device)
                 t = time.perf_counter()
                 engine.step()
                 step_ms.append((time.perf_counter() - t) * 1000)
@@ -153,27 +171,31 @@ def step_vs_forward(
                 input_ids, meta = captured["inputs"]
                 t = time.perf_counter()
                 engine.model(input_ids, meta, engine.kv_cache)
+                _sync(engine.device)
                 fwd_ms.append((time.perf_counter() - t) * 1000)
     finally:
-        delattr(engine, "_prepare")
-    context = seqs[0].num_tokens
+        delattr(runner, "prepare")
+    context = seqs[-1].num_tokens if long_prompt is None else seqs[1].num_tokens
     for rid in ids:
         engine.abort(rid)
     engine.step()  # deliver the aborts, free the blocks
 
     hf_ms: list[float] = []
-    if hf_model is not None:
+    if hf_model is not None and long_prompt is None:
         # Same width and about the same context: the prompts plus the decode steps already taken.
         reps = context // len(prompts[0]) + 2
-        ctx_ids = torch.tensor([(prompts[i % len(prompts)] * reps)[: context - 1] for i in range(batch)])
+        dev = hf_model.device
+        ctx_ids = torch.tensor([(prompts[i % len(prompts)] * reps)[: context - 1] for i in range(batch)], device=dev)
         with torch.inference_mode():
             out = hf_model(input_ids=ctx_ids, use_cache=True)
             cache = out.cache
             nxt = out.logits[:, -1:].argmax(-1)
-            pos = torch.full((batch, 1), ctx_ids.shape[1])
+            pos = torch.full((batch, 1), ctx_ids.shape[1], device=dev)
             for i in range(iters + 2):
+                _sync(dev)
                 t = time.perf_counter()
                 hf_model(input_ids=nxt, cache=cache, use_cache=True, position_ids=pos)
+                _sync(dev)
                 if i >= 2:
                     hf_ms.append((time.perf_counter() - t) * 1000)
                 cache.crop(-1)  # keep the context fixed across iterations
@@ -181,7 +203,7 @@ def step_vs_forward(
     fwd = median(fwd_ms)
     return {
         "batch": batch,
-        "context_tokens": context,
+        "context_tokens": context if long_prompt is None else f"1x{len(long_prompt)}+{batch - 1}x{context}",
         "engine_step_ms": step,
         "prepare_ms": median(prep_ms),
         "our_forward_ms": fwd,
@@ -285,16 +307,20 @@ def vllm_serve_tps(
 
 def bench_model(
     name: str, model_dir: Path, concurrency: list[int], max_tokens: int, prompt_len: int, hf_requests: int,
-    min_requests: int, step_iters: int, deadline: Deadline,
+    min_requests: int, step_iters: int, deadline: Deadline, dtype: str = "float32", device: str = "cpu",
+    long_context: int = 1024,
 ) -> dict[str, Any]:
-    """All measurements for one checkpoint."""
+    """All measurements for one checkpoint, our engine in `dtype` on `device` (transformers in fp32 on
+    CPU, its fastest dtype on a GPU: bf16)."""
     import torch
 
-    engine = _engine(model_dir, max(concurrency), prompt_len + max_tokens + 64)
+    engine = _engine(model_dir, max(concurrency), max(prompt_len + max_tokens, long_context + step_iters) + 64,
+                     dtype, device)
+    name = f"{name} {str(engine.dtype).removeprefix('torch.')}"
     prompts = synthetic_prompts(max(concurrency), prompt_len, engine.config.vocab_size, seed=1)
     engine.generate(prompts[:2], None)  # warm-up (allocator, first-call overheads)
     log(f"[{name}] engine loaded, {torch.get_num_threads()} torch threads")
-    hf_model = _hf_model(model_dir)
+    hf_model = _hf_model(model_dir, device, "bfloat16" if device.startswith("cuda") else "float32")
     hf_sequential_tps(hf_model, prompts, 2, 1)  # warm-up
     # The baseline is measured before and after our engine's runs and averaged, so that a shared
     # machine getting busier or quieter during the run does not tilt the ratios one way.
@@ -319,8 +345,14 @@ def bench_model(
             break
         steps.append(step_vs_forward(engine, hf_model, prompts, b, step_iters))
         log(f"[{name}] step b={b}: {steps[-1]['engine_step_ms']:.2f} ms vs forward {steps[-1]['our_forward_ms']:.2f}")
+    if not deadline.expired() and max(concurrency) >= 32:
+        # Mixed contexts (the issue's case): one long sequence among 31 short ones.
+        long_prompt = synthetic_prompts(1, long_context, engine.config.vocab_size, seed=2)[0]
+        steps.append(step_vs_forward(engine, None, prompts, 32, step_iters, long_prompt=long_prompt))
+        log(f"[{name}] mixed step: {steps[-1]['engine_step_ms']:.2f} ms vs forward {steps[-1]['our_forward_ms']:.2f}")
     del hf_model, engine
     return {"model": name, "model_dir": str(model_dir), "prompt_tokens": prompt_len, "max_tokens": max_tokens,
+            "dtype": name.rsplit(" ", 1)[-1], "device": device,
             "engine": rows, "hf_sequential": hf, "step_vs_forward": steps}
 
 
@@ -383,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm", action="store_true", help="also measure vllm serve from bench/.venv-vllm")
     p.add_argument("--no-smollm2", action="store_true", help="tiny model only")
     p.add_argument("--budget-s", type=float, default=1500.0, help="total time budget (later steps are skipped)")
+    p.add_argument("--dtypes", default="float32,auto",
+                   help="comma-separated engine dtypes to measure (auto: the fastest on this machine)")
+    p.add_argument("--device", default="cpu", help="device of our engine and of transformers (cpu, cuda)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(p, argv)
     deadline = Deadline(args.budget_s)
@@ -392,18 +427,21 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     models: list[dict[str, Any]] = []
-    if args.quick:
-        tiny = args.model_dir or tiny_model_dir()
-        models.append(bench_model("tiny-llama", tiny, [1, 4], max_tokens=8, prompt_len=16, hf_requests=1,
-                                  min_requests=2, step_iters=3, deadline=deadline))
-    else:
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    common = {"deadline": deadline, "device": args.device}
+    for dtype in dtypes:
+        if args.quick:
+            tiny = args.model_dir or tiny_model_dir()
+            models.append(bench_model("tiny-llama", tiny, [1, 4], max_tokens=8, prompt_len=16, hf_requests=1,
+                                      min_requests=2, step_iters=3, dtype=dtype, long_context=64, **common))
+            continue
         tiny = tiny_model_dir()
         models.append(bench_model("tiny-llama", tiny, [1, 8, 32, 64], max_tokens=64, prompt_len=32, hf_requests=4,
-                                  min_requests=8, step_iters=20, deadline=deadline))
+                                  min_requests=8, step_iters=20, dtype=dtype, **common))
         smol = args.model_dir or smollm2_dir()
         if smol is not None and not args.no_smollm2:
-            models.append(bench_model("SmolLM2-135M", smol, [1, 8, 32], max_tokens=32, prompt_len=32,
-                                      hf_requests=2, min_requests=4, step_iters=8, deadline=deadline))
+            models.append(bench_model("SmolLM2-135M", smol, [1, 8, 32, 64], max_tokens=32, prompt_len=32,
+                                      hf_requests=2, min_requests=4, step_iters=8, dtype=dtype, **common))
     vllm: dict[str, Any] = {"attempted": bool(args.vllm)}
     if args.vllm:
         vllm |= vllm_status()

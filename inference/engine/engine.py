@@ -11,18 +11,14 @@ from .block_manager import BlockManager, NoFreeBlocks
 from .config import ModelConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache
-from .model import BatchMetadata, LlamaForCausalLM
-from .sampler import sample
+from .model import LlamaForCausalLM
+from .model_runner import DEFAULT_KV_CACHE_BYTES, ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceStatus
 from .tokenizer import Tokenizer
-from .weights import load_model
 
 logger = logging.getLogger(__name__)
-
-# Default cap on the KV pool when `num_blocks` is not given.
-DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 # Share of the KV pool that decode-side sequences not running yet (waiting for their KV, or ready and
 # queued for a batch slot) may hold together. The rest is headroom for the running batch to grow into,
@@ -58,7 +54,7 @@ class LLMEngine:
         kv_cache_bytes: int | None = None,
         max_num_batched_tokens: int | None = None,
         device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: str | torch.dtype = torch.float32,
         load_tokenizer: bool = True,
         max_queued_kv_fraction: float = DEFAULT_MAX_QUEUED_KV_FRACTION,
     ) -> None:
@@ -66,7 +62,9 @@ class LLMEngine:
 
         `num_blocks` defaults to enough blocks for `max_num_seqs * max_model_len` tokens, capped by
         `kv_cache_bytes` (default 1 GiB). `max_model_len` defaults to the model's
-        `max_position_embeddings`. `max_queued_kv_fraction` bounds the blocks held by reserved and
+        `max_position_embeddings`. `dtype`: a torch dtype, or "auto" / "float32" / "bfloat16" /
+        "float16" (see `dtypes.resolve_dtype`); the KV cache uses the same dtype. The default fp32
+        matches transformers' fp32 token for token. `max_queued_kv_fraction` bounds the blocks held by reserved and
         ready (not yet running) sequences together, see `reserve`.
         """
         if block_size <= 0 or max_num_seqs <= 0:
@@ -77,28 +75,24 @@ class LLMEngine:
         self.config = ModelConfig.from_pretrained(model_path)
         self.device = torch.device(device)
         self.tokenizer = Tokenizer.maybe_from_pretrained(model_path) if load_tokenizer else None
-        self.model: LlamaForCausalLM = load_model(model_path, self.config, self.device, dtype)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
-
         cfg = self.config
-        if num_blocks is None:
-            per_block = KVCache.bytes_per_block(
-                cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype
-            )
-            wanted = -(-max_num_seqs * self.max_model_len // block_size)
-            cap = max(1, (kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // per_block)
-            num_blocks = int(min(wanted, cap))
-        self.kv_cache = KVCache(
-            num_blocks,
-            cfg.num_hidden_layers,
-            block_size,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            dtype,
-            self.device,
+        self.runner = ModelRunner(
+            model_path,
+            cfg,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_tokens_hint=max_num_seqs * self.max_model_len,
+            kv_cache_bytes=kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
+            device=self.device,
+            dtype=dtype,
         )
+        self.model: LlamaForCausalLM = self.runner.model
+        self.kv_cache: KVCache = self.runner.kv_cache
+        self.dtype = self.runner.dtype
+        num_blocks = self.kv_cache.num_blocks
         self.block_manager = BlockManager(num_blocks)
         self.max_queued_blocks = max(1, int(num_blocks * max_queued_kv_fraction))
         self.scheduler = Scheduler(
@@ -363,12 +357,9 @@ class LLMEngine:
             self._inflight = []
             return outputs
 
-    @torch.inference_mode()
     def _execute(self, batch: list[Sequence], is_prefill: bool) -> list[RequestOutput]:
         """Run the forward pass for `batch`, sample, and apply the results."""
-        input_ids, meta = self._prepare(batch, is_prefill)
-        logits = self.model(input_ids, meta, self.kv_cache)
-        tokens = sample(logits, [s.params for s in batch], [len(s.output_token_ids) for s in batch])
+        tokens = self.runner.run(batch, is_prefill)
         outputs: list[RequestOutput] = []
         for seq, tok in zip(batch, tokens, strict=True):
             seq.num_cached = seq.num_tokens
@@ -389,62 +380,6 @@ class LLMEngine:
                 self.scheduler.add_running(seq)
             outputs.append(seq.take_output())
         return outputs
-
-    def _prepare(self, batch: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, BatchMetadata]:
-        """Flatten the batch's new tokens and compute slot/gather indices and the attention mask."""
-        bs = self.block_size
-        b = len(batch)
-        if is_prefill:
-            # Every admitted sequence starts from an empty cache (new, or preempted and recomputed).
-            q_lens = [s.num_tokens for s in batch]
-            flat: list[int] = []
-            for s in batch:
-                flat.extend(s.prompt_token_ids)
-                flat.extend(s.output_token_ids)
-        else:
-            q_lens = [1] * b
-            flat = [s.last_token_id for s in batch]
-        ctx_lens = [s.num_tokens for s in batch]
-        max_q = max(q_lens)
-        max_blocks = max(len(s.block_ids) for s in batch)
-        table = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in batch])
-        q_len_t = torch.tensor(q_lens)
-        ctx_t = torch.tensor(ctx_lens)
-        t = torch.arange(max_q)
-        # Position of query t of sequence b; padding rows are clamped onto the last real position.
-        pos = torch.minimum((ctx_t - q_len_t)[:, None] + t[None, :], (ctx_t - 1)[:, None])
-        pad_index = None
-        if max_q > 1 and any(q != max_q for q in q_lens):
-            pad_index = (t[None, :] < q_len_t[:, None]).flatten().nonzero().squeeze(1)
-        stride = self.kv_cache.block_stride
-        write_rows = (table.gather(1, pos // bs) * stride + pos % bs).flatten()
-        positions = pos.flatten()
-        if pad_index is not None:
-            write_rows = write_rows[pad_index]
-            positions = positions[pad_index]
-        if is_prefill:
-            max_k = max_q
-            j = torch.arange(max_k)
-            mask = (j[None, None, :] <= pos[:, :, None]) & (j[None, None, :] < q_len_t[:, None, None])
-            gather_rows = None
-        else:
-            max_k = max(ctx_lens)
-            j = torch.arange(max_k)
-            gather_rows = (table[:, j // bs] * stride + (j % bs)[None, :]).flatten()
-            mask = j[None, None, :] <= pos[:, :, None]
-        dev = self.device
-        meta = BatchMetadata(
-            batch_size=b,
-            max_q=max_q,
-            max_k=max_k,
-            positions=positions.to(dev),
-            pad_index=pad_index.to(dev) if pad_index is not None else None,
-            write_rows=write_rows.to(dev),
-            gather_rows=gather_rows.to(dev) if gather_rows is not None else None,
-            mask=mask[:, None, :, :].to(dev),
-            last_index=(torch.cumsum(q_len_t, 0) - 1).to(dev),
-        )
-        return torch.tensor(flat, device=dev), meta
 
     # ---------------------------------------------------------------------------------------- helpers
 

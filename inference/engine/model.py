@@ -1,44 +1,22 @@
 """Llama-family decoder (Llama, SmolLM, Qwen2) with paged attention over `KVCache`.
 
 Tokens of a batch travel flattened (`[num_tokens, hidden]`) through every projection and MLP so that
-no FLOPs are spent on padding; only attention pads the batch to `[batch, max_q]` queries against
-`[batch, max_k]` keys with a boolean mask.
+no FLOPs are spent on padding. Attention reads only what each sequence owns (see `batch.py`): a
+prefill runs one causal SDPA call per group of equal-length prompts over the step's own K/V, a
+decode step one SDPA call per bucket of sequences with close context lengths, gathering from the
+paged cache only that bucket's keys.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .batch import BatchMetadata
 from .config import ModelConfig
 from .kv_cache import KVCache
-
-
-@dataclass
-class BatchMetadata:
-    """Where each token of a flattened batch lives, computed once per step and shared by all layers.
-
-    - `pad_index`: position of each flat token in the padded `[batch * max_q]` layout (None when the
-      batch has no padding, e.g. decode).
-    - `write_rows`: layer-0 K row in `KVCache.rows` for each new token (its slot in its block).
-    - `gather_rows`: layer-0 K rows of every key position `[batch * max_k]`, or None when every sequence
-      is a fresh prefill: then the keys are just this step's own K/V (no read-back from the cache).
-    - `mask`: `[batch, 1, max_q, max_k]`, True where the query may attend to the key.
-    - `last_index`: flat index of each sequence's last token (the only rows that get logits).
-    """
-
-    batch_size: int
-    max_q: int
-    max_k: int
-    positions: torch.Tensor
-    pad_index: torch.Tensor | None
-    write_rows: torch.Tensor
-    gather_rows: torch.Tensor | None
-    mask: torch.Tensor
-    last_index: torch.Tensor
 
 
 class RMSNorm(nn.Module):
@@ -110,15 +88,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-def _pad(x: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
-    """Flat `[num_tokens, ...]` to padded `[batch, max_q, ...]` (padding rows are zeros)."""
-    if meta.pad_index is None:
-        return x.view(meta.batch_size, meta.max_q, *x.shape[1:])
-    out = x.new_zeros((meta.batch_size * meta.max_q, *x.shape[1:]))
-    out[meta.pad_index] = x
-    return out.view(meta.batch_size, meta.max_q, *x.shape[1:])
-
-
 class Attention(nn.Module):
     """Grouped-query attention with fused q/k/v projection and paged KV."""
 
@@ -155,31 +124,66 @@ class Attention(nn.Module):
             kv_cache.rows.index_copy_(0, k_rows, k.to(kv_cache.dtype))
             kv_cache.rows.index_copy_(0, k_rows + kv_cache.block_size, v.to(kv_cache.dtype))
 
-        b = meta.batch_size
-        if meta.gather_rows is None:
-            keys, values = _pad(k, meta), _pad(v, meta)
+        if meta.is_prefill:
+            out = self._prefill(q, k, v, meta)
         else:
             if kv_cache is None:
                 raise ValueError("attention over cached context needs a KV cache")
-            rows = meta.gather_rows + self.layer_idx * kv_cache.layer_stride
-            keys = kv_cache.rows.index_select(0, rows).view(b, meta.max_k, self.num_kv_heads, self.head_dim)
-            values = kv_cache.rows.index_select(0, rows + kv_cache.block_size).view(
-                b, meta.max_k, self.num_kv_heads, self.head_dim
-            )
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
+            out = self._decode(q, meta, kv_cache)
+        return self.o_proj(out)
 
+    def _sdpa(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        """SDPA over `[batch, len, heads, head_dim]` inputs; returns `[batch * q_len, q_size]`."""
         out = F.scaled_dot_product_attention(
-            _pad(q, meta).transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=meta.mask,
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=attn_mask,
+            is_causal=is_causal,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
-        out = out.transpose(1, 2).reshape(b * meta.max_q, self.q_size)
-        if meta.pad_index is not None:
-            out = out[meta.pad_index]
-        return self.o_proj(out)
+        return out.transpose(1, 2).reshape(-1, self.q_size)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+        """Fresh prompts attend causally to their own K/V: one maskless call per prompt length."""
+        outs = []
+        for g in meta.prefill_groups:
+            shape_q = (g.num_seqs, g.q_len, self.num_heads, self.head_dim)
+            shape_kv = (g.num_seqs, g.q_len, self.num_kv_heads, self.head_dim)
+            outs.append(
+                self._sdpa(
+                    q[g.start : g.end].view(shape_q),
+                    k[g.start : g.end].view(shape_kv),
+                    v[g.start : g.end].view(shape_kv),
+                    is_causal=True,
+                )
+            )
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _decode(self, q: torch.Tensor, meta: BatchMetadata, kv_cache: KVCache) -> torch.Tensor:
+        """One query per sequence against its cached context, bucket by bucket."""
+        outs = []
+        layer_offset = self.layer_idx * kv_cache.layer_stride
+        for bk in meta.decode_buckets:
+            n = bk.end - bk.start
+            rows = bk.gather_rows + layer_offset
+            keys = kv_cache.rows.index_select(0, rows).view(n, bk.max_k, self.num_kv_heads, self.head_dim)
+            values = kv_cache.rows.index_select(0, rows + kv_cache.block_size).view(
+                n, bk.max_k, self.num_kv_heads, self.head_dim
+            )
+            if keys.dtype != q.dtype:
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
+            qb = q[bk.start : bk.end].view(n, 1, self.num_heads, self.head_dim)
+            outs.append(self._sdpa(qb, keys, values, attn_mask=bk.mask))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class MLP(nn.Module):

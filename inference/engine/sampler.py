@@ -1,4 +1,11 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with per-request deterministic seeds."""
+"""Token sampling, vectorized over the batch: greedy, temperature, top-k, top-p, min-p, and
+per-request seeds that give the same stream in every process.
+
+Sampling uses the exponential-race form of a categorical draw: with `E_v ~ Exp(1)` independent,
+`argmax_v p_v / E_v` is distributed as `p`. Unseeded rows draw all their noise in one call; a seeded
+row draws its noise from a CPU `torch.Generator` seeded from (seed, output index), the only per-row
+work, so a prefill worker and a decode worker (on any device) continue the same stream.
+"""
 from __future__ import annotations
 
 import torch
@@ -16,47 +23,58 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * _SEED_MULT + step) % _SEED_MOD
 
 
-def sample_one(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
-    """Sample one token from a `[vocab]` fp32 CPU logits row according to `params`."""
-    if params.greedy:
-        return int(torch.argmax(logits).item())
-    scaled = logits / params.temperature
-    if not bool(torch.isfinite(scaled).all()):
-        # A tiny temperature (1e-38, or a denormal that is 0 in fp32) overflows to inf and softmax
-        # gives NaN, which failed the whole batch. Its limit is greedy decoding, so decode greedily.
-        return int(torch.argmax(logits).item())
-    logits = scaled
-    vocab = logits.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, sorted_idx = torch.sort(logits, descending=True)
-        probs_sorted = torch.softmax(sorted_logits, dim=-1)
+def seeded_noise(seed: int, step: int, vocab: int) -> torch.Tensor:
+    """The `Exp(1)` noise `[vocab]` (fp32, CPU) of output token `step` of a request seeded `seed`."""
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(step_seed(seed, step))
+    return torch.empty(vocab, dtype=torch.float32).exponential_(generator=generator)
+
+
+def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Apply top-k, top-p and min-p to temperature-scaled fp32 `[rows, vocab]` logits (masked → -inf)."""
+    vocab = x.shape[-1]
+    dev = x.device
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if min(ks) < vocab:
+        k_t = torch.tensor(ks, device=dev)
+        kth = torch.topk(x, max(ks), dim=-1).values.gather(1, (k_t - 1)[:, None])
+        x = x.masked_fill(x < kth, float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs_sorted = torch.softmax(sorted_x, dim=-1)
         # Drop a token when the tokens ranked above it already reach top_p (the top one always stays).
         cum_before = torch.cumsum(probs_sorted, dim=-1) - probs_sorted
-        remove_sorted = cum_before >= params.top_p
-        remove = torch.zeros_like(remove_sorted).scatter(0, sorted_idx, remove_sorted)
-        logits = logits.masked_fill(remove, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    generator = None
-    if params.seed is not None:
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(step_seed(params.seed, step))
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+        remove = torch.zeros_like(cum_before, dtype=torch.bool).scatter_(1, order, cum_before >= top_p[:, None])
+        x = x.masked_fill(remove, float("-inf"))
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
+    return x
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
-    """Sample one token per row of `logits` `[batch, vocab]`.
+    """One token per row of `logits` `[batch, vocab]`; `steps[i]` is row i's output index (for seeds).
 
-    Greedy rows share one batched argmax; other rows are sampled one by one on CPU in fp32 (so seeded
-    streams are identical on every machine, whatever device ran the model).
+    Greedy rows take the argmax. A row whose temperature is so small that the scaled logits overflow
+    takes the argmax too (its limit), instead of failing the batch with NaNs.
     """
-    greedy_ids = torch.argmax(logits, dim=-1).tolist()
-    if all(p.greedy for p in params):
-        return [int(t) for t in greedy_ids]
-    cpu_logits = logits.float().cpu()
-    out: list[int] = []
-    for i, p in enumerate(params):
-        out.append(int(greedy_ids[i]) if p.greedy else sample_one(cpu_logits[i], p, steps[i]))
-    return out
+    greedy_ids = torch.argmax(logits, dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return [int(t) for t in greedy_ids.tolist()]
+    picked = [params[i] for i in rows]
+    temps = torch.tensor([p.temperature for p in picked], dtype=torch.float32, device=logits.device)
+    x = logits[rows].float() / temps[:, None]
+    finite = torch.isfinite(x).all(-1)
+    x = _filter(torch.where(finite[:, None], x, torch.zeros_like(x)), picked)
+    probs = torch.softmax(x, dim=-1)
+    noise = torch.empty_like(probs).exponential_()
+    for j, p in enumerate(picked):
+        if p.seed is not None:
+            noise[j] = seeded_noise(p.seed, steps[rows[j]], probs.shape[-1]).to(noise.device)
+    choice = torch.where(finite, torch.argmax(probs / noise, dim=-1), greedy_ids[rows])
+    out = greedy_ids.clone()
+    out[rows] = choice
+    return [int(t) for t in out.tolist()]

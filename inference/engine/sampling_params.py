@@ -10,7 +10,8 @@ from typing import Any
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    temperature 0 means greedy. top_k -1 (or 0) disables top-k; top_p 1.0 disables nucleus sampling.
+    temperature 0 means greedy. top_k -1 (or 0) disables top-k; top_p 1.0 disables nucleus sampling;
+    min_p 0.0 disables min-p (drop tokens less likely than `min_p` times the most likely one).
     With `seed` set, output token i is sampled with a generator seeded from (seed, i), so a prefill
     worker and a decode worker continue one deterministic stream.
     """
@@ -19,6 +20,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -39,6 +41,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 1, or -1/0 to disable, got {self.top_k!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or null, got {self.seed!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
@@ -71,7 +75,7 @@ class SamplingParams:
         for key in ("stop", "stop_token_ids"):
             if key in kwargs and isinstance(kwargs[key], tuple):
                 kwargs[key] = list(kwargs[key])
-        for key in ("temperature", "top_p"):
+        for key in ("temperature", "top_p", "min_p"):
             # JSON clients send 1 for 1.0; keep the dataclass types honest.
             if key in kwargs and _is_number(kwargs[key]):
                 kwargs[key] = float(kwargs[key])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from inference.engine import LLMEngine, SamplingParams
-from inference.engine.sampler import sample_one, step_seed
+from inference.engine.sampler import sample, step_seed
 
 from .conftest import NEW_TOKENS, TinyModel
 from .helpers import drain
@@ -43,6 +43,11 @@ def test_dict_round_trip() -> None:
     with pytest.raises(ValueError, match="bogus"):
         SamplingParams.from_dict({"bogus": 1})
     SamplingParams().validate()
+
+
+def sample_one(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
+    """One row through the batched sampler."""
+    return sample(logits[None, :], [params], [step])[0]
 
 
 def test_sampler_filters() -> None:
