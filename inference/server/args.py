@@ -22,6 +22,7 @@ class ServerArgs:
     context_length: int | None
     batch_size: int
     max_num_batched_tokens: int | None
+    dtype: str
     base_cpu_id: int | None
     num_threads: int | None
     max_sequence_length: int | None
@@ -75,6 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="max prompt tokens in one prefill batch (a longer prompt runs alone); "
         "default max(2048, min(context length, 8192))",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="weights and KV cache dtype (default auto: bf16/fp16 on a GPU; on a CPU bf16 where measured "
+        "faster, else float32). Both roles must resolve to the same dtype: set it explicitly when "
+        "prefill and decode run on different hardware. float32 matches transformers exactly",
     )
     p.add_argument("--base-cpu-id", type=int, default=None, help="first CPU to pin the worker to")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads / CPUs pinned")
@@ -162,6 +171,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         context_length=ns.context_length,
         batch_size=ns.batch_size,
         max_num_batched_tokens=ns.max_num_batched_tokens,
+        dtype=ns.dtype,
         base_cpu_id=ns.base_cpu_id,
         num_threads=ns.num_threads,
         max_sequence_length=ns.max_sequence_length,
