@@ -46,7 +46,7 @@ class ModelRunner:
         `kv_cache_bytes` (default 1 GiB). `dtype` is "auto", a name of `dtypes.DTYPES` or a dtype."""
         self.config = config
         self.device = device
-        self.dtype = resolve_dtype(dtype, device, (config.hidden_size, 2 * config.intermediate_size))
+        self.dtype = resolve_dtype(dtype, device, config.hidden_size)
         self.block_size = block_size
         self.model: LlamaForCausalLM = load_model(model_path, config, device, self.dtype)
         if num_blocks is None:
