@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inference.engine import AsyncEngine, LLMEngine, NoFreeBlocks, SamplingParams
+from inference.engine.sequence import SequenceStatus
 from inference.kv_transfer import (
     KVLayout,
     KVReceiver,
@@ -492,7 +493,7 @@ class Worker:
             if phase != "computing":
                 return phase
             seq = self.engine.get_sequence(request_id)
-            return "computing" if seq is not None and seq.status.value == "running" else "queued"
+            return "computing" if seq is not None and seq.status is SequenceStatus.RUNNING else "queued"
 
         # Renews the decode worker's lease from now until the KV send has finished, so the blocks
         # stay reserved however long a valid prompt takes; a lost lease stops the work.
