@@ -1,7 +1,10 @@
-"""ASGI entry point: a Channels ProtocolTypeRouter serving HTTP through Django and ws/generate.
+"""ASGI entry point: a Channels ProtocolTypeRouter in front of Django.
 
-HTTP bodies over ROUTER_MAX_BODY_BYTES are refused before Django buffers them, and ws/generate
-needs an API key when the generation API requires one (docs/security.md).
+HTTP: the router's generation and status paths go straight to Channels consumers
+(inference/gateway/routing.py) and never pass Django's request stack; everything else (the admin,
+the REST API, static files) is Django, with bodies over ROUTER_MAX_BODY_BYTES refused before Django
+buffers them. WebSocket: ws/generate, which needs an API key when the generation API requires one
+(docs/security.md).
 """
 import os
 
@@ -12,16 +15,19 @@ django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402  (needs Django set up first)
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+from django.urls import re_path  # noqa: E402
 
 from inference.auth import WebSocketAuthMiddleware  # noqa: E402
+from inference.gateway.routing import http_urlpatterns, websocket_urlpatterns  # noqa: E402
 from inference.limits import BodySizeLimitMiddleware  # noqa: E402
-from inference.routing import websocket_urlpatterns  # noqa: E402
+
+# The admin's CSS/JS (and the metric charts) are served by the same process: no web server or CDN
+# needed in front of the router for the console.
+django_http = BodySizeLimitMiddleware(ASGIStaticFilesHandler(django_asgi_app))
 
 application = ProtocolTypeRouter(
     {
-        # The admin's CSS/JS (and the metric charts) are served by the same process: no web server or
-        # CDN needed in front of the router for the console.
-        "http": BodySizeLimitMiddleware(ASGIStaticFilesHandler(django_asgi_app)),
+        "http": URLRouter([*http_urlpatterns, re_path(r"", django_http)]),
         "websocket": WebSocketAuthMiddleware(URLRouter(websocket_urlpatterns)),
     }
 )

@@ -170,8 +170,16 @@ ROUTER_FOLLOW_INTERVAL_S = env_float("ROUTER_FOLLOW_INTERVAL_S", 2.0)
 ROUTER_REQUEST_TIMEOUT_S = env_float("ROUTER_REQUEST_TIMEOUT_S", 300.0)
 ROUTER_CONNECT_TIMEOUT_S = env_float("ROUTER_CONNECT_TIMEOUT_S", 3.0)
 ROUTER_HEALTH_INTERVAL_S = env_float("ROUTER_HEALTH_INTERVAL_S", 2.0)
-# Generations one router worker process runs at once; one more is answered 429 with Retry-After.
-ROUTER_MAX_INFLIGHT = env_int("ROUTER_MAX_INFLIGHT", 256, minimum=1)
+# Admission (inference/router/admission.py): each decode worker is given its batch slots plus a
+# quarter; further requests wait in a FIFO queue at most ROUTER_QUEUE_TIMEOUT_S seconds, and at most
+# ROUTER_MAX_QUEUE of them, before a 429 with Retry-After.
+ROUTER_QUEUE_TIMEOUT_S = env_float("ROUTER_QUEUE_TIMEOUT_S", 30.0)
+if ROUTER_QUEUE_TIMEOUT_S <= 0:
+    raise ImproperlyConfigured(f"ROUTER_QUEUE_TIMEOUT_S={ROUTER_QUEUE_TIMEOUT_S} must be > 0")
+ROUTER_MAX_QUEUE = env_int("ROUTER_MAX_QUEUE", 1024, minimum=0)
+# An optional hard cap on the generations one router process holds (admitted and queued); 0: none,
+# the deployment's decode slots and ROUTER_MAX_QUEUE bound it.
+ROUTER_MAX_INFLIGHT = env_int("ROUTER_MAX_INFLIGHT", 0, minimum=0)
 ROUTER_MAX_BODY_BYTES = env_int("ROUTER_MAX_BODY_BYTES", 1_000_000, minimum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = ROUTER_MAX_BODY_BYTES
 # Shared secret that internal worker endpoints and KV ports accept (empty: no check, dev only).

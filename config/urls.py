@@ -1,4 +1,8 @@
-"""Root URLs: the admin console, the REST API and OpenAPI schema, and the public generation API."""
+"""Root URLs: the admin console, the REST API and OpenAPI schema.
+
+The public generation API is not here: Channels consumers serve it before Django (config/asgi.py,
+inference/gateway/routing.py).
+"""
 from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
@@ -8,5 +12,4 @@ urlpatterns = [
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("api/", include("inference.api.urls")),
-    path("", include("inference.urls")),
 ]

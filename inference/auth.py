@@ -8,8 +8,9 @@ authtoken of an active user. Anything else gets 401 `{"error": {"message", "type
 is the only thing a browser's WebSocket API shows of a refusal). With auth off the API is open:
 the quick start's default, refused at settings import when PLATFORM_PRODUCTION=1.
 
-`require_api_key` wraps the views (inference/urls.py); `WebSocketAuthMiddleware` wraps the
-WebSocket routes (config/asgi.py). GET /health stays open for load balancers.
+The HTTP consumers check keys themselves (inference/gateway/consumers.py, `authorized`);
+`WebSocketAuthMiddleware` wraps the WebSocket routes (config/asgi.py). GET /health and GET /metrics
+stay open for load balancers and Prometheus.
 """
 from __future__ import annotations
 
@@ -19,12 +20,10 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from functools import wraps
 from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.http import HttpRequest, HttpResponse, JsonResponse
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +36,6 @@ _CACHE_MAX_ENTRIES = 4096
 # while a client hammering with a bad key still costs no database query per request.
 _NEGATIVE_CACHE_S = 2.0
 
-View = Callable[[HttpRequest], Awaitable[HttpResponse]]
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -131,24 +129,18 @@ async def is_valid_key(key: str | None) -> bool:
     return valid
 
 
-def _error_body(message: str) -> dict[str, Any]:
+def error_body(message: str) -> dict[str, Any]:
+    """The 401 JSON body (`{"error": {"message", "type": "authentication_error"}}`)."""
     return {"error": {"message": message, "type": AUTH_ERROR_TYPE}}
 
 
-def unauthorized(message: str) -> JsonResponse:
-    """The 401 JSON answer, with the WWW-Authenticate challenge HTTP clients expect."""
-    response = JsonResponse(_error_body(message), status=401)
-    response["WWW-Authenticate"] = 'Bearer realm="generation"'
-    return response
-
-
-_MISSING = "missing API key: send 'Authorization: Bearer <key>'"
-_WRONG = "invalid API key"
+MISSING_KEY = "missing API key: send 'Authorization: Bearer <key>'"
+WRONG_KEY = "invalid API key"
 _open_warning_lock = threading.Lock()
 _open_warned = False
 
 
-def _warn_open_once() -> None:
+def warn_open_once() -> None:
     """Say once per process that the generation API is open (fine for the quick start only)."""
     global _open_warned
     with _open_warning_lock:
@@ -158,24 +150,6 @@ def _warn_open_once() -> None:
     logger.warning(
         "the generation API is open: set ROUTER_API_KEYS or ROUTER_REQUIRE_AUTH=1 to require API keys"
     )
-
-
-def require_api_key(view: View) -> View:
-    """Wrap an async view: 401 JSON unless the request carries a valid key (when auth is on)."""
-
-    @wraps(view)  # keeps csrf_exempt and the docstring
-    async def wrapped(request: HttpRequest) -> HttpResponse:
-        if not auth_required():
-            _warn_open_once()
-            return await view(request)
-        key = bearer_key(request.headers.get("Authorization"))
-        if key is None:
-            return unauthorized(_MISSING)
-        if not await is_valid_key(key):
-            return unauthorized(_WRONG)
-        return await view(request)
-
-    return wrapped
 
 
 def _scope_authorization(scope: Scope) -> str | None:
@@ -203,7 +177,7 @@ class WebSocketAuthMiddleware:
         if key is not None and await is_valid_key(key):
             await self.app(scope, receive, send)
             return
-        message = _MISSING if key is None else _WRONG
+        message = MISSING_KEY if key is None else WRONG_KEY
         first = await receive()
         if first.get("type") != "websocket.connect":
             return  # the client left before the handshake finished

@@ -1,120 +1,244 @@
-"""The router's public HTTP API as thin Django async views over `inference.router`.
+"""The router's public HTTP API as Channels consumers, off Django's request stack.
 
 POST /generate and /api/generate (the seed's JSON), POST /v1/completions and /v1/chat/completions
-(OpenAI, streaming included), GET /v1/models, GET /health and GET /router/status. All are exempt
-from CSRF: they are an API for programs, not forms.
+(OpenAI, streaming included), GET /v1/models, GET /health, GET /router/status and GET /metrics.
+Channels routes these paths straight to the consumers (inference/gateway/routing.py): no Django
+middleware, session, CSRF or ORM runs for a generation (API keys that are DRF tokens are looked up
+once and cached, inference/auth.py). The admin and the REST API stay Django views.
 """
 from __future__ import annotations
 
-import json
+import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+import orjson
+from channels.exceptions import StopConsumer
+from channels.generic.http import AsyncHttpConsumer
 from django.conf import settings
-from django.core.exceptions import RequestDataTooBig
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
-from django.views.decorators.csrf import csrf_exempt
 
+from inference import auth
+from inference.gateway.service import RouterService, get_router
 from inference.router import RouterError
-from inference.router.pd_client import Event
+from inference.router.events import Event
 from inference.router.protocol import PARSERS, Kind, collect, final_body, sse_stream
-from inference.router_service import RouterService, get_router
 
 logger = logging.getLogger(__name__)
 
 _MODELS_CACHE_S = 10.0
+# A body over the limit is still read (and dropped) up to this many bytes, so that every client
+# gets the 413 answer instead of a connection reset; past it the connection is closed after it.
+_DISCARD_BYTES = 16 * 2**20
+# How long the end of a finished response may take to be noticed before its task is cancelled.
+_FINISH_GRACE_S = 5.0
 
-View = Callable[[HttpRequest], Awaitable[HttpResponse]]
+Headers = list[tuple[bytes, bytes]]
+_JSON: Headers = [(b"content-type", b"application/json")]
+_SSE: Headers = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # nginx: pass events through as they come
+]
 
 
-class EventStreamResponse(StreamingHttpResponse):
-    """A Server-Sent Events response that closes its source when the client goes away.
+def _outcome(status: int) -> str:
+    if status < 400:
+        return "ok"
+    if status == 429:
+        return "rejected"
+    return "client_error" if status < 500 else "failed"
 
-    Django's ASGI handler cancels the response task when the client disconnects and closes only
-    the outermost iterator it made from the response; the generator we passed in would be left
-    for the garbage collector. Closing it here runs its cleanup at once, which closes the
-    client generator and aborts the request on both workers.
+
+class GatewayConsumer(AsyncHttpConsumer):  # type: ignore[misc]
+    """An HTTP consumer whose handler runs as a task while the connection is watched.
+
+    Channels' AsyncHttpConsumer awaits `handle()` inside its message loop, so a client that leaves
+    during a long stream is noticed only when the stream ends; and its dispatch closes old database
+    connections (a thread hop) for every message. Here `handle()` runs as a task, the loop keeps
+    receiving, and `http.disconnect` cancels the task at once (its cleanup aborts the request on
+    both workers); no database is touched. Bodies over ROUTER_MAX_BODY_BYTES get 413 after being
+    read and dropped (up to a bound), so every client sees the answer.
     """
 
-    def __init__(self, source: AsyncIterator[bytes]) -> None:
-        super().__init__(source, content_type="text/event-stream")
-        self._source = source
-        self["Cache-Control"] = "no-cache"
-        self["X-Accel-Buffering"] = "no"  # nginx: pass events through as they come
+    # Generation streams straight from the workers: no channel layer (and so no Redis) is needed.
+    channel_layer_alias = "inference-router-none"
+    methods: tuple[str, ...] = ("GET",)
 
-    async def __aiter__(self) -> AsyncGenerator[bytes, None]:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.arrived = time.monotonic()
+        self.size = 0
+        self.too_large = False
+        self.task: asyncio.Task[None] | None = None
+        self.responded = False  # the response has started (its status can no longer change)
+        self.complete = False  # its last byte was handed to the server
+
+    async def dispatch(self, message: dict[str, Any]) -> None:
+        """Route a message to its handler (without Channels' per-message database cleanup)."""
+        kind = message.get("type")
+        if kind == "http.request":
+            await self.http_request(message)
+        elif kind == "http.disconnect":
+            await self.http_disconnect(message)
+
+    async def http_request(self, message: dict[str, Any]) -> None:
+        """Collect the body (bounded), then start the handler."""
+        chunk = message.get("body", b"")
+        self.size += len(chunk)
+        if self.size > self.limit():
+            self.too_large = True
+            self.body.clear()
+        elif chunk:
+            self.body.append(chunk)
+        if message.get("more_body") and self.size <= _DISCARD_BYTES:
+            return
+        if self.too_large:
+            limit = self.limit()
+            await self.json(413, RouterError(413, f"request body is larger than {limit} bytes",
+                                             error_type="invalid_request_error").to_dict(),
+                            close=bool(message.get("more_body")))
+            raise StopConsumer()
+        self.task = asyncio.ensure_future(self._run(b"".join(self.body)))
+
+    async def http_disconnect(self, message: dict[str, Any]) -> None:
+        """The response ended or the client left: let the handler finish, or cancel it."""
+        task = self.task
+        if task is not None and not task.done():
+            if not self.complete:
+                task.cancel()  # the client left: the generation's cleanup aborts it on the workers
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(task, timeout=_FINISH_GRACE_S)
+        raise StopConsumer()
+
+    async def _run(self, body: bytes) -> None:
         try:
-            async for part in super().__aiter__():
-                yield part
-        finally:
-            closer = getattr(self._source, "aclose", None)
-            if closer is not None:
-                await closer()
+            await self.handle(body)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001  API clients get JSON, never a traceback
+            logger.exception("%s failed", self.scope.get("path"))
+            if not self.responded:
+                await self.error(RouterError(500, "internal router error", error_type="server_error"))
+
+    # ------------------------------------------------------------------ helpers
+
+    async def send_body(self, body: bytes, *, more_body: bool = False) -> None:
+        """Send part of the body; the last part (no `more_body`) completes the response."""
+        if not more_body:
+            self.complete = True
+        await super().send_body(body, more_body=more_body)
+
+    def limit(self) -> int:
+        """The largest accepted request body (ROUTER_MAX_BODY_BYTES)."""
+        return int(settings.ROUTER_MAX_BODY_BYTES)
+
+    async def json(self, status: int, data: Any, headers: Headers | None = None, *, close: bool = False) -> None:
+        """Send a whole JSON response."""
+        body = orjson.dumps(data)
+        extra = [(b"connection", b"close")] if close else []
+        await self.send_headers(status=status, headers=_JSON + (headers or []) + extra)
+        self.responded = True
+        await self.send_body(body)
+
+    async def error(self, exc: RouterError) -> None:
+        """The JSON error answer for a RouterError; 429 carries Retry-After."""
+        headers = [(b"retry-after", b"1")] if exc.status == 429 else []
+        await self.json(exc.status, exc.to_dict(), headers)
+
+    async def method_allowed(self) -> bool:
+        """405 with Allow unless the request uses one of `methods`."""
+        if self.scope.get("method") in self.methods:
+            return True
+        allowed = ", ".join(self.methods)
+        error = RouterError(405, f"method not allowed; use {allowed}", error_type="invalid_request_error")
+        await self.json(405, error.to_dict(), [(b"allow", allowed.encode())])
+        return False
+
+    async def authorized(self) -> bool:
+        """401 unless the request carries a valid API key (when auth is on)."""
+        if not auth.auth_required():
+            auth.warn_open_once()
+            return True
+        header = None
+        for name, value in self.scope.get("headers") or []:
+            if name == b"authorization":
+                header = value.decode("latin-1")
+                break
+        key = auth.bearer_key(header)
+        if key is not None and await auth.is_valid_key(key):
+            return True
+        message = auth.MISSING_KEY if key is None else auth.WRONG_KEY
+        await self.json(401, auth.error_body(message), [(b"www-authenticate", b'Bearer realm="generation"')])
+        return False
 
 
-def error_response(exc: RouterError) -> JsonResponse:
-    """The JSON error answer for a RouterError (`{"error": {"message", "type", ...}}`)."""
-    response = JsonResponse(exc.to_dict(), status=exc.status)
-    if exc.status == 429:
-        response["Retry-After"] = "1"
-    return response
+class GenerationConsumer(GatewayConsumer):
+    """POST /generate, /api/generate, /v1/completions, /v1/chat/completions (`kind` per route)."""
 
+    methods = ("POST",)
+    kind: Kind = "generate"
 
-def _method_not_allowed(allowed: str) -> JsonResponse:
-    response = JsonResponse(
-        RouterError(405, f"method not allowed; use {allowed}", error_type="invalid_request_error").to_dict(),
-        status=405,
-    )
-    response["Allow"] = allowed
-    return response
-
-
-def read_json(request: HttpRequest) -> Any:
-    """The request's JSON body: 413 when over ROUTER_MAX_BODY_BYTES, 400 when not JSON."""
-    limit = int(settings.ROUTER_MAX_BODY_BYTES)
-    too_big = RouterError(413, f"request body is larger than {limit} bytes", error_type="invalid_request_error")
-    try:
-        declared = int(request.META.get("CONTENT_LENGTH") or 0)
-    except ValueError:
-        declared = 0
-    if declared > limit:
-        raise too_big
-    try:
-        body = request.body
-    except RequestDataTooBig:
-        raise too_big from None
-    if len(body) > limit:  # a chunked body has no Content-Length to check up front
-        raise too_big
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nesting too deep
-        raise RouterError(400, f"request body is not valid JSON: {exc}") from exc
-
-
-async def _generation(request: HttpRequest, kind: Kind) -> HttpResponse:
-    """Parse, run and answer one generation request of the given kind."""
-    if request.method != "POST":
-        return _method_not_allowed("POST")
-    try:
-        parsed = PARSERS[kind](read_json(request))
+    async def handle(self, body: bytes) -> None:
+        """Parse, run and answer one generation request."""
+        if not await self.method_allowed() or not await self.authorized():
+            return
         service = get_router()
-        model = parsed.model or service.model_hint() or "unknown"
-        events = service.client.generate(parsed.request)
-        if not parsed.stream:
-            async with aclosing(events):
-                result = await collect(events)
-            return JsonResponse(final_body(parsed, result, model))
-        # Wait for the first event before answering, so that errors before the first token
-        # (400 passthrough, 429, 502...) still get their HTTP status rather than a 200 stream.
-        first = await _first_event(events)
-        return EventStreamResponse(sse_stream(parsed, first, events, model))
-    except RouterError as exc:
-        return error_response(exc)
-    except Exception:  # noqa: BLE001  API clients get JSON, never Django's HTML error page
-        logger.exception("%s request failed", kind)
-        return error_response(RouterError(500, "internal router error", error_type="server_error"))
+        try:
+            try:
+                data = orjson.loads(body)
+            except orjson.JSONDecodeError as exc:
+                raise RouterError(400, f"request body is not valid JSON: {exc}") from exc
+            parsed = PARSERS[self.kind](data)
+            model = parsed.model or service.model_hint() or "unknown"
+            events = service.client.generate(parsed.request, self.arrived)
+            if not parsed.stream:
+                async with aclosing(events):
+                    result = await collect(events)
+                await self.json(200, final_body(parsed, result, model))
+                service.count(self.kind, "ok")
+                return
+            # Wait for the first event before answering, so that errors before the first token
+            # (400 passthrough, 429, 502...) still get their HTTP status rather than a 200 stream.
+            first = await _first_event(events)
+            await self.send_headers(status=200, headers=_SSE)
+            self.responded = True
+            outcome = "ok"
+            async with aclosing(sse_stream(parsed, first, events, model)) as chunks:
+                async for chunk in chunks:
+                    if chunk.startswith(b'data: {"error"'):
+                        outcome = "failed"
+                    await self.send_body(chunk, more_body=True)
+            await self.send_body(b"")
+            service.count(self.kind, outcome)
+        except RouterError as exc:
+            service.count(self.kind, _outcome(exc.status))
+            if not self.responded:
+                await self.error(exc)
+        except asyncio.CancelledError:
+            service.count(self.kind, "aborted")
+            raise
+
+
+class GenerateConsumer(GenerationConsumer):
+    """POST /generate and /api/generate: the seed's JSON; SSE with `"stream": true`."""
+
+    kind = "generate"
+
+
+class CompletionsConsumer(GenerationConsumer):
+    """POST /v1/completions (OpenAI)."""
+
+    kind = "completion"
+
+
+class ChatCompletionsConsumer(GenerationConsumer):
+    """POST /v1/chat/completions (OpenAI); the decode worker applies the chat template."""
+
+    kind = "chat"
 
 
 async def _first_event(events: AsyncIterator[Event]) -> Event | None:
@@ -130,100 +254,123 @@ async def _first_event(events: AsyncIterator[Event]) -> Event | None:
         raise
 
 
-@csrf_exempt
-async def generate(request: HttpRequest) -> HttpResponse:
-    """POST /generate and /api/generate: the seed's JSON; SSE with `"stream": true`."""
-    return await _generation(request, "generate")
-
-
-@csrf_exempt
-async def completions(request: HttpRequest) -> HttpResponse:
-    """POST /v1/completions (OpenAI)."""
-    return await _generation(request, "completion")
-
-
-@csrf_exempt
-async def chat_completions(request: HttpRequest) -> HttpResponse:
-    """POST /v1/chat/completions (OpenAI); the decode worker applies the chat template."""
-    return await _generation(request, "chat")
-
-
-@csrf_exempt
-async def models(request: HttpRequest) -> HttpResponse:
+class ModelsConsumer(GatewayConsumer):
     """GET /v1/models: the model names the workers report on GET /info (cached briefly)."""
-    if request.method != "GET":
-        return _method_not_allowed("GET")
-    try:
-        service = get_router()
-        if not service.pool.all_endpoints():
-            raise RouterError(503, "no endpoints configured")
-        infos = await service.pool.worker_info(max_age_s=_MODELS_CACHE_S)
-        if not infos:
-            raise RouterError(502, "no backend reachable: no worker answered GET /info")
-    except RouterError as exc:
-        return error_response(exc)
-    data: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    for info in infos:
-        name = info.get("model")
-        if isinstance(name, str) and name and name not in seen:
-            seen.add(name)
-            entry: dict[str, Any] = {
-                "id": name,
-                "object": "model",
-                "created": int(service.started_at),
-                "owned_by": "disagg-platform",
-            }
-            if isinstance(info.get("context_length"), int):
-                entry["max_model_len"] = info["context_length"]
-            data.append(entry)
-    return JsonResponse({"object": "list", "data": data})
+
+    async def handle(self, body: bytes) -> None:
+        """List the served models."""
+        if not await self.method_allowed() or not await self.authorized():
+            return
+        try:
+            service = get_router()
+            if not service.pool.all_endpoints():
+                raise RouterError(503, "no endpoints configured")
+            infos = await service.pool.worker_info(max_age_s=_MODELS_CACHE_S)
+            if not infos:
+                raise RouterError(502, "no backend reachable: no worker answered GET /info")
+        except RouterError as exc:
+            await self.error(exc)
+            return
+        data: list[dict[str, Any]] = []
+        seen: set[str] = set()
+        for info in infos:
+            name = info.get("model")
+            if isinstance(name, str) and name and name not in seen:
+                seen.add(name)
+                entry: dict[str, Any] = {
+                    "id": name,
+                    "object": "model",
+                    "created": int(service.started_at),
+                    "owned_by": "disagg-platform",
+                }
+                if isinstance(info.get("context_length"), int):
+                    entry["max_model_len"] = info["context_length"]
+                data.append(entry)
+        await self.json(200, {"object": "list", "data": data})
 
 
-def _service_or_error() -> RouterService | JsonResponse:
-    try:
-        return get_router()
-    except RouterError as exc:
-        return error_response(exc)
+class HealthConsumer(GatewayConsumer):
+    """GET /health: the router is up; `ready` says whether a prefill and a decode worker are in rotation.
 
+    Open without an API key (load balancers call it). It reads state only: the checks themselves
+    run in their own thread, so a busy router answers this at once.
+    """
 
-@csrf_exempt
-async def health(request: HttpRequest) -> HttpResponse:
-    """GET /health: the router is up; `ready` says whether a prefill and a decode worker are in rotation."""
-    if request.method != "GET":
-        return _method_not_allowed("GET")
-    service = _service_or_error()
-    if isinstance(service, JsonResponse):
-        return service
-    pool = service.pool
-    if any(endpoint.last_health_at is None for endpoint in pool.all_endpoints()):
-        # Right after start (or an endpoint change) nothing was checked yet: check now, so that
-        # `ready` is never the optimistic default. Bounded by the health-check timeouts.
-        await pool.check_all()
+    async def handle(self, body: bytes) -> None:
+        """Answer from the pool's state."""
+        if not await self.method_allowed():
+            return
+        service = _service_or_none()
+        if service is None:
+            await self.error(_misconfigured())
+            return
+        pool = service.pool
+        if any(endpoint.last_health_at is None for endpoint in pool.all_endpoints()):
+            # Right after start (or an endpoint change) nothing was checked yet: check now, so that
+            # `ready` is never the optimistic default. Bounded by the health-check timeouts.
+            await pool.check_all()
 
-    def brief(role: str) -> list[dict[str, Any]]:
-        return [
-            {"url": e.url, "healthy": e.healthy, "inflight": e.inflight, "last_error": e.last_error}
-            for e in pool.endpoints(role)
-        ]
+        def brief(role: str) -> list[dict[str, Any]]:
+            return [
+                {"url": e.url, "healthy": e.healthy, "inflight": e.inflight, "last_error": e.last_error}
+                for e in pool.endpoints(role)
+            ]
 
-    return JsonResponse(
-        {
+        admission = service.client.admission
+        await self.json(200, {
             "status": "healthy",
             "ready": pool.ready(),
             "policy": pool.policy_name,
+            "inflight": service.client.inflight,
+            "queued": admission.queued,
+            "decode_slots": admission.capacity(),
             "prefill": brief("prefill"),
             "decode": brief("decode"),
-        }
-    )
+        })
 
 
-@csrf_exempt
-async def router_status(request: HttpRequest) -> HttpResponse:
+class StatusConsumer(GatewayConsumer):
     """GET /router/status: every endpoint's health, load, failures and last health answer."""
-    if request.method != "GET":
-        return _method_not_allowed("GET")
-    service = _service_or_error()
-    if isinstance(service, JsonResponse):
-        return service
-    return JsonResponse(service.status())
+
+    async def handle(self, body: bytes) -> None:
+        """Answer the full status."""
+        if not await self.method_allowed() or not await self.authorized():
+            return
+        service = _service_or_none()
+        if service is None:
+            await self.error(_misconfigured())
+            return
+        await self.json(200, service.status())
+
+
+class MetricsConsumer(GatewayConsumer):
+    """GET /metrics: the router's Prometheus series (open like the workers' /metrics)."""
+
+    async def handle(self, body: bytes) -> None:
+        """Render the registry."""
+        if not await self.method_allowed():
+            return
+        service = _service_or_none()
+        if service is None:
+            await self.error(_misconfigured())
+            return
+        from inference.router.metrics import CONTENT_TYPE
+
+        await self.send_headers(status=200, headers=[(b"content-type", CONTENT_TYPE.encode())])
+        self.responded = True
+        await self.send_body(service.metrics.render())
+
+
+def _service_or_none() -> RouterService | None:
+    try:
+        return get_router()
+    except RouterError:
+        return None
+
+
+def _misconfigured() -> RouterError:
+    try:
+        get_router()
+    except RouterError as exc:
+        return exc
+    return RouterError(503, "router unavailable")

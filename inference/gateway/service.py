@@ -1,13 +1,13 @@
-"""The router of this process: one WorkerPool and DisaggregatedClient, built from Django settings.
+"""The router of this process: one WorkerPool, Admission queue, metrics and client, from settings.
 
-Built lazily on first use, so importing the views never touches the network; the health-check task
-is started on first use inside the running event loop (a gunicorn/uvicorn worker has one loop;
-when a new loop shows up, as in tests, the pool moves its HTTP client and health task to it).
+Built lazily on first use, so importing the consumers never touches the network; the health-check
+thread starts on first use inside the running event loop (a gunicorn/uvicorn worker has one loop;
+when a new loop shows up, as in tests, the pool moves its HTTP session to it). Settings are read
+once, here.
 """
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import threading
 import time
@@ -16,7 +16,7 @@ from typing import Any
 
 from django.conf import settings
 
-from inference.router import DisaggregatedClient, RouterError, WorkerPool
+from inference.router import Admission, DisaggregatedClient, RouterError, RouterMetrics, WorkerPool
 
 
 @dataclass
@@ -25,6 +25,7 @@ class RouterService:
 
     pool: WorkerPool
     client: DisaggregatedClient
+    metrics: RouterMetrics
     started_at: float = field(default_factory=time.time)
     deployment: str | None = None
     follow_task: asyncio.Task[None] | None = None
@@ -33,7 +34,7 @@ class RouterService:
         """In managed mode, start (or move to the running loop) the task following the deployment."""
         if self.deployment is None:
             return
-        from inference.router_follow import follow
+        from inference.gateway.follow import follow
 
         loop = asyncio.get_running_loop()
         task = self.follow_task
@@ -42,6 +43,10 @@ class RouterService:
         if task is not None and not task.done():
             task.get_loop().call_soon_threadsafe(task.cancel)
         self.follow_task = loop.create_task(follow(self.pool, self.deployment, interval_s), name="router-follow")
+
+    def count(self, endpoint: str, outcome: str) -> None:
+        """Count one finished request of `endpoint` (generate, completion, chat) by outcome."""
+        self.metrics.requests.labels(endpoint, outcome).inc()
 
     def model_hint(self) -> str | None:
         """A model name from the workers' last health answers (no network), if any reported one."""
@@ -61,6 +66,13 @@ class RouterService:
             "uptime_s": round(time.time() - self.started_at, 3),
             "inflight": client.inflight,
             "max_inflight": client.max_inflight,
+            "admission": {
+                "decode_slots": client.admission.capacity(),
+                "queued": client.admission.queued,
+                "max_queue": client.admission.max_queue,
+                "queue_timeout_s": client.admission.queue_timeout_s,
+                "rejected": client.admission.rejected,
+            },
             "timeouts_s": {
                 "request": client.request_timeout_s,
                 "connect": client.connect_timeout_s,
@@ -77,11 +89,6 @@ _service: RouterService | None = None
 
 def build_service() -> RouterService:
     """A new RouterService from the ROUTER_* settings; ValueError on a bad endpoint or policy."""
-    # httpx logs every request at INFO: with health checks every couple of seconds per worker
-    # that drowns the router's own log, so only its warnings are kept.
-    httpx_logger = logging.getLogger("httpx")
-    if httpx_logger.getEffectiveLevel() < logging.WARNING:
-        httpx_logger.setLevel(logging.WARNING)
     secret = getattr(settings, "PLATFORM_SHARED_SECRET", "") or ""
     connect_timeout = float(settings.ROUTER_CONNECT_TIMEOUT_S)
     pool = WorkerPool(
@@ -94,18 +101,27 @@ def build_service() -> RouterService:
         # The workers' internal endpoints (inference/server/app.py) check this header.
         headers={"X-Platform-Secret": secret} if secret else None,
     )
+    admission = Admission(
+        pool,
+        queue_timeout_s=float(settings.ROUTER_QUEUE_TIMEOUT_S),
+        max_queue=int(settings.ROUTER_MAX_QUEUE),
+    )
+    metrics = RouterMetrics()
+    max_inflight = int(settings.ROUTER_MAX_INFLIGHT)
     client = DisaggregatedClient(
         pool,
+        admission=admission,
+        metrics=metrics,
         request_timeout_s=float(settings.ROUTER_REQUEST_TIMEOUT_S),
         connect_timeout_s=connect_timeout,
-        max_inflight=int(getattr(settings, "ROUTER_MAX_INFLIGHT", 256)),
+        max_inflight=max_inflight or None,  # 0: bounded by the deployment's slots and the queue only
     )
     deployment = getattr(settings, "ROUTER_DEPLOYMENT", None)
     if deployment:
-        from inference.router_follow import load_now
+        from inference.gateway.follow import load_now
 
         load_now(pool, deployment)
-    return RouterService(pool=pool, client=client, deployment=deployment or None)
+    return RouterService(pool=pool, client=client, metrics=metrics, deployment=deployment or None)
 
 
 def get_router() -> RouterService:

@@ -17,14 +17,14 @@ from typing import Any
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
+from inference.gateway.service import get_router
 from inference.router import DoneEvent, ErrorEvent, RouterError, TokenEvent
 from inference.router.protocol import ParsedRequest, done_fields, parse_generate
-from inference.router_service import get_router
 
 logger = logging.getLogger(__name__)
 
 
-class GenerateConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
+class GenerateSocketConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
     """ws/generate: one generation at a time per socket, streamed as JSON messages."""
 
     # A generation streams straight from the workers to this socket; no channel layer is needed,

@@ -7,12 +7,13 @@ Server-Sent Events. Django-free: the views and the WebSocket consumer share it.
 """
 from __future__ import annotations
 
-import json
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import orjson
 
 from inference.router.errors import RouterError
 from inference.router.events import DoneEvent, ErrorEvent, Event, GenerateRequest, TokenEvent
@@ -318,7 +319,7 @@ PARSERS = {"generate": parse_generate, "completion": parse_completion, "chat": p
 
 def sse(obj: dict[str, Any]) -> bytes:
     """One Server-Sent Event carrying `obj` as JSON."""
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def error_body(status: int, message: str, error_type: str | None = None) -> dict[str, Any]:
@@ -391,7 +392,7 @@ def final_body(parsed: ParsedRequest, result: Collected, model: str) -> dict[str
 
 async def sse_stream(
     parsed: ParsedRequest, first: Event | None, events: AsyncIterator[Event], model: str
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """Server-Sent Events for a streamed request, ending with `data: [DONE]`.
 
     `first` is the already received first event (the view waits for it so that errors before

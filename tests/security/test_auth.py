@@ -14,16 +14,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from asgiref.sync import async_to_sync
 from django.contrib.auth import get_user_model
-from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.test import Client, RequestFactory
+from django.test import Client
 from django.test.utils import override_settings
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from inference.auth import WS_CLOSE_UNAUTHORIZED, WebSocketAuthMiddleware, bearer_key, require_api_key, token_cache
+from inference.auth import WS_CLOSE_UNAUTHORIZED, WebSocketAuthMiddleware, bearer_key, token_cache
 from inference.limits import BodySizeLimitMiddleware
+from tests.support.asgi import asgi_request, header
 from tests.support.control_plane import make_deployment
 from tests.support.processes import ROOT
 
@@ -38,25 +37,21 @@ def _fresh_token_cache() -> Iterator[None]:
     token_cache.clear()
 
 
-async def _ok_view(request: HttpRequest) -> HttpResponse:
-    return JsonResponse({"ok": True})
+def call(authorization: str | None = None, path: str = "/router/status") -> dict[str, Any]:
+    """GET a key-guarded router path through the real ASGI application with an Authorization header."""
+    headers = {"authorization": authorization} if authorization is not None else {}
+    return asgi_request("GET", path, headers=headers)
 
 
-def call(view: Any, authorization: str | None = None) -> HttpResponse:
-    """Run a wrapped async view on a POST with the given Authorization header."""
-    headers = {"HTTP_AUTHORIZATION": authorization} if authorization is not None else {}
-    request = RequestFactory().post("/generate", data="{}", content_type="application/json", **headers)
-    # async_to_sync, not asyncio.run: the token lookup's sync_to_async then runs on this thread,
-    # inside the test's database transaction.
-    response: HttpResponse = async_to_sync(view)(request)
-    return response
+def status(authorization: str | None = None) -> int:
+    return int(call(authorization)["status"])
 
 
-def assert_401(response: HttpResponse) -> None:
-    assert response.status_code == 401
-    assert response["Content-Type"] == "application/json"
-    assert response["WWW-Authenticate"].startswith("Bearer")
-    body = json.loads(response.content)
+def assert_401(response: dict[str, Any]) -> None:
+    assert response["status"] == 401
+    assert header(response, "content-type") == "application/json"
+    assert (header(response, "www-authenticate") or "").startswith("Bearer")
+    body = json.loads(response["body"])
     assert body["error"]["type"] == "authentication_error"
     assert body["error"]["message"]
 
@@ -81,53 +76,49 @@ def test_bearer_key_parsing() -> None:
 
 @override_settings(ROUTER_API_KEYS=[], ROUTER_REQUIRE_AUTH=False)
 def test_open_when_nothing_is_configured() -> None:
-    assert call(require_api_key(_ok_view)).status_code == 200
+    assert status() == 200
 
 
 @override_settings(ROUTER_API_KEYS=[KEY, "another"], ROUTER_REQUIRE_AUTH=False)
 def test_configured_keys() -> None:
-    view = require_api_key(_ok_view)
-    assert call(view, f"Bearer {KEY}").status_code == 200
-    assert call(view, "Bearer another").status_code == 200
-    assert call(view, f"Token {KEY}").status_code == 200
-    assert_401(call(view))
-    assert_401(call(view, "Bearer nope"))
-    assert_401(call(view, f"Bearer {KEY}x"))
-    assert_401(call(view, f"Basic {KEY}"))
+    assert status(f"Bearer {KEY}") == 200
+    assert status("Bearer another") == 200
+    assert status(f"Token {KEY}") == 200
+    assert_401(call())
+    assert_401(call("Bearer nope"))
+    assert_401(call(f"Bearer {KEY}x"))
+    assert_401(call(f"Basic {KEY}"))
     # A latin-1 header value compares as bytes: refused, not a TypeError from hmac.compare_digest.
-    assert_401(call(view, "Bearer sk-\xe9\xff"))
+    assert_401(call("Bearer sk-\xe9\xff"))
 
 
 @pytest.mark.django_db
 @override_settings(ROUTER_API_KEYS=[], ROUTER_REQUIRE_AUTH=True)
 def test_drf_tokens_of_active_users() -> None:
-    view = require_api_key(_ok_view)
-    assert call(view, f"Bearer {make_token()}").status_code == 200
-    assert call(view, f"Token {make_token()}").status_code == 200
-    assert_401(call(view, f"Bearer {make_token(active=False)}"))
-    assert_401(call(view, "Bearer " + "0" * 40))  # the shape of a token, but none
-    assert_401(call(view))
+    assert status(f"Bearer {make_token()}") == 200
+    assert status(f"Token {make_token()}") == 200
+    assert_401(call(f"Bearer {make_token(active=False)}"))
+    assert_401(call("Bearer " + "0" * 40))  # the shape of a token, but none
+    assert_401(call())
 
 
 @pytest.mark.django_db
 @override_settings(ROUTER_API_KEYS=[KEY], ROUTER_REQUIRE_AUTH=False, ROUTER_AUTH_CACHE_S=0.0)
 def test_tokens_also_work_next_to_keys_and_revocation_applies() -> None:
-    view = require_api_key(_ok_view)
     token = make_token()
-    assert call(view, f"Bearer {token}").status_code == 200
+    assert status(f"Bearer {token}") == 200
     Token.objects.filter(key=token).delete()
-    assert_401(call(view, f"Bearer {token}"))  # no cache (ROUTER_AUTH_CACHE_S=0): refused at once
+    assert_401(call(f"Bearer {token}"))  # no cache (ROUTER_AUTH_CACHE_S=0): refused at once
 
 
 @pytest.mark.django_db
 @override_settings(ROUTER_API_KEYS=[], ROUTER_REQUIRE_AUTH=True, ROUTER_AUTH_CACHE_S=60.0)
 def test_token_lookups_are_cached() -> None:
-    view = require_api_key(_ok_view)
     token = make_token()
-    assert call(view, f"Bearer {token}").status_code == 200
+    assert status(f"Bearer {token}") == 200
     Token.objects.filter(key=token).delete()
     # Within ROUTER_AUTH_CACHE_S the answer comes from the cache: no query per request.
-    assert call(view, f"Bearer {token}").status_code == 200
+    assert status(f"Bearer {token}") == 200
 
 
 @override_settings(ROUTER_API_KEYS=[KEY])
@@ -135,19 +126,16 @@ def test_token_lookups_are_cached() -> None:
     "url", ["/generate", "/api/generate", "/v1/completions", "/v1/chat/completions", "/v1/models", "/router/status"]
 )
 def test_every_generation_route_is_guarded(url: str) -> None:
-    response = Client().generic("POST" if "generate" in url or "completions" in url else "GET", url)
-    assert_401(response)
+    method = "POST" if "generate" in url or "completions" in url else "GET"
+    assert_401(asgi_request(method, url, b"{}"))
 
 
 @override_settings(ROUTER_API_KEYS=[KEY])
-def test_health_stays_open() -> None:
-    from inference import router_views
-    from inference.urls import router_urlpatterns
-
-    # Load balancers probe /health without credentials: it is the unwrapped view (the real router
-    # answers it without a key in test_router_security.py).
-    health = next(p for p in router_urlpatterns if getattr(p, "name", "") == "router-health")
-    assert health.callback is router_views.health  # type: ignore[union-attr]
+@pytest.mark.parametrize("url", ["/health", "/metrics"])
+def test_health_and_metrics_stay_open(url: str) -> None:
+    # Load balancers and Prometheus probe these without credentials (the real router answers
+    # /health without a key in test_router_security.py too).
+    assert asgi_request("GET", url)["status"] == 200
 
 
 # --------------------------------------------------------------------------- management REST API

@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-from django.test import RequestFactory
 
 from inference.engine import SamplingParams
 from inference.engine.sampler import sample_one
@@ -17,9 +16,9 @@ from inference.kv_transfer import TransferDescriptor
 from inference.kv_transfer.tcp import _same
 from inference.router import RouterError
 from inference.router.protocol import parse_chat, parse_completion, parse_generate
-from inference.router_views import read_json
 from inference.server.errors import WorkerError
 from inference.server.requests import parse_sampling, prompt_token_ids
+from tests.support.asgi import asgi_request
 
 HUGE = 10**400  # a JSON integer no float can hold
 
@@ -58,10 +57,9 @@ def test_router_refuses_lone_surrogates(parse: object, body: dict[str, object]) 
 def test_router_refuses_deep_nesting_as_400() -> None:
     depth = 100_000
     body = b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}"
-    request = RequestFactory().post("/generate", data=body, content_type="application/json")
-    with pytest.raises(RouterError) as refused:
-        read_json(request)
-    assert refused.value.status == 400
+    response = asgi_request("POST", "/generate", body, {"content-type": "application/json"})
+    assert response["status"] == 400
+    assert b"not valid JSON" in response["body"]
 
 
 def test_worker_refuses_numbers_too_large_for_a_float() -> None:

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
+from inference.gateway.follow import apply_view, load_now, read_deployment
 from inference.launch_router import parse_args
 from inference.router import WorkerPool
-from inference.router_follow import apply_view, load_now, read_deployment
 from nodes.models import WorkerStatus
 from tests.support.control_plane import make_deployment, make_node, make_worker
 

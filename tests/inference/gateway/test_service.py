@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
+from inference.gateway.service import build_service, get_router, set_router
 from inference.router import RouterError
-from inference.router_service import build_service, get_router, set_router
 
 
 @pytest.fixture(autouse=True)

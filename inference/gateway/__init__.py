@@ -1,0 +1,8 @@
+"""How the router is hosted: Channels consumers over the Django-free core in `inference.router`.
+
+- `consumers`: the public HTTP API (generation, OpenAI, /health, /router/status, /metrics);
+- `websocket`: ws/generate;
+- `routing`: their paths, put in front of Django by config/asgi.py;
+- `service`: the process's router (pool, admission, metrics, client) built once from settings;
+- `follow`: managed mode, the pool following a deployment's RUNNING workers in the database.
+"""
