@@ -295,12 +295,12 @@ def test_link_dropped_by_decode_is_replaced_transparently(fabric: FakeFabric) ->
 def test_lease_renewal_over_the_control_port_keeps_the_blocks(pair: Pair) -> None:
     """The RDMA control port answers renewals like the TCP KV port: same frames, same checks."""
     receiver = pair.receiver
-    desc = receiver.expect("slow", [4, 5], num_tokens=8, lease_s=0.5, host="127.0.0.1")
+    desc = receiver.expect("slow", [4, 5], num_tokens=8, lease_s=1.0, host="127.0.0.1")
     desc = TransferDescriptor.from_dict(desc.to_dict())
-    assert desc.renewable() and desc.lease_s == 0.5
-    for _ in range(3):  # 0.9 s in all: past the first lease
-        time.sleep(0.3)
-        assert request_renewal(desc, secret="s3cret", stage="computing", holder="p", timeout=2) > 0.3
+    assert desc.renewable() and desc.lease_s == 1.0
+    for _ in range(3):  # 1.2 s in all: past the first lease
+        time.sleep(0.4)
+        assert request_renewal(desc, secret="s3cret", stage="computing", holder="p", timeout=2) > 0.8
     with pytest.raises(LeaseLost, match="bad shared secret"):
         request_renewal(desc, secret="nope", stage="computing", holder="p", timeout=2)
     lease = receiver.lease("slow")
