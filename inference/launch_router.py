@@ -90,8 +90,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-inflight", type=_bounded_int(1, 1_000_000), default=None, metavar="N",
-        help="requests each router worker process runs at once; more are answered 429 with Retry-After "
-        "(default: ROUTER_MAX_INFLIGHT or 256)",
+        help="optional hard cap on the requests each router worker process holds, queued ones included; "
+        "more are answered 429 (default: ROUTER_MAX_INFLIGHT, or none: the decode workers' batch slots "
+        "and the queue bound it)",
+    )
+    parser.add_argument(
+        "--queue-timeout", type=float, default=None, metavar="SECONDS",
+        help="how long a request may wait for a decode slot before a 429 (default: ROUTER_QUEUE_TIMEOUT_S or 30)",
+    )
+    parser.add_argument(
+        "--max-queue", type=_bounded_int(0, 1_000_000), default=None, metavar="N",
+        help="requests that may wait for a decode slot; more are answered 429 at once "
+        "(default: ROUTER_MAX_QUEUE or 1024)",
     )
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")
     return parser
@@ -109,7 +119,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if args.prefill_endpoint or args.decode_endpoint:
             parser.error("--deployment follows the control plane: do not combine it with --prefill-endpoint/"
                          "--decode-endpoint")
-    elif not args.prefill_endpoint or not args.decode_endpoint:
+    if args.queue_timeout is not None and not 0 < args.queue_timeout <= 3600:
+        parser.error("argument --queue-timeout: must be > 0 and <= 3600 seconds")
+    if args.deployment is None and (not args.prefill_endpoint or not args.decode_endpoint):
         parser.error("--prefill-endpoint and --decode-endpoint are required (or --deployment NAME)")
     return args
 
@@ -127,9 +139,13 @@ def router_environment(args: argparse.Namespace) -> dict[str, str]:
         "ROUTER_LOG_LEVEL": args.log_level,
         "PLATFORM_LOG_LEVEL": args.log_level.upper(),
     }
-    # Only an explicit flag overrides ROUTER_MAX_INFLIGHT from the environment (platform.env).
+    # Only an explicit flag overrides the ROUTER_* variables from the environment (platform.env).
     if getattr(args, "max_inflight", None) is not None:
         env["ROUTER_MAX_INFLIGHT"] = str(args.max_inflight)
+    if getattr(args, "queue_timeout", None) is not None:
+        env["ROUTER_QUEUE_TIMEOUT_S"] = repr(args.queue_timeout)
+    if getattr(args, "max_queue", None) is not None:
+        env["ROUTER_MAX_QUEUE"] = str(args.max_queue)
     return env
 
 

@@ -21,6 +21,7 @@ from collections.abc import Collection
 
 from inference.router.endpoint import Endpoint
 from inference.router.errors import RouterError
+from inference.router.metrics import RouterMetrics
 from inference.router.pool import WorkerPool
 
 # Used when a worker's health answer does not report its batch size (older workers).
@@ -59,6 +60,12 @@ class Admission:
         self.default_batch_size = default_batch_size
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self.rejected = 0  # 429s given by admission, for /router/status
+        self.metrics: RouterMetrics | None = None  # set by the client that uses this admission
+
+    def _reject(self, reason: str) -> None:
+        self.rejected += 1
+        if self.metrics is not None:
+            self.metrics.rejected.labels(reason).inc()
 
     # ---------------------------------------------------------------------------------- capacity
 
@@ -98,7 +105,7 @@ class Admission:
             if chosen is not None or not self.pool.candidates("decode", exclude):
                 return chosen
         if len(self._waiters) >= self.max_queue:
-            self.rejected += 1
+            self._reject("queue_full")
             raise RouterError(
                 429,
                 f"router queue is full ({self.max_queue} requests waiting for a decode slot; "
@@ -110,7 +117,7 @@ class Admission:
             while True:  # bounded by the deadline
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    self.rejected += 1
+                    self._reject("queue_timeout")
                     raise RouterError(
                         429,
                         f"no decode capacity within the {self.queue_timeout_s:g}s queue timeout "

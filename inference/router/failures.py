@@ -86,11 +86,18 @@ def raise_for_status(status: int, raw: bytes, role: str) -> None:
 
 
 def kv_timeout_message(line: dict[str, object], prefill_url: str | None) -> str:
-    """What a decode worker's `reason: kv_timeout` line means, naming the prefill worker that held it."""
+    """What a decode worker's `reason: kv_timeout` line means, naming the prefill worker that held it.
+
+    The decode worker's message already says which prefill worker went silent, for how long and
+    what it last reported (its `silent_s` / `last_progress` fields); it is passed on as it is, with
+    the router's name for that worker when the worker did not give one.
+    """
     detail = str(line.get("message") or "the KV cache did not arrive within the lease")
+    if prefill_url is None or prefill_url in detail:
+        return detail
+    if "made no progress" in detail:
+        return f"{detail} (routed to prefill worker {prefill_url})"
     silent = line.get("silent_s")
-    if prefill_url is None:
-        return f"no KV within the decode worker's lease: {detail}"
     if isinstance(silent, int | float) and not isinstance(silent, bool):
         return f"prefill worker {prefill_url} made no progress for {silent:.1f}s: {detail}"
     return f"prefill worker {prefill_url} made no progress within the lease: {detail}"

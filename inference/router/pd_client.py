@@ -117,6 +117,7 @@ class DisaggregatedClient:
         self.pool = pool
         self.admission = admission or Admission(pool)
         self.metrics = metrics or RouterMetrics()
+        self.admission.metrics = self.metrics
         self.max_inflight = max_inflight
         self.inflight = 0
         self.request_timeout_s = request_timeout_s

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from inference.engine import SamplingParams
-from inference.engine.sampler import sample_one
+from inference.engine.sampler import sample
 from inference.kv_transfer import TransferDescriptor
 from inference.kv_transfer.tcp import _same
 from inference.router import RouterError
@@ -27,7 +27,7 @@ HUGE = 10**400  # a JSON integer no float can hold
 def test_tiny_temperature_samples_greedily_instead_of_failing_the_batch(temperature: float) -> None:
     logits = torch.randn(512) * 10
     params = SamplingParams(temperature=temperature, top_k=5, top_p=0.5, seed=1)
-    assert sample_one(logits, params, 0) == int(logits.argmax())
+    assert sample(logits[None, :], [params], [0])[0] == int(logits.argmax())
 
 
 @pytest.mark.parametrize("field", ["temperature", "top_p"])

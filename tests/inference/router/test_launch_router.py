@@ -19,7 +19,7 @@ def test_flags_become_the_router_environment() -> None:
     assert env["ROUTER_POLICY"] == "least-connections"
     assert env["ROUTER_PORT"] == "8100" and env["ROUTER_WORKERS"] == "2"
     assert env["ROUTER_HOST"] == "0.0.0.0" and env["PLATFORM_LOG_LEVEL"] == "DEBUG"
-    assert "ROUTER_MAX_INFLIGHT" not in env  # unset flag: the environment (or 256) decides
+    assert "ROUTER_MAX_INFLIGHT" not in env  # unset flag: the environment (or no cap) decides
     assert router_environment(parse_args([*BASE, "--max-inflight", "8"]))["ROUTER_MAX_INFLIGHT"] == "8"
 
 
@@ -43,3 +43,16 @@ def test_bad_flags_exit_2_naming_the_flag(
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert flag in err and words in err
+
+
+def test_queue_flags_reach_the_environment() -> None:
+    env = router_environment(parse_args([*BASE, "--queue-timeout", "2.5", "--max-queue", "7"]))
+    assert env["ROUTER_QUEUE_TIMEOUT_S"] == "2.5" and env["ROUTER_MAX_QUEUE"] == "7"
+    assert "ROUTER_QUEUE_TIMEOUT_S" not in router_environment(parse_args(BASE))
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "5000"])
+def test_bad_queue_timeout_names_the_flag(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args([*BASE, "--queue-timeout", value])
+    assert "--queue-timeout" in capsys.readouterr().err

@@ -1,0 +1,114 @@
+"""Admission and router metrics against real processes (tiny model on loopback).
+
+A decode worker with `--batch-size 2` gives the router 3 slots (the batch plus one for prefill
+overlap); the router's queue holds 4 more for at most 0.5 s. A burst of 16 long requests then
+finishes some, and answers the rest 429 with Retry-After within the queue timeout (plus a second
+for a loaded machine), never with a 5xx, a timeout or a dropped connection. The decode worker never
+runs more than its batch, and the router's /metrics exposes what the issue lists.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.processes import Proc, start_router, start_worker
+
+pytestmark = pytest.mark.django_db(transaction=False, databases=[])
+QUEUE_TIMEOUT_S = 0.5
+CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_model_dir: Path, log_dir: Path) -> Iterator[dict[str, str]]:
+    """One prefill, one decode (--batch-size 2) and a router with a short queue."""
+    procs: list[Proc] = []
+    try:
+        common = ["--context-length", str(CONTEXT), "--block-size", "8"]
+        prefill, prefill_url = start_worker("prefill", tiny_model_dir, log_dir, extra=common)
+        procs.append(prefill)
+        decode, decode_url = start_worker(
+            "decode", tiny_model_dir, log_dir,
+            extra=[*common, "--batch-size", "2", "--max-sequence-length", str(CONTEXT)],
+        )
+        procs.append(decode)
+        router, router_url = start_router(
+            [prefill_url], [decode_url], log_dir,
+            extra=["--queue-timeout", str(QUEUE_TIMEOUT_S), "--max-queue", "4"],
+        )
+        procs.append(router)
+        yield {"router": router_url, "decode": decode_url, "prefill": prefill_url}
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def _post(router: str) -> tuple[int, float, dict[str, Any], str | None]:
+    body = {"prompt": "tell me a long story", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    started = time.monotonic()
+    response = httpx.post(f"{router}/generate", json=body, timeout=60)
+    return response.status_code, time.monotonic() - started, response.json(), response.headers.get("retry-after")
+
+
+def test_saturated_deployment_answers_429_within_the_queue_timeout(deployment: dict[str, str]) -> None:
+    router, decode = deployment["router"], deployment["decode"]
+    running: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():  # bounded by the burst below
+            running.append(int(httpx.get(f"{decode}/health", timeout=10).json()["running"]))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda _: _post(router), range(16)))
+    finally:
+        stop.set()
+        watcher.join(10)
+    statuses = [status for status, *_ in results]
+    assert set(statuses) <= {200, 429}, statuses
+    assert statuses.count(200) >= 3 and statuses.count(429) >= 1, statuses
+    for status, seconds, body, retry_after in results:
+        if status == 429:
+            assert retry_after == "1" and body["error"]["type"] == "rate_limit_error"
+            assert "queue" in body["error"]["message"]
+            assert seconds < QUEUE_TIMEOUT_S + 1.0, (seconds, body)
+        else:
+            assert body["usage"]["completion_tokens"] == 200
+    assert running and max(running) <= 2, max(running)
+
+
+def test_router_metrics_expose_the_series(deployment: dict[str, str]) -> None:
+    router = deployment["router"]
+    stream = {"prompt": "hello", "max_tokens": 8, "stream": True, "temperature": 0}
+    with httpx.stream("POST", f"{router}/generate", json=stream, timeout=60) as response:
+        assert response.status_code == 200
+        assert any(line.startswith("data: [DONE]") for line in response.iter_lines())
+    text = httpx.get(f"{router}/metrics", timeout=10).text
+    for series in (
+        'router_requests_total{endpoint="generate",outcome="ok"}',
+        "router_dispatch_seconds_bucket",
+        "router_queue_wait_seconds_bucket",
+        "router_ttft_seconds_bucket",
+        "router_itl_seconds_bucket",
+        "router_e2e_seconds_bucket",
+        f'router_worker_selections_total{{role="decode",url="{deployment["decode"]}"}}',
+        f'router_worker_selections_total{{role="prefill",url="{deployment["prefill"]}"}}',
+        "router_inflight ",
+        "router_queued ",
+        "router_decode_slots 3.0",
+        "router_generation_tokens_total",
+        "router_rejected_total{reason=\"queue_full\"}",
+    ):
+        assert series in text, series
+    health = httpx.get(f"{router}/health", timeout=10).json()
+    assert health["decode_slots"] == 3 and health["queued"] == 0 and health["ready"]
