@@ -1,9 +1,12 @@
 """Router overhead: the real router process against calling the workers' internal API directly.
 
-Both paths run the same request (token ids in, ``max_tokens`` 1..4 greedy tokens out on the tiny
-model, so the workers are not the bottleneck) against the same prefill and decode worker processes:
+Both paths run the same request (token ids in, ``max_tokens`` 1, 4 and 64 greedy tokens out on the
+tiny model, so the workers are not the bottleneck) against the same prefill and decode worker
+processes:
 
 - ``router``: ``POST /generate`` on the router (gunicorn + uvicorn, one worker process);
+- ``router_sse``: the same, streamed as Server-Sent Events (the router's extra CPU per token between
+  1 and 64 tokens is its cost per streamed token);
 - ``direct``: this client does what the router does itself: ``POST /internal/decode`` (read the
   descriptor line), ``POST /internal/prefill`` with that descriptor, read the decode stream to its
   ``done`` line. No retries, no health checks, no policy: the bare protocol.
@@ -56,10 +59,22 @@ _ids = itertools.count()
 
 async def via_router(client: Any, plat: Platform, ids: list[int], max_tokens: int) -> int:
     """One non-streaming /generate through the router; returns the output token count."""
-    r = await client.post(plat.router_url + "/generate",
-                          json={"input_ids": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
-    r.raise_for_status()
-    return len(r.json()["tokens"])
+    async with client.post(plat.router_url + "/generate", json={
+            "input_ids": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}) as r:
+        r.raise_for_status()
+        return len((await r.json())["tokens"])
+
+
+async def via_router_sse(client: Any, plat: Platform, ids: list[int], max_tokens: int) -> int:
+    """One streamed /generate (Server-Sent Events) through the router; returns the output token count."""
+    tokens = 0
+    async with client.post(plat.router_url + "/generate", json={
+            "input_ids": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+        r.raise_for_status()
+        async for raw in r.content:
+            if raw.startswith(b"data: {") and b'"token_ids"' in raw and b'"finish_reason"' not in raw:
+                tokens += len(json.loads(raw[6:])["token_ids"])
+    return tokens
 
 
 async def direct(client: Any, plat: Platform, ids: list[int], max_tokens: int) -> int:
@@ -67,17 +82,18 @@ async def direct(client: Any, plat: Platform, ids: list[int], max_tokens: int) -
     rid = f"bench-direct-{os.getpid()}-{next(_ids)}"
     sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
     tokens = 0
-    async with client.stream("POST", plat.decode_url + "/internal/decode",
-                             json={"request_id": rid, "input_ids": ids, "sampling": sampling}) as resp:
+    async with client.post(plat.decode_url + "/internal/decode",
+                           json={"request_id": rid, "input_ids": ids, "sampling": sampling}) as resp:
         resp.raise_for_status()
-        lines = resp.aiter_lines()
+        lines = resp.content.__aiter__()
         first = json.loads(await anext(lines))
         if first.get("type") != "descriptor":
             raise RuntimeError(f"expected a descriptor line, got {first}")
-        pre = await client.post(plat.prefill_url + "/internal/prefill", json={
-            "request_id": rid, "prompt_token_ids": first["prompt_token_ids"], "sampling": sampling,
-            "descriptor": first["descriptor"]})
-        pre.raise_for_status()
+        async with client.post(plat.prefill_url + "/internal/prefill", json={
+                "request_id": rid, "prompt_token_ids": first["prompt_token_ids"], "sampling": sampling,
+                "descriptor": first["descriptor"]}) as pre:
+            pre.raise_for_status()
+            await pre.read()
         async for line in lines:
             if not line.strip():
                 continue
@@ -91,7 +107,18 @@ async def direct(client: Any, plat: Platform, ids: list[int], max_tokens: int) -
     raise RuntimeError("decode stream ended without a done line")
 
 
+def _session(concurrency: int = 4) -> Any:
+    """The benchmark's HTTP client: aiohttp (a fraction of httpx's CPU, so the shared cores stay with
+    the processes under test; bench/http_clients.py measures the difference)."""
+    import aiohttp
+
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=2 * concurrency + 4), trust_env=False,
+                                 timeout=aiohttp.ClientTimeout(total=60))
+
+
 PATHS = {"router": via_router, "direct": direct}
+# Latency also measures the streamed path, whose extra CPU per token is the per-token cost.
+LATENCY_PATHS = {**PATHS, "router_sse": via_router_sse}
 
 
 def _cpu(plat: Platform) -> dict[str, float]:
@@ -104,19 +131,17 @@ def _cpu(plat: Platform) -> dict[str, float]:
 
 async def latency(plat: Platform, prompts: list[list[int]], max_tokens: int, rounds: int, block: int,
                   deadline: Deadline) -> dict[str, Any]:
-    """Sequential requests, blocks alternating between the two paths; latency and CPU per request."""
-    import httpx
-
-    lat: dict[str, list[float]] = {"router": [], "direct": []}
-    cpu: dict[str, dict[str, float]] = {"router": {}, "direct": {}}
-    async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
-        for path in PATHS.values():  # warm-up both paths (connections, first-call costs)
+    """Sequential requests, blocks alternating between the paths; latency and CPU per request."""
+    lat: dict[str, list[float]] = {name: [] for name in LATENCY_PATHS}
+    cpu: dict[str, dict[str, float]] = {name: {} for name in LATENCY_PATHS}
+    async with _session() as client:
+        for path in LATENCY_PATHS.values():  # warm-up every path (connections, first-call costs)
             for i in range(3):
                 await path(client, plat, prompts[i % len(prompts)], max_tokens)
         for r in range(rounds):
             if deadline.expired():
                 break
-            for name, path in PATHS.items():
+            for name, path in LATENCY_PATHS.items():
                 before = _cpu(plat)
                 for i in range(block):
                     t = time.perf_counter()
@@ -126,7 +151,7 @@ async def latency(plat: Platform, prompts: list[list[int]], max_tokens: int, rou
                 for proc, value in after.items():
                     cpu[name][proc] = cpu[name].get(proc, 0.0) + value - before.get(proc, 0.0)
     out: dict[str, Any] = {"max_tokens": max_tokens}
-    for name in PATHS:
+    for name in LATENCY_PATHS:
         n = len(lat[name])
         out[name] = {
             "requests": n,
@@ -143,13 +168,12 @@ async def latency(plat: Platform, prompts: list[list[int]], max_tokens: int, rou
 async def throughput(plat: Platform, prompts: list[list[int]], max_tokens: int, concurrency: int,
                      seconds: float, name: str) -> dict[str, Any]:
     """Closed loop: `concurrency` clients send requests back to back for `seconds` on one path."""
-    import httpx
+    import aiohttp
 
     path = PATHS[name]
     lat: list[float] = []
     errors = 0
-    limits = httpx.Limits(max_connections=2 * concurrency + 4)
-    async with httpx.AsyncClient(timeout=60, limits=limits, trust_env=False) as client:
+    async with _session(concurrency) as client:
         before = _cpu(plat)
         t0 = time.perf_counter()
 
@@ -161,7 +185,7 @@ async def throughput(plat: Platform, prompts: list[list[int]], max_tokens: int, 
                 try:
                     await path(client, plat, prompts[i % len(prompts)], max_tokens)
                     lat.append(time.perf_counter() - t)
-                except (httpx.HTTPError, RuntimeError, ValueError):
+                except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError):
                     errors += 1
                 i += concurrency
 
@@ -176,6 +200,21 @@ async def throughput(plat: Platform, prompts: list[list[int]], max_tokens: int, 
     }
 
 
+def _per_token(latencies: list[dict[str, Any]]) -> dict[str, Any]:
+    """Router CPU per streamed token: the extra router CPU of a longer streamed request, per extra token."""
+    by_tokens = {lat["max_tokens"]: lat for lat in latencies}
+    if len(by_tokens) < 2:
+        return {}
+    short, long = by_tokens[min(by_tokens)], by_tokens[max(by_tokens)]
+    out: dict[str, Any] = {"tokens": [min(by_tokens), max(by_tokens)]}
+    for name in ("router", "router_sse"):
+        a = short[name]["cpu_ms_per_request"].get("router")
+        b = long[name]["cpu_ms_per_request"].get("router")
+        if a is not None and b is not None:
+            out[f"{name}_cpu_us_per_token"] = (b - a) * 1000 / (max(by_tokens) - min(by_tokens))
+    return out
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
 
@@ -187,7 +226,7 @@ def _diff(a: float | None, b: float | None) -> float | None:
 def _tables(result: dict[str, Any]) -> str:
     lrows = []
     for lat in result["latency"]:
-        for name in PATHS:
+        for name in LATENCY_PATHS:
             d = lat[name]
             cpu = d["cpu_ms_per_request"]
             lrows.append([lat["max_tokens"], name, d["requests"], fmt(d["p50_ms"]), fmt(d["p99_ms"]),
@@ -212,6 +251,8 @@ def _tables(result: dict[str, Any]) -> str:
         + "\n\n"
         + markdown_table(["clients", "path", "requests", "req/s", "req/s × direct", "p50 ms", "p99 ms",
                           "router CPU ms/req", "errors"], trows)
+        + "\n\nrouter CPU per streamed token: "
+        + ", ".join(f"{k} {fmt(v, 1)} µs" for k, v in result.get("per_token", {}).items() if k.endswith("_token"))
     )
 
 
@@ -219,8 +260,8 @@ def _plot(result: dict[str, Any], img_dir: Path, name: str) -> Path:
     fig, (ax_lat, ax_tp) = new_figure(12, 4.5, ncols=2)
     labels = [f"{lat['max_tokens']} tok" for lat in result["latency"]]
     xs = range(len(labels))
-    for off, path in ((-0.2, "router"), (0.2, "direct")):
-        ax_lat.bar([x + off for x in xs], [lat[path]["p50_ms"] or 0 for lat in result["latency"]], width=0.4,
+    for off, path in ((-0.27, "router"), (0.0, "router_sse"), (0.27, "direct")):
+        ax_lat.bar([x + off for x in xs], [lat[path]["p50_ms"] or 0 for lat in result["latency"]], width=0.27,
                    label=f"{path} p50")
         ax_lat.scatter([x + off for x in xs], [lat[path]["p99_ms"] or 0 for lat in result["latency"]], color="k",
                        marker="_", s=200, label=f"{path} p99" if off < 0 else None)
@@ -250,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         max_tokens_list, rounds, block, concurrency, seconds = [1], 2, 3, [2], 1.5
     else:
-        max_tokens_list, rounds, block, concurrency, seconds = [1, 4], 6, 25, [1, 4, 16], 8.0
+        max_tokens_list, rounds, block, concurrency, seconds = [1, 4, 64], 6, 25, [1, 4, 16], 8.0
     from inference.engine.config import ModelConfig
 
     prompts = synthetic_prompts(16, 32, ModelConfig.from_pretrained(str(model)).vocab_size, seed=7)
@@ -274,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                 t = result["throughput"][-1]
                 log(f"{name} c={c}: {t['requests_per_s']:.1f} req/s")
     result["throughput_max_tokens"] = 2
+    result["per_token"] = _per_token(result["latency"])
     name = "router_overhead_quick" if args.quick else "router_overhead"
     print_header("router overhead")
     print(_tables(result))

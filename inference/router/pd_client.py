@@ -188,7 +188,6 @@ class DisaggregatedClient:
                             metrics.itl.observe((now - last_at) / len(ids))
                         last_at = now
                         completion_tokens += len(ids)
-                        metrics.tokens.inc(len(ids))
                     yield TokenEvent(text=text, token_ids=ids)
                 elif kind == "done":
                     finished = True
@@ -209,6 +208,7 @@ class DisaggregatedClient:
                 assert next_line is not None
                 line = next_line
         finally:
+            metrics.tokens.inc(completion_tokens)  # once per request, not per token
             await self._finish(attempt, abort=not finished)
 
     async def abort(self, urls: list[str], request_id: str) -> None:
@@ -563,6 +563,9 @@ class DisaggregatedClient:
     ) -> tuple[dict[str, Any] | None, ErrorEvent | None]:
         """The next decode line, or the ErrorEvent that ends the stream."""
         assert attempt.reader is not None
+        line = attempt.reader.ready()
+        if line is not None:  # already received: no timer to arm (the common case under load)
+            return line, None
         decode = attempt.decode
         remaining = self._remaining(deadline)
         wait = min(self.stall_timeout_s, remaining)
