@@ -1,9 +1,9 @@
 """Per-step batch metadata: where each token of a flattened batch lives in the paged KV cache, and how
 attention splits the batch so that no sequence pays for another one's context length.
 
-The batch handed to `build_metadata` must be sorted by context length (ascending): then every
-attention group below is a contiguous slice of the batch, and no per-layer gather or scatter of the
-queries is needed.
+The batch handed to `build_metadata` must be sorted by (cached tokens, context length), ascending:
+then every attention group below is a contiguous slice of the batch, and no per-layer gather or
+scatter of the queries is needed.
 """
 from __future__ import annotations
 
@@ -21,13 +21,22 @@ BUCKET_SPLIT_TOKENS = 128
 
 @dataclass
 class PrefillGroup:
-    """Fresh prompts of one length `q_len`: flat tokens `[start, end)`, `num_seqs * q_len` of them.
-    Attention runs as one causal SDPA call over this step's own K/V (no mask tensor, no padding)."""
+    """Prompts of one length `q_len` computed from an empty cache: flat tokens `[start, end)`,
+    `num_seqs * q_len` of them. Attention runs as one causal SDPA call over this step's own K/V (no
+    mask tensor, no padding).
+
+    A sequence whose first `cached` tokens are in cached blocks (prefix caching) is a group of its own
+    (`num_seqs` 1): its `q_len` new queries attend to all `cached + q_len` keys, gathered from the
+    cache (`gather_rows`, layer 0) under the additive causal `mask` `[1, 1, q_len, cached + q_len]`.
+    """
 
     start: int
     end: int
     num_seqs: int
     q_len: int
+    cached: int = 0
+    gather_rows: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -106,7 +115,7 @@ def build_metadata(
 ) -> tuple[torch.Tensor, BatchMetadata]:
     """Input token ids and metadata of one step over `seqs` (sorted by `num_tokens`, ascending).
 
-    A prefill step computes every sequence from an empty cache (new, or preempted and recomputed).
+    A prefill step computes each sequence's tokens after its `num_cached` cached ones.
     """
     b = len(seqs)
     ctx = [s.num_tokens for s in seqs]
@@ -115,11 +124,12 @@ def build_metadata(
     if is_prefill:
         flat: list[int] = []
         for s in seqs:
-            flat += s.prompt_token_ids
-            flat += s.output_token_ids
-        ends = torch.cumsum(ctx_t, 0)
-        seg = torch.repeat_interleave(torch.arange(b), ctx_t)
-        pos = torch.arange(len(flat)) - (ends - ctx_t)[seg]
+            flat += s.all_token_ids()[s.num_cached :]
+        cached_t = torch.tensor([s.num_cached for s in seqs], dtype=torch.int64)
+        q_t = ctx_t - cached_t
+        ends = torch.cumsum(q_t, 0)
+        seg = torch.repeat_interleave(torch.arange(b), q_t)
+        pos = torch.arange(len(flat)) - (ends - q_t)[seg] + cached_t[seg]
         last_index = ends - 1
     else:
         flat = [s.last_token_id for s in seqs]
@@ -133,12 +143,26 @@ def build_metadata(
         last_index=last_index.to(device),
     )
     if is_prefill:
+        cached = [s.num_cached for s in seqs]
+        q_lens = [n - c for n, c in zip(ctx, cached, strict=True)]
         offsets = [0]
-        for n in ctx:
+        for n in q_lens:
             offsets.append(offsets[-1] + n)
-        meta.prefill_groups = [
-            PrefillGroup(offsets[i], offsets[j], j - i, ctx[i]) for i, j in prefill_split(ctx)
-        ]
+        fresh = sum(1 for c in cached if c == 0)  # sorted: the fresh prompts come first
+        if fresh:
+            meta.prefill_groups = [
+                PrefillGroup(offsets[i], offsets[j], j - i, q_lens[i]) for i, j in prefill_split(q_lens[:fresh])
+            ]
+        for i in range(fresh, b):
+            k = torch.arange(ctx[i])
+            rows = table[i, k // block_size] * block_stride + k % block_size
+            q_pos = torch.arange(cached[i], ctx[i])
+            mask = torch.zeros((1, 1, q_lens[i], ctx[i]), dtype=mask_dtype).masked_fill_(
+                k[None, None, None, :] > q_pos[None, None, :, None], float("-inf")
+            )
+            meta.prefill_groups.append(
+                PrefillGroup(offsets[i], offsets[i + 1], 1, q_lens[i], cached[i], rows.to(device), mask.to(device))
+            )
     else:
         for i, j in decode_split(ctx):
             max_k = ctx[j - 1]

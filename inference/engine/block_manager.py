@@ -1,17 +1,35 @@
-"""Allocation of KV cache blocks."""
+"""Allocation of KV cache blocks, with ref counts and content hashes for prefix caching."""
 from __future__ import annotations
 
+import hashlib
 import heapq
+from array import array
+from collections import OrderedDict
 
 
 class NoFreeBlocks(RuntimeError):
     """Raised when the block pool cannot satisfy an allocation."""
 
 
-class BlockManager:
-    """A free list of block ids.
+def block_hashes(token_ids: list[int], block_size: int, start: list[bytes] | None = None) -> list[bytes]:
+    """Chained content hashes of the full blocks of `token_ids`: block i's hash covers every token up to
+    the end of block i, so equal hashes mean equal prefixes (hence equal KV). `start`: hashes already
+    known for the first blocks (extended, not recomputed)."""
+    out = list(start or [])
+    prev = out[-1] if out else b""
+    for i in range(len(out), len(token_ids) // block_size):
+        chunk = array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes()
+        prev = hashlib.blake2b(prev + chunk, digest_size=16).digest()
+        out.append(prev)
+    return out
 
-    Allocation always hands out the lowest free ids (a min-heap): this keeps a sequence's blocks mostly
+
+class BlockManager:
+    """Block ids with reference counts; full blocks can be registered under their content hash.
+
+    A block is free when nobody references it. Free blocks whose content is registered stay cached
+    (reusable by `lookup` + `share`) until an allocation needs them, oldest freed first. Allocation
+    prefers never-cached blocks, lowest ids first (a min-heap): this keeps a sequence's blocks mostly
     consecutive, so the KV transfer sends few contiguous runs.
     """
 
@@ -20,35 +38,84 @@ class BlockManager:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: list[int] = list(range(num_blocks))  # sorted, hence already a valid heap
-        self._is_free = [True] * num_blocks
+        self._plain: list[int] = list(range(num_blocks))  # free, no cached content; sorted = a heap
+        self._cached: OrderedDict[int, None] = OrderedDict()  # free, content registered; LRU order
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
 
     @property
     def num_free(self) -> int:
-        """Number of free blocks."""
-        return len(self._free)
+        """Blocks nobody references (cached ones included: they are reclaimed on demand)."""
+        return len(self._plain) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        """Free blocks still holding registered content."""
+        return len(self._cached)
 
     def can_allocate(self, n: int) -> bool:
         """Whether `n` blocks are free now."""
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks (lowest ids first); raise `NoFreeBlocks` if fewer are free."""
-        if n > len(self._free):
-            raise NoFreeBlocks(f"need {n} KV blocks, {len(self._free)} free of {self.num_blocks}")
-        out = [heapq.heappop(self._free) for _ in range(n)]
+        """Take `n` free blocks (never-cached ones first, lowest ids first, then the least recently
+        freed cached ones, forgetting their content); raise `NoFreeBlocks` if fewer are free."""
+        if n > self.num_free:
+            raise NoFreeBlocks(f"need {n} KV blocks, {self.num_free} free of {self.num_blocks}")
+        out = [heapq.heappop(self._plain) for _ in range(min(n, len(self._plain)))]
+        while len(out) < n:
+            block, _ = self._cached.popitem(last=False)
+            del self._block_of[self._hash_of.pop(block)]
+            out.append(block)
         for b in out:
-            self._is_free[b] = False
+            self._refs[b] = 1
         return out
 
     def free(self, ids: list[int]) -> None:
-        """Return blocks to the pool; freeing a free or unknown block is a bug and raises ValueError."""
+        """Drop one reference to each block; a block nobody references becomes free (and stays cached
+        if its content is registered). Freeing an unreferenced or unknown block raises ValueError."""
         for b in ids:
-            if not 0 <= b < self.num_blocks or self._is_free[b]:
+            if not 0 <= b < self.num_blocks or self._refs[b] == 0:
                 raise ValueError(f"block {b} is not allocated")
-            self._is_free[b] = True
-            heapq.heappush(self._free, b)
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                if b in self._hash_of:
+                    self._cached[b] = None
+                else:
+                    heapq.heappush(self._plain, b)
+
+    def register(self, block: int, content_hash: bytes) -> None:
+        """Record that an allocated block holds the KV of the prefix `content_hash`. A hash already
+        held by another block keeps that block (this one stays private)."""
+        if self._refs[block] == 0:
+            raise ValueError(f"block {block} is not allocated")
+        if content_hash in self._block_of or block in self._hash_of:
+            return
+        self._hash_of[block] = content_hash
+        self._block_of[content_hash] = block
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The cached blocks of the longest prefix of `hashes` (stops at the first miss)."""
+        out: list[int] = []
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def num_free_among(self, ids: list[int]) -> int:
+        """How many of `ids` are free (sharing them takes them out of the free pool)."""
+        return sum(1 for b in ids if self._refs[b] == 0)
+
+    def share(self, ids: list[int]) -> None:
+        """Add a reference to each (registered) block, taking free ones out of the free pool."""
+        for b in ids:
+            if self._refs[b] == 0:
+                del self._cached[b]
+            self._refs[b] += 1
 
     def usage(self) -> float:
-        """Fraction of blocks in use, 0.0 to 1.0."""
-        return 1.0 - len(self._free) / self.num_blocks
+        """Fraction of blocks referenced, 0.0 to 1.0 (cached but unreferenced blocks count as free)."""
+        return 1.0 - self.num_free / self.num_blocks

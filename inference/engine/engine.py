@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_manager import BlockManager, NoFreeBlocks
+from .block_manager import BlockManager, NoFreeBlocks, block_hashes
 from .config import ModelConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache
@@ -57,6 +57,7 @@ class LLMEngine:
         dtype: str | torch.dtype = torch.float32,
         load_tokenizer: bool = True,
         max_queued_kv_fraction: float = DEFAULT_MAX_QUEUED_KV_FRACTION,
+        enable_prefix_caching: bool = True,
     ) -> None:
         """Load config, weights (and the tokenizer, if the folder has one) and allocate the KV pool.
 
@@ -64,7 +65,9 @@ class LLMEngine:
         `kv_cache_bytes` (default 1 GiB). `max_model_len` defaults to the model's
         `max_position_embeddings`. `dtype`: a torch dtype, or "auto" / "float32" / "bfloat16" /
         "float16" (see `dtypes.resolve_dtype`); the KV cache uses the same dtype. The default fp32
-        matches transformers' fp32 token for token. `max_queued_kv_fraction` bounds the blocks held by reserved and
+        matches transformers' fp32 token for token. `enable_prefix_caching`: full blocks are
+        registered under chained content hashes and a new prefill reuses the longest cached prefix.
+        `max_queued_kv_fraction` bounds the blocks held by reserved and
         ready (not yet running) sequences together, see `reserve`.
         """
         if block_size <= 0 or max_num_seqs <= 0:
@@ -100,6 +103,7 @@ class LLMEngine:
             block_size,
             max_num_seqs,
             int(max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))),
+            enable_prefix_caching=enable_prefix_caching,
         )
 
         eos = list(cfg.eos_token_ids)
@@ -162,6 +166,12 @@ class LLMEngine:
     def num_free_blocks(self) -> int:
         """Free KV blocks."""
         return self.block_manager.num_free
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Share of admitted prompt tokens served from cached blocks (0.0 before any admission)."""
+        sch = self.scheduler
+        return sch.prefix_hit_tokens / sch.prefix_query_tokens if sch.prefix_query_tokens else 0.0
 
     def kv_usage(self) -> float:
         """Fraction of KV blocks in use."""
@@ -268,6 +278,7 @@ class LLMEngine:
                 raise ValueError(f"first_token_id {first_token_id} is outside the vocabulary")
             del self._reserved[request_id]
             seq.num_cached = seq.num_prompt_tokens
+            self._register_blocks(seq, 0)
             self._append_token(seq, int(first_token_id))
             if seq.finish_reason is not None:
                 self._finish(seq, seq.finish_reason)
@@ -362,7 +373,8 @@ class LLMEngine:
         tokens = self.runner.run(batch, is_prefill)
         outputs: list[RequestOutput] = []
         for seq, tok in zip(batch, tokens, strict=True):
-            seq.num_cached = seq.num_tokens
+            before, seq.num_cached = seq.num_cached, seq.num_tokens
+            self._register_blocks(seq, before)
             if seq.prefill_only and not seq.output_token_ids:
                 # Prefill side of a disaggregated request: report the first token and keep the blocks.
                 # Stop checks happen on the decode side (kv_received), which owns the stream.
@@ -382,6 +394,19 @@ class LLMEngine:
         return outputs
 
     # ---------------------------------------------------------------------------------------- helpers
+
+    def _register_blocks(self, seq: Sequence, before: int) -> None:
+        """Register the blocks that became full since `before` cached tokens under their content
+        hashes, so that later prefills can reuse them (prefix caching)."""
+        if not self.scheduler.enable_prefix_caching:
+            return
+        first, full = before // self.block_size, seq.num_cached // self.block_size
+        if full <= first:
+            return
+        seq.block_hashes = block_hashes(seq.all_token_ids()[: full * self.block_size], self.block_size,
+                                        seq.block_hashes[:full])
+        for i in range(first, full):
+            self.block_manager.register(seq.block_ids[i], seq.block_hashes[i])
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         """Append a generated token, update the text and decide whether the request is finished."""

@@ -125,7 +125,7 @@ class Attention(nn.Module):
             kv_cache.rows.index_copy_(0, k_rows + kv_cache.block_size, v.to(kv_cache.dtype))
 
         if meta.is_prefill:
-            out = self._prefill(q, k, v, meta)
+            out = self._prefill(q, k, v, meta, kv_cache)
         else:
             if kv_cache is None:
                 raise ValueError("attention over cached context needs a KV cache")
@@ -152,10 +152,23 @@ class Attention(nn.Module):
         )
         return out.transpose(1, 2).reshape(-1, self.q_size)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
-        """Fresh prompts attend causally to their own K/V: one maskless call per prompt length."""
+    def _prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMetadata, kv_cache: KVCache | None
+    ) -> torch.Tensor:
+        """Fresh prompts attend causally to their own K/V: one maskless call per prompt length; a
+        prompt with a cached prefix attends to its keys gathered from the cache."""
         outs = []
         for g in meta.prefill_groups:
+            if g.cached:
+                if kv_cache is None or g.gather_rows is None:
+                    raise ValueError("a prefill over a cached prefix needs the KV cache")
+                rows = g.gather_rows + self.layer_idx * kv_cache.layer_stride
+                shape = (1, g.cached + g.q_len, self.num_kv_heads, self.head_dim)
+                keys = kv_cache.rows.index_select(0, rows).view(shape).to(q.dtype)
+                values = kv_cache.rows.index_select(0, rows + kv_cache.block_size).view(shape).to(q.dtype)
+                qg = q[g.start : g.end].view(1, g.q_len, self.num_heads, self.head_dim)
+                outs.append(self._sdpa(qg, keys, values, attn_mask=g.mask))
+                continue
             shape_q = (g.num_seqs, g.q_len, self.num_heads, self.head_dim)
             shape_kv = (g.num_seqs, g.q_len, self.num_kv_heads, self.head_dim)
             outs.append(

@@ -68,15 +68,16 @@ class ModelRunner:
         logger.info("model runner: %s on %s, KV cache %s", dtype_name(self.dtype), device, dtype_name(self.dtype))
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, BatchMetadata]:
-        """Input ids and metadata for `seqs`, which must be sorted by `num_tokens` (see `order`)."""
+        """Input ids and metadata for `seqs`, which must be in `order`'s order."""
         return build_metadata(
             seqs, is_prefill, self.block_size, self.kv_cache.block_stride, self.dtype, self.device
         )
 
     @staticmethod
     def order(batch: list[Sequence]) -> list[int]:
-        """Indices of `batch` sorted by context length (the order `prepare` needs)."""
-        return sorted(range(len(batch)), key=lambda i: batch[i].num_tokens)
+        """Indices of `batch` sorted by (cached tokens, context length), the order `prepare` needs: fresh
+        prompts first, by length; in a decode step (one new token each) simply by context length."""
+        return sorted(range(len(batch)), key=lambda i: (batch[i].num_cached, batch[i].num_tokens))
 
     @torch.inference_mode()
     def run(self, batch: list[Sequence], is_prefill: bool) -> list[int]:

@@ -5,7 +5,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, block_hashes
 from .sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -40,9 +40,15 @@ class Scheduler:
         block_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        enable_prefix_caching: bool = False,
     ) -> None:
-        """Limits: `max_num_seqs` sequences in flight, `max_num_batched_tokens` prompt tokens per prefill."""
+        """Limits: `max_num_seqs` sequences in flight, `max_num_batched_tokens` prompt tokens per prefill.
+        With `enable_prefix_caching`, an admitted sequence reuses the cached blocks of its longest
+        cached prefix and computes only the rest."""
         self.block_manager = block_manager
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_query_tokens = 0  # prompt tokens admitted for prefill (prefix caching on)
+        self.prefix_hit_tokens = 0  # of which served from cached blocks
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -122,8 +128,12 @@ class Scheduler:
                 self.waiting.popleft()
                 out.too_long.append(seq)
                 continue
+            hits = self._cached_prefix(seq)
+            # Cached blocks nobody holds are counted as free: sharing them uses up free blocks too.
+            take = need - len(hits) + bm.num_free_among(hits)
+            new_tokens = n - len(hits) * self.block_size
             # Always admit one, even over the token budget, or a long prompt would never run.
-            if (out.prefill and tokens + n > self.max_num_batched_tokens) or not bm.can_allocate(need):
+            if (out.prefill and tokens + new_tokens > self.max_num_batched_tokens) or not bm.can_allocate(take):
                 # FCFS among prompts: later (smaller) ones must not overtake the head of the queue. A
                 # ready sequence already holds its blocks, so it may take the slot instead: this is
                 # also what prevents a deadlock when ready sequences hold the blocks the head needs.
@@ -132,10 +142,24 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            seq.block_ids = bm.allocate(need)
-            seq.num_cached = 0
+            bm.share(hits)
+            seq.block_ids = hits + bm.allocate(need - len(hits))
+            seq.num_cached = len(hits) * self.block_size
+            if self.enable_prefix_caching:
+                self.prefix_query_tokens += n
+                self.prefix_hit_tokens += seq.num_cached
             out.prefill.append(seq)
-            tokens += n
+            tokens += new_tokens
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks of `seq`'s longest cached prefix; at least its last token is left to compute
+        (its logits give the next token)."""
+        if not self.enable_prefix_caching:
+            return []
+        tokens = seq.all_token_ids()
+        seq.block_hashes = block_hashes(tokens, self.block_size, seq.block_hashes)
+        usable = (len(tokens) - 1) // self.block_size
+        return self.block_manager.lookup(seq.block_hashes[:usable])
 
     def _plan_decode(self, out: SchedulerOutput) -> None:
         """Make sure every running sequence has a slot for its next token, preempting when the pool is dry."""

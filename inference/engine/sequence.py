@@ -58,6 +58,8 @@ class Sequence:
     num_cached: int = 0
     finish_reason: str | None = None
     detokenizer: IncrementalDetokenizer | None = None
+    # Chained content hashes of the full blocks computed so far (prefix caching; see block_manager).
+    block_hashes: list[bytes] = field(default_factory=list)
     # Outputs not yet reported (tokens and text since the last RequestOutput).
     pending_token_ids: list[int] = field(default_factory=list)
     pending_text: str = ""

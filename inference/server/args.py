@@ -23,6 +23,7 @@ class ServerArgs:
     batch_size: int
     max_num_batched_tokens: int | None
     dtype: str
+    prefix_caching: bool
     base_cpu_id: int | None
     num_threads: int | None
     max_sequence_length: int | None
@@ -84,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="weights and KV cache dtype (default auto: bf16/fp16 on a GPU; on a CPU bf16 where measured "
         "faster, else float32). Both roles must resolve to the same dtype: set it explicitly when "
         "prefill and decode run on different hardware. float32 matches transformers exactly",
+    )
+    p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="do not reuse the KV blocks of prompt prefixes seen before (prefix caching is on by default)",
     )
     p.add_argument("--base-cpu-id", type=int, default=None, help="first CPU to pin the worker to")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads / CPUs pinned")
@@ -172,6 +178,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         batch_size=ns.batch_size,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         dtype=ns.dtype,
+        prefix_caching=not ns.no_prefix_caching,
         base_cpu_id=ns.base_cpu_id,
         num_threads=ns.num_threads,
         max_sequence_length=ns.max_sequence_length,

@@ -73,6 +73,12 @@ class WorkerMetrics:
         self.kv_usage = Gauge(
             "worker_kv_cache_usage_ratio", "Fraction of KV blocks in use", ["role", "model"], registry=r
         ).labels(**labels)
+        self.prefix_cache_hit_ratio = Gauge(
+            "worker_prefix_cache_hit_ratio",
+            "Share of admitted prompt tokens served from cached KV blocks (prefix caching)",
+            ["role", "model"],
+            registry=r,
+        ).labels(**labels)
         self.cpu_utilization = Gauge(
             "worker_cpu_utilization_ratio", "Busy fraction of the worker's CPUs", ["role", "model"], registry=r
         ).labels(**labels)

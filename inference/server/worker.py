@@ -90,6 +90,7 @@ class Worker:
                 max_num_seqs=args.batch_size,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 dtype=args.dtype,
+                enable_prefix_caching=args.prefix_caching,
                 max_model_len=args.max_sequence_length or args.context_length,
                 kv_cache_bytes=(args.kv_cache_memory_mb * 2**20) if args.kv_cache_memory_mb else None,
                 device=self.device,
@@ -227,6 +228,7 @@ class Worker:
             "batch_size": self.args.batch_size,
             "max_queue": self.args.max_queue,
             "dtype": self.layout.dtype,
+            "prefix_caching": self.args.prefix_caching,
             "device": str(self.device),
             "cpus": self.cpus,
             "started_at": self.started_at,
@@ -242,6 +244,7 @@ class Worker:
         m.reserved.set(self.engine.num_reserved)
         m.running.set(self.engine.num_running)
         m.kv_usage.set(self.engine.kv_usage())
+        m.prefix_cache_hit_ratio.set(self.engine.prefix_cache_hit_rate)
         m.cpu_utilization.set(self.utilization.cpu())
         gpu = self.utilization.gpu()
         if gpu is not None:

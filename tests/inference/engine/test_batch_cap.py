@@ -134,7 +134,9 @@ def test_prefill_batches_honour_seq_and_token_caps(
 ) -> None:
     """A prefill worker batches at most `max_num_seqs` prompts and `max_num_batched_tokens` tokens
     (17-token prompts: 40 tokens fit two) per forward pass."""
-    engine = LLMEngine(llama.path, num_blocks=64, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens)
+    # Prefix caching off: the same prompt five times would otherwise cost one token after the first.
+    engine = LLMEngine(llama.path, num_blocks=64, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
+                       enable_prefix_caching=False)
     for i in range(5):
         engine.add_request(f"p{i}", llama.prompts[1], GREEDY, prefill_only=True)
     sizes: list[int] = []

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 
 BATCH = 4
 REQUESTS = 12
-MAX_TOKENS = 200
+MAX_TOKENS = 400
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def capped_cluster(tiny_model_dir: Path, log_dir: Path):
     """Prefill + decode with --batch-size 4."""
     procs = []
     try:
-        common = ["--context-length", "256", "--block-size", "8", "--batch-size", str(BATCH)]
+        common = ["--context-length", "512", "--block-size", "8", "--batch-size", str(BATCH)]
         prefill, prefill_url = start_worker("prefill", tiny_model_dir, log_dir, extra=common, name="cap-prefill")
         procs.append(prefill)
         decode, decode_url = start_worker("decode", tiny_model_dir, log_dir, extra=common, name="cap-decode")
@@ -94,7 +94,7 @@ def test_decode_runs_at_most_batch_size_and_queues_the_rest(capped_cluster) -> N
         poller.join(10)
 
     assert all(r["type"] == "done" for r in results), results
-    assert all(r["usage"]["completion_tokens"] == MAX_TOKENS for r in results)
+    assert all(r["usage"]["completion_tokens"] == MAX_TOKENS for r in results), [r for r in results if r["usage"]["completion_tokens"] != MAX_TOKENS]
     assert all(r["finish_reason"] == "length" for r in results)
     assert samples, "no /health answer during the run"
     assert all({"queue_depth", "running", "reserved", "batch_size"} <= s.keys() for s in samples)
@@ -118,3 +118,4 @@ def test_decode_runs_at_most_batch_size_and_queues_the_rest(capped_cluster) -> N
     assert health["decode"]["reserved"] == 0
     metrics = httpx.get(capped_cluster["decode"] + "/metrics").text
     assert "worker_queue_depth" in metrics and "worker_reserved_requests" in metrics
+    assert "worker_prefix_cache_hit_ratio" in httpx.get(capped_cluster["prefill"] + "/metrics").text

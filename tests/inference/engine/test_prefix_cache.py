@@ -1,0 +1,105 @@
+"""Prefix caching: chained block hashes, ref-counted shared blocks, reuse across requests."""
+from __future__ import annotations
+
+import pytest
+
+from inference.engine import BlockManager, LLMEngine, SamplingParams
+from inference.engine.block_manager import block_hashes
+
+from .conftest import NEW_TOKENS, TinyModel
+from .helpers import Collected, absorb, drain
+from .test_logits_parity import engine_logits, reference_logits
+
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def test_chained_hashes_identify_prefixes() -> None:
+    a = block_hashes(list(range(40)), 8)
+    b = block_hashes(list(range(24)) + [99] + list(range(25, 40)), 8)
+    assert len(a) == 5 and a[:3] == b[:3] and a[3] != b[3] and a[4] != b[4]  # diverged: all later differ
+    assert block_hashes(list(range(41)), 8, a[:2]) == a  # extending known hashes gives the same chain
+    assert block_hashes([1, 2, 3], 8) == []  # no full block
+
+
+def test_shared_blocks_are_ref_counted_and_cached_until_needed() -> None:
+    bm = BlockManager(4)
+    h = block_hashes(list(range(16)), 8)
+    first = bm.allocate(2)
+    bm.register(first[0], h[0])
+    bm.register(first[1], h[1])
+    assert bm.lookup(h) == first and bm.lookup([h[1]]) == [first[1]]
+    bm.share(first)  # a second sequence with the same prefix
+    bm.free(first)
+    assert bm.num_free == 2 and bm.lookup(h) == first  # still held by the second sequence
+    bm.free(first)
+    assert bm.num_free == 4 and bm.num_cached == 2 and bm.usage() == 0.0
+    assert bm.num_free_among(first) == 2
+    bm.share(first[:1])  # reuse a cached free block
+    assert bm.num_free == 3 and bm.num_cached == 1
+    assert bm.allocate(2) == [2, 3]  # never-cached blocks go first...
+    assert bm.allocate(1) == [first[1]] and bm.lookup([h[0], h[1]]) == [first[0]]  # ...then evict
+    with pytest.raises(ValueError):
+        bm.free([first[1], first[1]])
+
+
+def test_repeated_prompt_hits_and_matches(llama: TinyModel) -> None:
+    """The second run of a 70-token prompt reuses its 4 full blocks (64 tokens) and computes only the
+    rest; its tokens equal the first run and transformers' greedy."""
+    engine = LLMEngine(llama.path, block_size=16, num_blocks=64)
+    prompt = llama.prompts[3]
+    assert len(prompt) == 70
+    first = engine.generate([prompt], GREEDY)[0].token_ids
+    assert engine.prefix_cache_hit_rate == 0.0
+    second = engine.generate([prompt], GREEDY)[0].token_ids
+    assert engine.scheduler.prefix_hit_tokens == 64 and engine.prefix_cache_hit_rate == pytest.approx(64 / 140)
+    assert first == second == llama.greedy[3]
+    assert engine.kv_usage() == 0.0 and engine.block_manager.num_cached > 0
+
+
+def test_shared_system_prompt_while_running(llama: TinyModel) -> None:
+    """Requests sharing a 48-token prefix run together on shared blocks; outputs equal an engine
+    without prefix caching, and every block is unreferenced at the end."""
+    system = llama.prompts[3][:48]
+    prompts = [system + tail for tail in ([5, 6, 7], [8] * 20, [9, 10])]
+    plain = LLMEngine(llama.path, block_size=16, num_blocks=64, enable_prefix_caching=False)
+    expected = [r.token_ids for r in plain.generate(prompts, GREEDY)]
+    engine = LLMEngine(llama.path, block_size=16, num_blocks=64)
+    results: dict[str, Collected] = {}
+    engine.add_request("warm", prompts[0], SamplingParams(max_tokens=1, temperature=0.0))
+    drain(engine, results)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, GREEDY)
+    absorb(results, engine.step())  # one prefill of the three, each reusing the 3 system blocks
+    shared = engine.get_sequence("r1").block_ids[:3]  # type: ignore[union-attr]
+    assert engine.get_sequence("r2").block_ids[:3] == shared  # type: ignore[union-attr]
+    drain(engine, results)
+    assert [results[f"r{i}"].token_ids for i in range(3)] == expected
+    assert engine.scheduler.prefix_hit_tokens == 3 * 48
+    assert engine.kv_usage() == 0.0
+
+
+def test_prefix_hit_logits_match_transformers(llama: TinyModel) -> None:
+    """The cached-prefix attention path (keys gathered from shared blocks, offset causal mask) gives
+    transformers' logits, like the fresh path."""
+    engine = LLMEngine(llama.path, block_size=16, num_blocks=64)
+    engine.generate([llama.prompts[3][:40]], SamplingParams(max_tokens=1, temperature=0.0))
+    prompts = [llama.prompts[3][:40] + [1, 2, 3], llama.prompts[3]]  # 2 and 2 cached blocks
+    ours, tokens = engine_logits(engine, prompts, 3)
+    assert engine.scheduler.prefix_hit_tokens == 64
+    for i, prompt in enumerate(prompts):
+        for t, ref in enumerate(reference_logits(llama.hf_model.float(), prompt, tokens[i], 3)):
+            assert float((ours[t][i] - ref).abs().max()) < 1e-4
+
+
+def test_small_pool_evicts_cached_blocks_and_preemption_reuses_them(llama: TinyModel) -> None:
+    """8 blocks for four growing sequences: cached blocks are reclaimed when needed, preempted
+    sequences recompute from their own cached blocks, and the tokens stay transformers'."""
+    engine = LLMEngine(llama.path, block_size=16, num_blocks=8, max_num_seqs=8)
+    for i, prompt in enumerate(llama.prompts):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    results = drain(engine)
+    assert engine.num_preemptions > 0 and engine.scheduler.prefix_hit_tokens > 0
+    for i, ref in enumerate(llama.greedy):
+        assert results[f"r{i}"].token_ids == ref
+    assert engine.kv_usage() == 0.0
+    assert engine.block_manager.num_free == 8
