@@ -94,10 +94,10 @@ def measure(tree: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     raise RuntimeError(f"measurement in {tree} failed:\n{proc.stderr[-3000:]}")
 
 
-def compare(name: str, model: Path, baseline: Path, variants: list[str], rounds: int, levels: list[int],
-            max_tokens: int, steps: int) -> dict[str, Any]:
+def compare(name: str, model: Path, baseline: Path, current: Path, variants: list[str], rounds: int,
+            levels: list[int], max_tokens: int, steps: int) -> dict[str, Any]:
     """Alternate baseline (fp32) and each current-tree variant for `rounds` rounds."""
-    sides = [("baseline float32", baseline, "float32")] + [(f"current {v}", ROOT, v) for v in variants]
+    sides = [("baseline float32", baseline, "float32")] + [(f"current {v}", current, v) for v in variants]
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in sides}
     for r in range(rounds):
         for label, tree, dtype in sides:
@@ -122,18 +122,22 @@ def main(argv: list[str] | None = None) -> int:
     """Parse flags, run the comparisons, print a table, write the JSON."""
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--baseline", required=True, help="git revision of the baseline engine")
+    p.add_argument("--current", default=None,
+                   help="git revision to measure as current (default: the working tree, which must then "
+                   "not change during the run)")
     p.add_argument("--variants", default="float32,auto", help="dtypes of the current tree to measure")
     p.add_argument("--rounds", type=int, default=3)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(p, argv)
     baseline = baseline_tree(args.baseline)
+    current = baseline_tree(args.current) if args.current else ROOT
     variants = [v for v in args.variants.split(",") if v]
     models: list[tuple[str, Path, list[int], int, int]] = [("tiny-llama", tiny_model_dir(), [8, 32, 64], 64, 40)]
     smol = smollm2_dir()
     if smol is not None and not args.quick:
         models.append(("SmolLM2-135M", smol, [8, 32], 16, 8))
     rounds = 1 if args.quick else args.rounds
-    results = [compare(n, m, baseline, variants, rounds, lv, mt, st) for n, m, lv, mt, st in models]
+    results = [compare(n, m, baseline, current, variants, rounds, lv, mt, st) for n, m, lv, mt, st in models]
     print_header(f"engine A/B against {args.baseline}")
     for res in results:
         metrics = [f"tok_s_c{c}" for c in res["levels"]] + ["mixed_step_ms"]
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n**{res['model']}**, median of {res['rounds']} alternating rounds (ratio to baseline)\n")
         print(markdown_table(["engine", "dtype", *metrics], rows))
     path = write_result(args.out_dir, "engine_ab_quick" if args.quick else "engine_ab", MODULE, argv,
-                        {"baseline": args.baseline, "models": results})
+                        {"baseline": args.baseline, "current": args.current or "working tree", "models": results})
     print(f"\nresult: {path}")
     return 0
 
