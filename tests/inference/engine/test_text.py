@@ -91,3 +91,16 @@ def test_engine_text_and_stop_strings(tok_model: TinyModel) -> None:
     assert res.text == full.text[: full.text.index(stop)]
     assert res.token_ids == full.token_ids[: len(res.token_ids)]
     assert engine.block_manager.num_free == 32
+
+
+def test_fast_decode_equals_transformers_decode(tok_model: TinyModel) -> None:
+    """Tokenizer.decode skips transformers' wrapper but must give exactly its text."""
+    import random
+
+    tok = Tokenizer.from_pretrained(tok_model.path)
+    assert tok._fast_decode is not None
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(len(tok.hf)) for _ in range(rng.randrange(1, 12))]
+        for skip in (True, False):
+            assert tok.decode(ids, skip) == tok.hf.decode(ids, skip_special_tokens=skip)
