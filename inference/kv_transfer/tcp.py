@@ -40,7 +40,8 @@ def _block_bytes(kv_data: torch.Tensor, first: int, count: int) -> memoryview:
         raise KVTransferError("KV tensor blocks are not contiguous")
     if region.device.type != "cpu":
         region = region.cpu()  # sockets need host memory; RDMA is the zero-copy path for GPUs
-    array = region.numpy()
+    # As bytes: numpy has no bfloat16, and the wire carries raw bytes whatever the KV dtype.
+    array = region.reshape(-1).view(torch.uint8).numpy()
     return memoryview(array).cast("B")  # type: ignore[arg-type]  # ndarray supports the buffer protocol
 
 
@@ -51,7 +52,7 @@ def _receive_blocks(sock: socket.socket, kv_data: torch.Tensor, first: int, coun
         recv_exact_into(sock, view)
         return len(view)
     staging = torch.empty_like(kv_data[first : first + count], device="cpu")
-    view = memoryview(staging.numpy()).cast("B")  # type: ignore[arg-type]
+    view = memoryview(staging.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
     recv_exact_into(sock, view)
     kv_data[first : first + count].copy_(staging)
     return len(view)

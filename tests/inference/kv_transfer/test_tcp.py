@@ -66,6 +66,27 @@ def test_transfer_writes_exactly_the_reserved_blocks(pair) -> None:
     assert receiver.bytes_received == stats.nbytes
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_blocks_move_bit_exact(dtype: str) -> None:
+    """A bf16/fp16 KV cache (--dtype) goes over the wire as raw bytes (numpy has no bfloat16)."""
+    layout = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
+    torch_dtype = getattr(torch, dtype)
+    shape = (8, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    decode_kv, prefill_kv = torch.zeros(shape, dtype=torch_dtype), torch.randn(shape).to(torch_dtype)
+    received = Received()
+    receiver = TcpKVReceiver(decode_kv, layout, received, bind_host="127.0.0.1", secret="s3cret")
+    receiver.start()
+    try:
+        desc = receiver.expect("req-half", [3, 4], num_tokens=8, lease_s=10, host="127.0.0.1")
+        stats = TcpKVSender(prefill_kv, layout, secret="s3cret").send(desc, src_block_ids=[6, 1], first_token=7,
+                                                                      timeout=5)
+    finally:
+        receiver.stop()
+    assert stats.nbytes == 2 * layout.block_nbytes
+    assert torch.equal(decode_kv[3].view(torch.int16), prefill_kv[6].view(torch.int16))
+    assert torch.equal(decode_kv[4].view(torch.int16), prefill_kv[1].view(torch.int16))
+
+
 def test_second_write_for_same_request_is_refused(pair) -> None:
     _, _, receiver, sender, _ = pair
     desc = receiver.expect("req-2", [0], num_tokens=3, lease_s=10, host="127.0.0.1")
