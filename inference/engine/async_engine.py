@@ -252,6 +252,6 @@ class AsyncEngine:
                     logger.exception("could not fail requests cleanly")
                     outputs = []
             self._dispatch(outputs)
-            if not outputs and engine.num_running == 0:
+            if not outputs and engine.num_running == 0 and not engine.last_step_ran:
                 # Waiting requests that cannot be admitted yet (blocks held by transfers): poll slowly.
                 self._wake.wait(self.idle_poll_s)

@@ -124,9 +124,9 @@ def build_metadata(
     if is_prefill:
         flat: list[int] = []
         for s in seqs:
-            flat += s.all_token_ids()[s.num_cached :]
+            flat += s.all_token_ids()[s.num_cached : s.num_cached + s.num_new_tokens]
         cached_t = torch.tensor([s.num_cached for s in seqs], dtype=torch.int64)
-        q_t = ctx_t - cached_t
+        q_t = torch.tensor([s.num_new_tokens for s in seqs], dtype=torch.int64)
         ends = torch.cumsum(q_t, 0)
         seg = torch.repeat_interleave(torch.arange(b), q_t)
         pos = torch.arange(len(flat)) - (ends - q_t)[seg] + cached_t[seg]
@@ -144,7 +144,8 @@ def build_metadata(
     )
     if is_prefill:
         cached = [s.num_cached for s in seqs]
-        q_lens = [n - c for n, c in zip(ctx, cached, strict=True)]
+        q_lens = [s.num_new_tokens for s in seqs]
+        ctx = [c + q for c, q in zip(cached, q_lens, strict=True)]  # keys attended: up to the chunk's end
         offsets = [0]
         for n in q_lens:
             offsets.append(offsets[-1] + n)

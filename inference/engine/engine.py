@@ -58,6 +58,7 @@ class LLMEngine:
         load_tokenizer: bool = True,
         max_queued_kv_fraction: float = DEFAULT_MAX_QUEUED_KV_FRACTION,
         enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
     ) -> None:
         """Load config, weights (and the tokenizer, if the folder has one) and allocate the KV pool.
 
@@ -67,8 +68,9 @@ class LLMEngine:
         "float16" (see `dtypes.resolve_dtype`); the KV cache uses the same dtype. The default fp32
         matches transformers' fp32 token for token. `enable_prefix_caching`: full blocks are
         registered under chained content hashes and a new prefill reuses the longest cached prefix.
-        `max_queued_kv_fraction` bounds the blocks held by reserved and
-        ready (not yet running) sequences together, see `reserve`.
+        `enable_chunked_prefill`: a prompt longer than `max_num_batched_tokens` is computed in chunks
+        of that many tokens, alternating with decode steps. `max_queued_kv_fraction` bounds the
+        blocks held by reserved and ready (not yet running) sequences together, see `reserve`.
         """
         if block_size <= 0 or max_num_seqs <= 0:
             raise ValueError("block_size and max_num_seqs must be positive")
@@ -104,6 +106,7 @@ class LLMEngine:
             max_num_seqs,
             int(max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))),
             enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
         )
 
         eos = list(cfg.eos_token_ids)
@@ -118,6 +121,7 @@ class LLMEngine:
         self._inflight: list[Sequence] = []  # the batch of the step being executed (failed on error)
         self._arrival = 0
         self.num_preemptions = 0  # total, for metrics and tests
+        self.last_step_ran = False  # whether the last step() ran a forward pass (idle detection)
         logger.info(
             "engine ready: %s (%s), %d KV blocks x %d tokens (%.1f MiB), max_model_len %d",
             model_path,
@@ -352,6 +356,7 @@ class LLMEngine:
         with self.lock:
             outputs, self._pending = self._pending, []
             plan = self.scheduler.schedule()
+            self.last_step_ran = bool(plan.prefill or plan.decode)
             for seq in plan.too_long:
                 self._finish(seq, "length")
                 outputs.append(seq.take_output())
@@ -373,6 +378,12 @@ class LLMEngine:
         tokens = self.runner.run(batch, is_prefill)
         outputs: list[RequestOutput] = []
         for seq, tok in zip(batch, tokens, strict=True):
+            if is_prefill and seq.chunk:
+                # A chunk of a longer prompt: no token yet (its logits are dropped), more chunks follow.
+                before, seq.num_cached, seq.chunk = seq.num_cached, seq.num_cached + seq.chunk, 0
+                self._register_blocks(seq, before)
+                self.scheduler.requeue_partial(seq)
+                continue
             before, seq.num_cached = seq.num_cached, seq.num_tokens
             self._register_blocks(seq, before)
             if seq.prefill_only and not seq.output_token_ids:
@@ -460,8 +471,9 @@ class LLMEngine:
         idle_steps = 0
         while remaining:
             outs = self.step()
-            # Two empty steps in a row mean nothing can be scheduled (e.g. the pool is held by transfers).
-            idle_steps = 0 if outs else idle_steps + 1
+            # Three idle steps in a row mean nothing can be scheduled (e.g. the pool is held by
+            # transfers); a prefill chunk produces no output but is progress.
+            idle_steps = 0 if outs or self.last_step_ran else idle_steps + 1
             if idle_steps > 2:
                 raise RuntimeError(f"requests {sorted(remaining)} cannot make progress")
             for out in outs:

@@ -41,11 +41,16 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_prefix_caching: bool = False,
+        enable_chunked_prefill: bool = False,
     ) -> None:
         """Limits: `max_num_seqs` sequences in flight, `max_num_batched_tokens` prompt tokens per prefill.
         With `enable_prefix_caching`, an admitted sequence reuses the cached blocks of its longest
-        cached prefix and computes only the rest."""
+        cached prefix and computes only the rest. With `enable_chunked_prefill`, a prompt over the token
+        budget is computed `max_num_batched_tokens` at a time, with a decode step of the running batch
+        between two chunks, so that a long prompt never stalls the running streams for long."""
         self.block_manager = block_manager
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self._decode_next = False  # a chunk ran last step: give the running batch a step first
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_query_tokens = 0  # prompt tokens admitted for prefill (prefix caching on)
         self.prefix_hit_tokens = 0  # of which served from cached blocks
@@ -103,11 +108,21 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (allocating the blocks it needs)."""
         out = SchedulerOutput()
+        if self._decode_next and self.running:
+            self._decode_next = False
+            self._plan_decode(out)
+            return out
         self._admit(out)
         if out.prefill:
+            self._decode_next = any(s.chunk for s in out.prefill)
             return out
         self._plan_decode(out)
         return out
+
+    def requeue_partial(self, seq: Sequence) -> None:
+        """A chunk of `seq`'s prefill ran: it continues first at the next prefill step (keeping its blocks)."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
 
     def _admit(self, out: SchedulerOutput) -> None:
         """Fill free batch slots in arrival order: ready sequences join the running batch, waiting ones
@@ -121,6 +136,17 @@ class Scheduler:
             if not self.waiting:
                 break
             seq = self.waiting[0]
+            budget = self.max_num_batched_tokens - tokens
+            if seq.block_ids:
+                # A chunked prefill in progress: its blocks are held, the next chunk follows.
+                remaining = seq.num_tokens - seq.num_cached
+                if out.prefill and budget < min(remaining, self.block_size):
+                    break
+                self.waiting.popleft()
+                seq.chunk = budget if remaining > budget else 0
+                out.prefill.append(seq)
+                tokens += min(remaining, budget)
+                continue
             n = seq.num_tokens  # a preempted sequence recomputes its generated tokens too
             need = self.blocks_for(n)
             if need > bm.num_blocks:
@@ -132,8 +158,11 @@ class Scheduler:
             # Cached blocks nobody holds are counted as free: sharing them uses up free blocks too.
             take = need - len(hits) + bm.num_free_among(hits)
             new_tokens = n - len(hits) * self.block_size
-            # Always admit one, even over the token budget, or a long prompt would never run.
-            if (out.prefill and tokens + new_tokens > self.max_num_batched_tokens) or not bm.can_allocate(take):
+            chunked = self.enable_chunked_prefill and new_tokens > budget
+            # Without chunking, always admit one, even over the token budget, or a long prompt would
+            # never run; with it, a chunk fills the budget (not a sliver of it).
+            over = bool(out.prefill) and (budget < self.block_size if chunked else new_tokens > budget)
+            if over or not bm.can_allocate(take):
                 # FCFS among prompts: later (smaller) ones must not overtake the head of the queue. A
                 # ready sequence already holds its blocks, so it may take the slot instead: this is
                 # also what prevents a deadlock when ready sequences hold the blocks the head needs.
@@ -148,8 +177,9 @@ class Scheduler:
             if self.enable_prefix_caching:
                 self.prefix_query_tokens += n
                 self.prefix_hit_tokens += seq.num_cached
+            seq.chunk = budget if chunked else 0
             out.prefill.append(seq)
-            tokens += new_tokens
+            tokens += min(new_tokens, budget) if chunked else new_tokens
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks of `seq`'s longest cached prefix; at least its last token is left to compute

@@ -60,6 +60,8 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None
     # Chained content hashes of the full blocks computed so far (prefix caching; see block_manager).
     block_hashes: list[bytes] = field(default_factory=list)
+    # Chunked prefill: tokens to compute in this step when fewer than all the uncached ones (0: all).
+    chunk: int = 0
     # Outputs not yet reported (tokens and text since the last RequestOutput).
     pending_token_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
@@ -68,6 +70,11 @@ class Sequence:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens this step computes: the chunk, or every token not cached yet (1 in a decode step)."""
+        return self.chunk or self.num_tokens - self.num_cached
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -24,6 +24,7 @@ class ServerArgs:
     max_num_batched_tokens: int | None
     dtype: str
     prefix_caching: bool
+    chunked_prefill: bool
     base_cpu_id: int | None
     num_threads: int | None
     max_sequence_length: int | None
@@ -90,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-prefix-caching",
         action="store_true",
         help="do not reuse the KV blocks of prompt prefixes seen before (prefix caching is on by default)",
+    )
+    p.add_argument(
+        "--no-chunked-prefill",
+        action="store_true",
+        help="compute a prompt longer than --max-num-batched-tokens in one step instead of in chunks "
+        "alternating with decode steps (chunked prefill is on by default)",
     )
     p.add_argument("--base-cpu-id", type=int, default=None, help="first CPU to pin the worker to")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads / CPUs pinned")
@@ -179,6 +186,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         max_num_batched_tokens=ns.max_num_batched_tokens,
         dtype=ns.dtype,
         prefix_caching=not ns.no_prefix_caching,
+        chunked_prefill=not ns.no_chunked_prefill,
         base_cpu_id=ns.base_cpu_id,
         num_threads=ns.num_threads,
         max_sequence_length=ns.max_sequence_length,
