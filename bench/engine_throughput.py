@@ -236,7 +236,7 @@ def vllm_status(venv: Path = VLLM_VENV) -> dict[str, Any]:
 def vllm_serve_tps(
     model_dir: Path, prompts: list[list[int]], max_tokens: int, concurrency: list[int], min_requests: int,
     log_dir: Path, startup_timeout: float, deadline: Deadline, threads: int = 1,
-    venv: Path = VLLM_VENV, device: str = "cpu",
+    venv: Path = VLLM_VENV, device: str = "cpu", dtype: str = "float32",
 ) -> dict[str, Any]:
     """Start `vllm serve` on 127.0.0.1 and send the same greedy requests through /v1/completions
     (`threads` compute threads, as OMP_NUM_THREADS: vLLM's own default on 2 CPUs is one as well).
@@ -260,7 +260,7 @@ def vllm_serve_tps(
     # (the working directory) must not be on its sys.path.
     args = [
         str(venv / "bin" / "python"), "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--host", LOOPBACK, "--port", str(port), "--dtype", "auto" if on_gpu else "float32",
+        "--host", LOOPBACK, "--port", str(port), "--dtype", "auto" if on_gpu else dtype,
         "--max-model-len", str(max_len), "--max-num-seqs", str(max(concurrency)), "--served-model-name", "bench",
     ]
     env = {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_TARGET_DEVICE": "cpu",
@@ -420,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--vllm", action="store_true", help="also measure vllm serve from --vllm-venv")
     p.add_argument("--vllm-venv", type=Path, default=VLLM_VENV, help="venv with vLLM (default bench/.venv-vllm)")
+    p.add_argument("--vllm-dtype", default="float32", help="vLLM's --dtype on a CPU (bfloat16: its fastest here)")
     p.add_argument("--no-smollm2", action="store_true", help="tiny model only")
     p.add_argument("--budget-s", type=float, default=1500.0, help="total time budget (later steps are skipped)")
     p.add_argument("--dtypes", default="float32,auto",
@@ -462,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
                     Path(m["model_dir"]), prompts, m["max_tokens"], [r["concurrency"] for r in m["engine"]],
                     min_requests=4 if args.quick else 8, log_dir=args.log_dir, startup_timeout=600,
                     deadline=deadline, threads=args.threads, venv=args.vllm_venv, device=args.device,
+                    dtype=args.vllm_dtype,
                 )
                 log(f"[{m['model']}] vllm: {json.dumps(m['vllm'])[:300]}")
     result = {"note": note_shared_machine(), "threads": args.threads, "models": models, "vllm": vllm}
