@@ -32,6 +32,21 @@ def describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
+# Below uvicorn's default keep-alive timeout (5 s) on the workers.
+KEEPALIVE_S = 3.0
+
+
+def stale_connection(exc: BaseException) -> bool:
+    """Whether `exc` is a pooled connection the worker closed just as it was reused (safe to resend).
+
+    The request never reached the worker's application: it was refused while being written, or the
+    connection closed before any answer. A refused connect is not stale: the worker is down.
+    """
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return False
+    return isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError)
+
+
 def new_session(headers: Mapping[str, str] | None = None) -> aiohttp.ClientSession:
     """An HTTP session for worker traffic (call inside the loop that will use it).
 
@@ -40,7 +55,9 @@ def new_session(headers: Mapping[str, str] | None = None) -> aiohttp.ClientSessi
     """
     return aiohttp.ClientSession(
         headers=dict(headers or {}),
-        connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30.0),
+        # Idle connections are dropped before the workers' uvicorn drops them (5 s): a request
+        # written into a connection the server is closing fails ("Can not write request body").
+        connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S),
         trust_env=False,
         # Workers send small JSON and NDJSON lines; the router never needs response cookies.
         cookie_jar=aiohttp.DummyCookieJar(),

@@ -37,7 +37,7 @@ from inference.router.endpoint import Endpoint
 from inference.router.errors import RouterError
 from inference.router.events import DoneEvent, ErrorEvent, Event, GenerateRequest, TokenEvent, new_request_id
 from inference.router.failures import BackendFailure, Busy, LeaseExpired, kv_timeout_message, raise_for_status
-from inference.router.health import describe_exception
+from inference.router.health import describe_exception, stale_connection
 from inference.router.metrics import RouterMetrics
 from inference.router.ndjson import NdjsonReader
 from inference.router.pool import WorkerPool
@@ -73,6 +73,26 @@ class _Attempt:
     # True when the decode worker certainly holds nothing for this request (it could not be
     # reached, or it refused the request with an error status): no abort is sent to it.
     decode_untouched: bool = False
+
+
+async def _post_once_more_if_stale(
+    session: aiohttp.ClientSession, url: str, body: bytes, connect_timeout_s: float
+) -> aiohttp.ClientResponse:
+    """POST `body`; sent again once if a pooled connection turned out closed by the worker.
+
+    Without this, a worker's idle keep-alive connection closing just as it is reused fails a request
+    the worker never saw (seen under load as "Can not write request body"), and with one worker of
+    a role that is a 502.
+    """
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
+    headers = {"Content-Type": "application/json"}
+    try:
+        return await session.post(url, data=body, headers=headers, timeout=timeout)
+    except _TRANSPORT_ERRORS as exc:
+        if not stale_connection(exc):
+            raise
+        logger.info("%s: pooled connection closed by the worker (%s); sending again", url, exc)
+        return await session.post(url, data=body, headers=headers, timeout=timeout)
 
 
 def _token_ids(line: dict[str, Any]) -> list[int]:
@@ -340,16 +360,13 @@ class DisaggregatedClient:
         """POST /internal/decode and read its descriptor line."""
         session = self.pool.session()
         wait = self._remaining(deadline, self.descriptor_timeout_s)
+        body = orjson.dumps(req.decode_body(attempt.request_id))
         try:
             async with asyncio.timeout(wait):
                 # The asyncio timeouts here and in the streaming loop are the real bounds; aiohttp's
                 # own covers only the connect.
-                response = await session.post(
-                    f"{attempt.decode.url}/internal/decode",
-                    data=orjson.dumps(req.decode_body(attempt.request_id)),
-                    headers={"Content-Type": "application/json"},
-                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
-                )
+                response = await _post_once_more_if_stale(session, f"{attempt.decode.url}/internal/decode", body,
+                                                          self.connect_timeout_s)
                 attempt.response = response
                 if response.status != 200:
                     attempt.decode_untouched = True
@@ -498,12 +515,9 @@ class DisaggregatedClient:
         wait = self._remaining(deadline)
         try:
             async with asyncio.timeout(wait):
-                async with self.pool.session().post(
-                    f"{prefill.url}/internal/prefill",
-                    data=body,
-                    headers={"Content-Type": "application/json"},
-                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
-                ) as response:
+                response = await _post_once_more_if_stale(self.pool.session(), f"{prefill.url}/internal/prefill",
+                                                          body, self.connect_timeout_s)
+                async with response:
                     raw = await response.read()
                     status = response.status
         except TimeoutError:
