@@ -17,7 +17,8 @@ from inference.router.pd_client import _post_once_more_if_stale
 async def _serve_once_per_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                                      seen: list[bytes]) -> None:
     head = await reader.readuntil(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    lines = head.split(b"\r\n")
+    length = next(int(line.split(b":")[1]) for line in lines if line.lower().startswith(b"content-length"))
     seen.append(await reader.readexactly(length))
     body = b'{"ok": true}'
     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
