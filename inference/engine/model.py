@@ -194,9 +194,27 @@ class Attention(nn.Module):
             )
             if keys.dtype != q.dtype:
                 keys, values = keys.to(q.dtype), values.to(q.dtype)
+            if q.device.type == "cpu":
+                outs.append(self._decode_matmul(q[bk.start : bk.end], keys, values, bk.mask))
+                continue
             qb = q[bk.start : bk.end].view(n, 1, self.num_heads, self.head_dim)
             outs.append(self._sdpa(qb, keys, values, attn_mask=bk.mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _decode_matmul(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One query per sequence as two batched matmuls and an fp32 softmax. On CPU this beats SDPA
+        for a single query: measured on SmolLM2's shapes (batch 32, 70 keys) 0.17 ms against 2.2 ms in
+        bf16 (the flash kernel is tiled for many queries) and 0.27 against 0.38 ms in fp32."""
+        n = q.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        qg = q.view(n, self.num_kv_heads, group, self.head_dim)
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * self.scale  # [n, kv, group, k]
+        if mask is not None:
+            scores = scores + mask
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        return torch.matmul(probs, values.transpose(1, 2)).reshape(n, self.q_size)
 
 
 class MLP(nn.Module):
