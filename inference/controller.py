@@ -7,7 +7,8 @@ role's *active* workers (PENDING, STARTING, RUNNING, UNHEALTHY; DRAINING and lat
 - surplus replicas: removed in this order: UNHEALTHY first, then not yet serving (PENDING, STARTING),
   then RUNNING ones, least loaded first; RUNNING ones drain (`stop_worker(drain=True)`: no new requests,
   stopped once idle), the others stop at once;
-- workers left on an OFFLINE node are given up (STOPPED) and re-placed;
+- workers left on an OFFLINE node are given up (STOPPED) and re-placed; workers of an UNREACHABLE node
+  (its agent silent) still count: they serve while their /health answers (`check_node_heartbeats`);
 - PENDING workers whose agent did not pick them up within CONTROLLER_PENDING_RESEND_S get their start
   request again (agents also pick up their PENDING workers by themselves, see nodes.agent.supervisor).
 
@@ -42,10 +43,12 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+import httpx
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
@@ -61,6 +64,8 @@ ROLES: tuple[str, ...] = tuple(WorkerRole.values)
 PLACEMENT_ATTEMPTS = 3
 # pg_advisory_xact_lock key serialising placements (any constant the platform uses for nothing else).
 PLACEMENT_LOCK_ID = 0x706C6163  # "plac"
+# Threads probing the workers of silent nodes at once; each probe is bounded by AGENT_HEALTH_TIMEOUT_S.
+PROBE_THREADS = 16
 # Order in which surplus workers are removed (lower first).
 _REMOVAL_RANK = {
     WorkerStatus.UNHEALTHY: 0,
@@ -437,15 +442,69 @@ def reconcile_all(*, now: datetime | None = None) -> list[ReconcileResult]:
 
 
 # ------------------------------------------------------------------------------------------ heartbeats
+def _silent_nodes(cutoff: datetime) -> list[Node]:
+    """Nodes (not OFFLINE) whose agent sent no heartbeat since `cutoff`, or never sent one."""
+    base = Node.objects.exclude(status=NodeStatus.OFFLINE).order_by("name")
+    return list(base.filter(last_heartbeat__lt=cutoff)) + list(base.filter(last_heartbeat__isnull=True))
+
+
+def probe_health(worker: Worker, timeout: float) -> tuple[dict[str, Any] | None, str]:
+    """GET the worker's /health (no database access: runs in a thread); (its JSON object, or None, and why)."""
+    try:
+        response = httpx.get(worker.url + "/health", timeout=timeout)
+    except httpx.HTTPError as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    if response.status_code != 200:
+        return None, f"HTTP {response.status_code}"
+    try:
+        body = response.json()
+    except ValueError:
+        return None, "not JSON"
+    return (body, "") if isinstance(body, dict) else (None, "not a JSON object")
+
+
+def probe_workers_of_silent_nodes(nodes: Sequence[Node], *, now: datetime) -> dict[int, str]:
+    """Probe /health of the active workers on nodes whose agent is silent; act through nodes.actions.report_probe.
+
+    Without an agent nobody else watches these processes: a healthy answer keeps a worker in rotation, a
+    failed one takes it out (UNHEALTHY) and, after NODE_HEARTBEAT_TIMEOUT_S without any answer, fails it
+    over (STOPPED, ScaleEvent, replacement placed elsewhere). Probes run concurrently, each bounded by
+    AGENT_HEALTH_TIMEOUT_S; the database is written from this thread. Returns the outcome per worker id.
+    """
+    workers = list(
+        Worker.objects.select_related("node")
+        .filter(node__in=list(nodes), status__in=ACTIVE_WORKER_STATUSES)
+        .order_by("pk")
+    )
+    if not workers:
+        return {}
+    timeout = float(settings.AGENT_HEALTH_TIMEOUT_S)
+    with ThreadPoolExecutor(max_workers=min(PROBE_THREADS, len(workers))) as pool:
+        answers = list(pool.map(lambda w: probe_health(w, timeout), workers))
+    grace = float(settings.NODE_HEARTBEAT_TIMEOUT_S)
+    return {
+        worker.pk: node_actions.report_probe(worker.pk, health=health, error=error, grace_s=grace, now=now)
+        for worker, (health, error) in zip(workers, answers, strict=True)
+    }
+
+
 def check_node_heartbeats(*, now: datetime | None = None) -> list[Node]:
-    """Nodes silent for over NODE_HEARTBEAT_TIMEOUT_S go OFFLINE; their workers are given up and re-placed."""
+    """Nodes silent for over NODE_HEARTBEAT_TIMEOUT_S become UNREACHABLE; their workers are probed directly.
+
+    An agent that died leaves its workers running (they are in sessions of their own), so silence alone
+    is no reason to drop them: they stay RUNNING and in rotation while their /health answers, and only
+    those that stop answering are failed over (`probe_workers_of_silent_nodes`). A restarted agent
+    brings the node back ONLINE and adopts them. Returns the nodes that became UNREACHABLE now.
+    """
     now = now or timezone.now()
     timeout = float(settings.NODE_HEARTBEAT_TIMEOUT_S)
-    cutoff = now - timedelta(seconds=timeout)
-    stale = list(
-        Node.objects.exclude(status=NodeStatus.OFFLINE).filter(last_heartbeat__lt=cutoff)
-    ) + list(Node.objects.exclude(status=NodeStatus.OFFLINE).filter(last_heartbeat__isnull=True))
-    for node in stale:
+    silent = _silent_nodes(now - timedelta(seconds=timeout))
+    newly: list[Node] = []
+    for node in silent:
+        if node.status != NodeStatus.ONLINE:
+            continue
         seen = f"last heartbeat {node.last_heartbeat:%Y-%m-%d %H:%M:%S}" if node.last_heartbeat else "never seen"
-        node_actions.mark_node_offline(node, reason=f"no heartbeat for over {timeout:.0f}s ({seen})")
-    return stale
+        node_actions.mark_node_unreachable(node, reason=f"no heartbeat for over {timeout:.0f}s ({seen})")
+        newly.append(node)
+    probe_workers_of_silent_nodes(silent, now=now)
+    return newly

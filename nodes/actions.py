@@ -8,6 +8,13 @@ Two kinds of callers:
   conditional updates (`UPDATE ... WHERE status IN (...)`), so a late report can never undo a
   decision taken meanwhile: a health answer does not turn a worker the controller started draining
   back into RUNNING, nor revive one the controller gave up on when its node went offline.
+- the controller's heartbeat check: `mark_node_unreachable` for a node whose agent went silent, and
+  `report_probe` for its own /health probes of that node's workers (they serve on without their agent,
+  and are failed over only when they stop answering).
+
+Every failover (a worker given up and re-placed), adoption (a restarted agent takes over a running
+worker) and reap (an orphaned process of a replaced worker drained and stopped) is recorded as a
+ScaleEvent with source "recovery" and its reason (`record_recovery`).
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
+from inference.models import ScaleEvent, ScaleSource
 from nodes.models import ACTIVE_WORKER_STATUSES, Node, NodeStatus, Worker, WorkerStatus
 from nodes.resources import NodeResources
 
@@ -79,7 +87,7 @@ def register_node(
 
 
 def heartbeat(node_id: int, *, metrics: dict[str, Any] | None = None) -> bool:
-    """An agent is alive: stamp last_heartbeat (and host metrics); an OFFLINE node comes back ONLINE.
+    """An agent is alive: stamp last_heartbeat (and host metrics); an OFFLINE/UNREACHABLE node is ONLINE again.
 
     Returns False when the node no longer exists (deleted in the admin): the agent then re-registers.
     """
@@ -89,18 +97,23 @@ def heartbeat(node_id: int, *, metrics: dict[str, Any] | None = None) -> bool:
         fields["last_metrics"] = metrics
     updated = Node.objects.filter(pk=node_id).update(**fields)
     if updated:
-        came_back = Node.objects.filter(pk=node_id, status=NodeStatus.OFFLINE).update(status=NodeStatus.ONLINE)
+        came_back = Node.objects.filter(
+            pk=node_id, status__in=[NodeStatus.OFFLINE, NodeStatus.UNREACHABLE]
+        ).update(status=NodeStatus.ONLINE)
         if came_back:
             logger.info("node #%s is back online", node_id)
     return bool(updated)
 
 
 def mark_node_offline(node: Node, *, reason: str) -> list[Worker]:
-    """A node's agent went silent (or shut down): OFFLINE, and its live workers STOPPED, to be re-placed.
+    """Give up on a node: OFFLINE, and its live workers STOPPED, to be re-placed (one ScaleEvent per role).
 
-    The workers' pids are kept so that the agent, if it comes back, can find and kill the processes
-    (see nodes.agent.supervisor). The controller re-places them: `reconcile_deployment` is sent for every
-    affected deployment once the transaction commits. Returns the workers given up on.
+    For an agent that shuts down (its workers stop with it) and for an operator who knows the host is
+    gone; a node whose agent merely went silent is `mark_node_unreachable` instead, since its workers
+    may serve on. The workers' pids are kept so that the agent, if it comes back, can find the processes
+    and drain and stop them (see nodes.agent.supervisor). The controller re-places them:
+    `reconcile_deployment` is sent for every affected deployment once the transaction commits. Returns
+    the workers given up on.
     """
     now = _now()
     with transaction.atomic():
@@ -110,9 +123,103 @@ def mark_node_offline(node: Node, *, reason: str) -> list[Worker]:
         Worker.objects.filter(pk__in=[w.pk for w in workers]).update(
             status=WorkerStatus.STOPPED, last_error=_clip(f"node {node.name} offline: {reason}"), updated_at=now
         )
+        for (deployment_id, role), group in _by_role(workers).items():
+            serving = [w for w in group if w.status in ACTIVE_WORKER_STATUSES]
+            if serving:
+                record_recovery(
+                    deployment_id, role, removed=len(serving),
+                    reason=f"failover: node {node.name} offline ({reason}); {_ids(serving)} stopped, "
+                           "replacements placed on other nodes",
+                )
         _reconcile_on_commit(w.deployment_id for w in workers)
     logger.warning("node %s offline (%s); %d worker(s) to re-place", node.name, reason, len(workers))
     return workers
+
+
+def mark_node_unreachable(node: Node, *, reason: str) -> list[Worker]:
+    """A node's agent went silent: UNREACHABLE; its workers keep their status and stay in rotation.
+
+    Losing the agent does not stop its workers (they run in sessions of their own), so giving them up
+    would take healthy capacity out of rotation and leave their processes running untracked. Instead
+    the controller probes their /health itself (`report_probe`) and fails over only those that stop
+    answering; a restarted agent re-registers the node (ONLINE) and adopts the rest. Only an ONLINE node
+    changes (a DRAINING one stays DRAINING: its workers are being stopped anyway). One ScaleEvent per
+    deployment and role with live workers here says so. Returns the node's active workers.
+    """
+    with transaction.atomic():
+        changed = Node.objects.filter(pk=node.pk, status=NodeStatus.ONLINE).update(status=NodeStatus.UNREACHABLE)
+        node.refresh_from_db(fields=["status"])
+        workers = list(Worker.objects.filter(node=node, status__in=ACTIVE_WORKER_STATUSES).order_by("pk"))
+        if changed:
+            for (deployment_id, role), group in _by_role(workers).items():
+                record_recovery(
+                    deployment_id, role, removed=0,
+                    reason=f"node {node.name} unreachable ({reason}): {_ids(group)} kept in rotation while their "
+                           "/health answers; a restarted agent adopts them",
+                )
+    if changed:
+        logger.warning("node %s unreachable (%s); %d worker(s) kept while healthy", node.name, reason, len(workers))
+    return workers
+
+
+def report_probe(
+    worker_id: int, *, health: dict[str, Any] | None, error: str = "", grace_s: float, now: datetime | None = None
+) -> str:
+    """The controller probed /health of a worker whose agent is silent; act on the answer.
+
+    - a healthy answer: stored (last_health, last_seen); an UNHEALTHY worker is RUNNING (routable) again.
+      Returns "healthy".
+    - no (healthy) answer: a RUNNING/STARTING worker turns UNHEALTHY at once (routers following the
+      database stop sending it requests) and returns "unhealthy"; once nothing has been heard of it for
+      `grace_s` (last_seen, or its last status change when it never answered) it is failed over:
+      STOPPED with its pid kept (a returning agent reaps the process), a ScaleEvent, and a reconcile that
+      places the replacement elsewhere. Returns "failed_over". A PENDING worker (its agent died before
+      starting it) is failed over at once.
+    Returns "gone" when the worker is no longer active.
+    """
+    now = now or _now()
+    if health is not None and health.get("status") == "healthy":
+        Worker.objects.filter(pk=worker_id, status__in=LIVE_WORKER_STATUSES).update(last_health=health, last_seen=now)
+        Worker.objects.filter(pk=worker_id, status=WorkerStatus.UNHEALTHY).update(
+            status=WorkerStatus.RUNNING, last_error="", updated_at=now
+        )
+        return "healthy"
+    why = error or (f"unhealthy answer: {health}" if health is not None else "no answer")
+    with transaction.atomic():
+        worker = (
+            Worker.objects.select_for_update().select_related("node")
+            .filter(pk=worker_id, status__in=ACTIVE_WORKER_STATUSES).first()
+        )
+        if worker is None:
+            return "gone"
+        last_sign = worker.last_seen or worker.updated_at
+        silent_s = (now - last_sign).total_seconds() if last_sign else float("inf")
+        if worker.status != WorkerStatus.PENDING and silent_s < grace_s:
+            if worker.status in (WorkerStatus.RUNNING, WorkerStatus.STARTING):
+                Worker.objects.filter(pk=worker_id).update(
+                    status=WorkerStatus.UNHEALTHY, updated_at=now,
+                    last_error=_clip(f"agent of {worker.node.name} silent; /health probe failed: {why}"),
+                )
+                # The last sign of life stays last_seen (or, for a worker never seen, the status change).
+                if worker.last_seen is None:
+                    Worker.objects.filter(pk=worker_id).update(last_seen=last_sign)
+            return "unhealthy"
+        detail = (
+            "never started (its agent went silent first)" if worker.status == WorkerStatus.PENDING
+            else f"/health not answering for {silent_s:.0f}s ({why})"
+        )
+        Worker.objects.filter(pk=worker_id).update(
+            status=WorkerStatus.STOPPED, updated_at=now,
+            last_error=_clip(f"failed over: agent of {worker.node.name} silent and the worker {detail}"),
+        )
+        record_recovery(
+            worker.deployment_id, worker.role, removed=1,
+            reason=f"failover: {worker.role} worker #{worker.pk} on unreachable node {worker.node.name} {detail}; "
+                   "a replacement is placed on another node",
+        )
+        _reconcile_on_commit([worker.deployment_id])
+    logger.warning("worker #%s failed over: %s", worker_id, detail)
+    return "failed_over"
 
 
 def drain_node(node: Node) -> Node:
@@ -173,8 +280,8 @@ def restart_worker(worker: Worker) -> None:
     worker.refresh_from_db(fields=["status"])
     if worker.status not in ACTIVE_WORKER_STATUSES:
         raise ValueError(f"worker #{worker.pk} is {worker.status}; only a live worker can be restarted")
-    if worker.node.status == NodeStatus.OFFLINE:
-        raise ValueError(f"node {worker.node.name} is offline; its worker cannot be restarted")
+    if worker.node.status in (NodeStatus.OFFLINE, NodeStatus.UNREACHABLE):
+        raise ValueError(f"node {worker.node.name} is {worker.node.status}; its worker cannot be restarted")
     _send_to_node(worker, "restart_worker", worker_id=worker.pk)
 
 
@@ -205,14 +312,45 @@ def _reconcile_on_commit(deployment_ids: Iterable[int]) -> None:
     transaction.on_commit(send)
 
 
+def _by_role(workers: Iterable[Worker]) -> dict[tuple[int, str], list[Worker]]:
+    groups: dict[tuple[int, str], list[Worker]] = {}
+    for worker in workers:
+        groups.setdefault((worker.deployment_id, worker.role), []).append(worker)
+    return groups
+
+
+def _ids(workers: list[Worker]) -> str:
+    return f"{len(workers)} {workers[0].role} worker(s) (" + ", ".join(f"#{w.pk}" for w in workers) + ")"
+
+
+def record_recovery(deployment_id: int, role: str, *, removed: int, reason: str) -> ScaleEvent:
+    """A ScaleEvent (source "recovery") for a failover, adoption or reap of the deployment's `role` workers.
+
+    from/to are the role's active workers before and after (`removed` of them given up, 0 when none
+    was: an adoption or a reap changes who runs a worker, not how many run), counted after the caller's
+    update, so call it inside the transaction that made the change.
+    """
+    active = Worker.objects.filter(deployment_id=deployment_id, role=role, status__in=ACTIVE_WORKER_STATUSES).count()
+    event = ScaleEvent.objects.create(
+        deployment_id=deployment_id, role=role, from_replicas=active + removed, to_replicas=active,
+        source=ScaleSource.RECOVERY, reason=_clip(reason),
+    )
+    logger.info("deployment #%s %s: %s", deployment_id, role, reason)
+    return event
+
+
 # ------------------------------------------------------------------------------------- agent reports
-def report_launched(worker_id: int, *, pid: int, restart: bool) -> bool:
+def report_launched(worker_id: int, *, pid: int, restart: bool, started_at: float | None = None) -> bool:
     """The agent started the worker's process: STARTING with its pid; `restart` counts one more restart.
 
-    Only a live worker (PENDING/STARTING/RUNNING/UNHEALTHY) moves; False means the worker was given up on
-    meanwhile and the agent should stop the process again.
+    `started_at` is the process's start time as the OS reports it (psutil's create_time), stored so a
+    later agent can tell the process from another that reused the pid. Only a live worker
+    (PENDING/STARTING/RUNNING/UNHEALTHY) moves; False means the worker was given up on meanwhile and
+    the agent should stop the process again.
     """
-    fields: dict[str, Any] = {"status": WorkerStatus.STARTING, "pid": pid, "updated_at": _now()}
+    fields: dict[str, Any] = {
+        "status": WorkerStatus.STARTING, "pid": pid, "process_started_at": started_at, "updated_at": _now()
+    }
     if restart:
         fields["restarts"] = F("restarts") + 1
     return bool(Worker.objects.filter(pk=worker_id, status__in=ACTIVE_WORKER_STATUSES).update(**fields))
@@ -298,4 +436,33 @@ def report_failed(worker_id: int, *, error: str) -> bool:
         )
         _reconcile_on_commit([worker.deployment_id])
     logger.error("worker #%s failed: %s", worker_id, error.splitlines()[0] if error else "")
+    return True
+
+
+def report_adopted(worker_id: int, *, pid: int, node_name: str) -> bool:
+    """A restarted agent took over the worker's running process instead of restarting it (ScaleEvent)."""
+    with transaction.atomic():
+        worker = Worker.objects.filter(pk=worker_id).exclude(status__in=FINAL_WORKER_STATUSES).first()
+        if worker is None:
+            return False
+        record_recovery(
+            worker.deployment_id, worker.role, removed=0,
+            reason=f"adopted: the restarted agent of {node_name} took over {worker.role} worker #{worker_id} "
+                   f"(pid {pid}, port {worker.port}, {worker.status}) without restarting it",
+        )
+    return True
+
+
+def report_reaping(worker_id: int, *, pid: int, node_name: str) -> bool:
+    """A restarted agent found the process of a worker already given up on (replaced): it is drained and
+    stopped (its status stays final; a ScaleEvent says so)."""
+    with transaction.atomic():
+        worker = Worker.objects.filter(pk=worker_id, status__in=FINAL_WORKER_STATUSES).first()
+        if worker is None:
+            return False
+        record_recovery(
+            worker.deployment_id, worker.role, removed=0,
+            reason=f"reap: the restarted agent of {node_name} found orphaned process {pid} of {worker.status} "
+                   f"{worker.role} worker #{worker_id} (port {worker.port}); draining and stopping it",
+        )
     return True

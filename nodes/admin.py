@@ -20,6 +20,7 @@ from nodes.models import ACTIVE_WORKER_STATUSES, Node, NodeStatus, Worker, Worke
 _STATUS_COLOURS: dict[str, str] = {
     # Plain values as keys: NodeStatus and WorkerStatus share some ("draining").
     "online": "#2e7d32",
+    "unreachable": "#b26a00",  # agent silent; its workers serve while their /health answers
     "offline": "#c62828",
     "running": "#2e7d32",
     "pending": "#607d8b",
@@ -162,7 +163,7 @@ class NodeAdmin(admin.ModelAdmin):
     ]
     list_filter = ["status", "allow_cpu_oversubscription"]
     search_fields = ["name", "hostname", "address"]
-    actions = ["drain_nodes", "activate_nodes"]
+    actions = ["drain_nodes", "activate_nodes", "mark_nodes_offline"]
     inlines = [WorkerInline]
     readonly_fields = [
         # Status changes go through the drain/activate actions, which also move the node's workers.
@@ -198,8 +199,8 @@ class NodeAdmin(admin.ModelAdmin):
 
     @admin.display(description="status", ordering="status")
     def live_status(self, node: Node) -> SafeString:
-        """The status, greyed out when the agent's heartbeat is stale."""
-        stale = node.status != NodeStatus.OFFLINE and (
+        """The status, greyed out when the agent's heartbeat is stale (UNREACHABLE already says so)."""
+        stale = node.status not in (NodeStatus.OFFLINE, NodeStatus.UNREACHABLE) and (
             node.last_heartbeat is None
             or (timezone.now() - node.last_heartbeat).total_seconds() > heartbeat_timeout_s()
         )
@@ -288,6 +289,21 @@ class NodeAdmin(admin.ModelAdmin):
                 continue
             activate_node(node)
             self.message_user(request, f"{node.name} takes new workers again.", messages.SUCCESS)
+
+    @admin.action(description="Mark offline (re-place its workers elsewhere)", permissions=["change"])
+    def mark_nodes_offline(self, request: HttpRequest, queryset: QuerySet) -> None:
+        """Give up on each selected node through nodes.actions.mark_node_offline (for a host known gone:
+        an UNREACHABLE node's workers otherwise stay as long as their /health answers)."""
+        from nodes.actions import mark_node_offline  # the agent/controller side's module; imported when used
+
+        for node in queryset:
+            if node.status == NodeStatus.OFFLINE:
+                self.message_user(request, f"{node.name} is offline already.", messages.WARNING)
+                continue
+            given_up = mark_node_offline(node, reason=f"marked offline by {request.user}")
+            self.message_user(
+                request, f"{node.name} is offline; {len(given_up)} worker(s) re-placed elsewhere.", messages.SUCCESS
+            )
 
 
 @admin.register(Worker)

@@ -9,7 +9,11 @@ class NodeStatus(models.TextChoices):
 
     ONLINE = "online", "Online"
     DRAINING = "draining", "Draining"
-    OFFLINE = "offline", "Offline"
+    # The agent went silent (no heartbeat within NODE_HEARTBEAT_TIMEOUT_S) but its workers may well be
+    # serving: they stay in rotation while their own /health answers the controller, no new workers are
+    # placed here, and a restarted agent adopts them (see nodes.actions.mark_node_unreachable).
+    UNREACHABLE = "unreachable", "Unreachable"
+    OFFLINE = "offline", "Offline"  # the agent shut down (or an operator gave up on the host): workers re-placed
 
 
 class Node(models.Model):
@@ -85,6 +89,12 @@ class Worker(models.Model):
     port = models.PositiveIntegerField()
     kv_port = models.PositiveIntegerField(null=True, blank=True)
     pid = models.PositiveIntegerField(null=True, blank=True)
+    process_started_at = models.FloatField(
+        null=True,
+        blank=True,
+        help_text="start time of the process (epoch seconds, as the OS reports it): with pid and port it "
+        "tells a restarted agent that a running process is this worker's, not a reused pid",
+    )
     status = models.CharField(max_length=16, choices=WorkerStatus.choices, default=WorkerStatus.PENDING)
     restarts = models.PositiveIntegerField(default=0)
     cpu_ids = models.JSONField(default=list, blank=True)

@@ -21,6 +21,11 @@ and the controller re-places the replica. What happens is reported to the databa
 Every `sync_interval_s` the supervisor also compares its processes with the database: live workers of
 this node that it does not run are started (a lost Celery message), and processes of workers that the
 controller gave up on (STOPPED/FAILED, e.g. after this node was marked offline) are stopped.
+
+An agent that dies does not take its workers with it (each runs in a session of its own): while it is
+away the controller keeps them in rotation as long as their /health answers (the node is UNREACHABLE),
+and `recover()` in the next agent adopts them by pid, port and process start time instead of
+restarting them; processes of workers failed over meanwhile are drained and stopped (reaped).
 """
 from __future__ import annotations
 
@@ -55,6 +60,8 @@ logger = logging.getLogger(__name__)
 LOG_TAIL_BYTES = 2000
 # After SIGKILL a process normally disappears at once; one stuck in the kernel is given up on after this.
 KILL_GRACE_S = 5.0
+# Slack when comparing a process's start time with the one recorded at launch.
+START_TIME_TOLERANCE_S = 0.5
 
 
 def backoff_delay(crashes: int, base_s: float, max_s: float) -> float:
@@ -297,14 +304,30 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
-def worker_process_matches(pid: int, port: int) -> bool:
-    """Whether `pid` is a live launch_server process serving `port` (guards against reused pids)."""
+def process_start_time(pid: int) -> float | None:
+    """The process's start time in epoch seconds as the OS reports it (None when it is gone)."""
+    try:
+        return float(psutil.Process(pid).create_time())
+    except (psutil.Error, OSError):
+        return None
+
+
+def worker_process_matches(pid: int, port: int, started_at: float | None = None) -> bool:
+    """Whether `pid` is a live launch_server process serving `port`, started at `started_at` when known.
+
+    All three are checked because a pid alone may have been reused by an unrelated process since the
+    worker ran (after a reboot, say); the start time also tells apart a later launch_server on that port.
+    """
     try:
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
             return False
         cmdline = proc.cmdline()
+        created = proc.create_time()
     except (psutil.Error, OSError):
+        return False
+    # create_time is derived from boot time and clock ticks: equal for one process, to well under this.
+    if started_at is not None and abs(created - started_at) > START_TIME_TOLERANCE_S:
         return False
     if "inference.launch_server" not in cmdline:
         return False
@@ -477,13 +500,15 @@ class Supervisor:
 
     # ------------------------------------------------------------------------------ recovery/sync
     def recover(self) -> dict[str, list[int]]:
-        """At agent start: adopt live worker processes of this node, restart lost ones, kill leftovers.
+        """At agent start: adopt live worker processes of this node, restart lost ones, reap orphans.
 
-        A worker whose process still runs (same pid, launch_server on the same port) is adopted; a live
-        worker whose process is gone is launched again (counted as a restart); a process of a worker the
-        controller gave up on is killed. Returns the worker ids per outcome.
+        A worker whose process still runs (same pid, launch_server on the same port, same start time) is
+        adopted, not restarted: it keeps serving (a ScaleEvent records the adoption); a live worker whose
+        process is gone is launched again (counted as a restart); the process of a worker the controller
+        gave up on (failed over while this node's agent was silent, and replaced) is an orphan: drained
+        (its requests in flight finish) and stopped, recorded as a reap. Returns the worker ids per outcome.
         """
-        outcome: dict[str, list[int]] = {"adopted": [], "relaunched": [], "killed": [], "stopped": []}
+        outcome: dict[str, list[int]] = {"adopted": [], "relaunched": [], "reaped": [], "stopped": []}
         workers = (
             Worker.objects.select_related("deployment__model", "node")
             .filter(node_id=self.node_id)
@@ -492,12 +517,23 @@ class Supervisor:
         now = self._clock()
         with self._lock:
             for worker in workers:
-                alive = worker.pid is not None and worker_process_matches(worker.pid, worker.port)
+                alive = worker.pid is not None and worker_process_matches(
+                    worker.pid, worker.port, worker.process_started_at
+                )
                 if worker.status in actions.FINAL_WORKER_STATUSES:
                     if alive and worker.pid is not None:
-                        self._kill_now(worker.pid)
-                        outcome["killed"].append(worker.pk)
-                    actions.report_stopped(worker.pk)
+                        orphan = Managed(
+                            spec=WorkerSpec.from_worker(worker, self.config.bind_host),
+                            log_path=self._log_path(worker.pk), goal=Goal.DRAIN, phase=Phase.RUNNING,
+                            pid=worker.pid, launches=1, launched_at=now,
+                        )
+                        with contextlib.suppress(psutil.Error):
+                            orphan.adopted = psutil.Process(worker.pid)
+                        self._procs[worker.pk] = orphan
+                        actions.report_reaping(worker.pk, pid=worker.pid, node_name=worker.node.name)
+                        outcome["reaped"].append(worker.pk)
+                    else:
+                        actions.report_stopped(worker.pk)
                     continue
                 if not alive and worker.status in (WorkerStatus.DRAINING, WorkerStatus.STOPPING):
                     actions.report_stopped(worker.pk)
@@ -519,6 +555,7 @@ class Supervisor:
                         managed.goal = Goal.DRAIN
                     elif worker.status == WorkerStatus.STOPPING:
                         managed.goal = Goal.STOP
+                    actions.report_adopted(worker.pk, pid=worker.pid, node_name=worker.node.name)
                     outcome["adopted"].append(worker.pk)
                 else:
                     managed.count_next_launch_as_restart = worker.pid is not None or worker.restarts > 0
@@ -701,7 +738,8 @@ class Supervisor:
         m.kill_sent = False
         m.kv_port_reported = m.spec.kv_port is not None
         logger.info("worker #%s launched (pid %s): %s", wid, popen.pid, " ".join(cmd))
-        if not actions.report_launched(wid, pid=popen.pid, restart=restart):
+        started_at = process_start_time(popen.pid)
+        if not actions.report_launched(wid, pid=popen.pid, restart=restart, started_at=started_at):
             # Given up on while we launched it (e.g. the node was marked offline): undo.
             m.goal = Goal.STOP
 

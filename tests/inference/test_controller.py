@@ -403,24 +403,99 @@ def test_a_stopped_deployment_drains_everything(
     assert Worker.objects.get(pk=pending.pk).status == WorkerStatus.STOPPING
 
 
-def test_offline_node_workers_are_replaced_elsewhere(
-    sent_tasks: SentTasks, django_capture_on_commit_callbacks  # noqa: F811
+def test_silent_node_is_unreachable_and_its_healthy_workers_stay_in_rotation(
+    sent_tasks: SentTasks, django_capture_on_commit_callbacks, fake_worker: tuple[int, FakeWorkerState]  # noqa: F811
 ) -> None:
+    """An agent that went silent: its node turns UNREACHABLE, its worker answering /health stays RUNNING."""
+    port, _state = fake_worker
     dep = make_deployment(decode_replicas=1, prefill_replicas=0, prefill_min=0)
-    silent = online_node(name="silent", last_heartbeat=timezone.now() - timedelta(seconds=60))
-    alive = online_node(name="alive")
-    lost = make_worker(dep, silent, role="decode")
+    silent = online_node(name="silent", address="127.0.0.1", last_heartbeat=timezone.now() - timedelta(seconds=60))
+    online_node(name="alive")
+    serving = make_worker(dep, silent, role="decode", port=port, status="running", last_seen=timezone.now())
     with django_capture_on_commit_callbacks(execute=True):
         gone = controller.check_node_heartbeats()
     assert [n.name for n in gone] == ["silent"]
-    assert Node.objects.get(pk=silent.pk).status == NodeStatus.OFFLINE
-    assert Worker.objects.get(pk=lost.pk).status == WorkerStatus.STOPPED
+    assert Node.objects.get(pk=silent.pk).status == NodeStatus.UNREACHABLE
+    kept = Worker.objects.get(pk=serving.pk)
+    assert kept.status == WorkerStatus.RUNNING and kept.last_health["status"] == "healthy"
+    [event] = ScaleEvent.objects.filter(deployment=dep)
+    assert event.source == "recovery" and (event.from_replicas, event.to_replicas) == (1, 1)
+    assert "unreachable" in event.reason and f"#{serving.pk}" in event.reason
+    assert sent_tasks.named("reconcile_deployment") == []
+    result = controller.reconcile(dep)
+    assert result.started == [] and [w.pk for w in live(dep, "decode")] == [serving.pk]  # no replacement
+    assert controller.check_node_heartbeats() == []  # reported once; its worker is still probed
+    assert ScaleEvent.objects.filter(deployment=dep).count() == 1
+    # The placement of anything new avoids the node: its agent could not start it.
+    plan = controller.plan_placement_explained(dep, "decode")
+    assert ("silent", "unreachable") in plan.refusals
+
+
+def test_worker_of_an_unreachable_node_is_failed_over_once_it_stops_answering(
+    sent_tasks: SentTasks, django_capture_on_commit_callbacks  # noqa: F811
+) -> None:
+    """No /health answer: out of rotation at once (UNHEALTHY); replaced after NODE_HEARTBEAT_TIMEOUT_S."""
+    dep = make_deployment(decode_replicas=1, prefill_replicas=0, prefill_min=0)
+    now = timezone.now()
+    silent = online_node(name="silent", address="127.0.0.1", last_heartbeat=now - timedelta(seconds=60))
+    alive = online_node(name="alive")
+    dead = make_worker(dep, silent, role="decode", port=1, status="running", pid=4242, last_seen=now)
+    with django_capture_on_commit_callbacks(execute=True):
+        controller.check_node_heartbeats(now=now)
+    out = Worker.objects.get(pk=dead.pk)
+    assert out.status == WorkerStatus.UNHEALTHY and "/health probe failed" in out.last_error
+    assert sent_tasks.named("reconcile_deployment") == []  # not yet: it may be a blip
+    later = now + timedelta(seconds=16)  # NODE_HEARTBEAT_TIMEOUT_S (15 s) without an answer
+    Node.objects.filter(pk=alive.pk).update(last_heartbeat=later)  # the other agent kept beating
+    with django_capture_on_commit_callbacks(execute=True):
+        assert controller.check_node_heartbeats(now=later) == []
+    failed = Worker.objects.get(pk=dead.pk)
+    assert failed.status == WorkerStatus.STOPPED and failed.pid == 4242  # kept: a returning agent reaps it
+    assert "failed over" in failed.last_error
+    event = ScaleEvent.objects.filter(deployment=dep, reason__startswith="failover").get()
+    assert (event.source, event.from_replicas, event.to_replicas) == ("recovery", 1, 0)
+    assert f"#{dead.pk}" in event.reason and "silent" in event.reason
     assert sent_tasks.named("reconcile_deployment") == [({"deployment_id": dep.pk}, None)]
     with django_capture_on_commit_callbacks(execute=True):
         result = controller.reconcile(dep)
     [replacement] = live(dep, "decode")
     assert replacement.node_id == alive.pk and result.started == [replacement.pk]
-    assert controller.check_node_heartbeats() == []  # an OFFLINE node is not reported twice
+
+
+def test_an_answer_after_a_failed_probe_puts_the_worker_back_and_a_pending_one_is_replaced(
+    fake_worker: tuple[int, FakeWorkerState]
+) -> None:
+    port, state = fake_worker
+    dep = make_deployment(decode_replicas=2, prefill_replicas=0, prefill_min=0)
+    now = timezone.now()
+    silent = online_node(name="silent", address="127.0.0.1", status=NodeStatus.UNREACHABLE,
+                         last_heartbeat=now - timedelta(seconds=60))
+    flaky = make_worker(dep, silent, role="decode", port=port, status="running", last_seen=now)
+    never = make_worker(dep, silent, role="decode", status="pending", pid=None)
+    state.health = {"status": "loading"}
+    outcome = controller.probe_workers_of_silent_nodes([silent], now=now)
+    assert outcome == {flaky.pk: "unhealthy", never.pk: "failed_over"}
+    assert Worker.objects.get(pk=never.pk).status == WorkerStatus.STOPPED
+    state.health = {"status": "healthy", "running": 0}
+    assert controller.probe_workers_of_silent_nodes([silent], now=now) == {flaky.pk: "healthy"}
+    assert Worker.objects.get(pk=flaky.pk).status == WorkerStatus.RUNNING
+
+
+def test_manual_offline_replaces_the_workers_with_a_recorded_failover(
+    django_capture_on_commit_callbacks  # noqa: F811
+) -> None:
+    from nodes import actions as node_actions
+
+    dep = make_deployment(decode_replicas=1, prefill_replicas=0, prefill_min=0)
+    gone = online_node(name="gone")
+    fine = online_node(name="fine")
+    lost = make_worker(dep, gone, role="decode", status="running")
+    node_actions.mark_node_offline(gone, reason="host retired")
+    assert Worker.objects.get(pk=lost.pk).status == WorkerStatus.STOPPED
+    event = ScaleEvent.objects.get(deployment=dep)
+    assert event.reason.startswith("failover: node gone offline (host retired)") and event.to_replicas == 0
+    controller.reconcile(dep)
+    assert [w.node_id for w in live(dep, "decode")] == [fine.pk]
 
 
 def test_workers_left_on_a_node_set_offline_by_hand_are_replaced() -> None:

@@ -223,9 +223,9 @@ def test_crash_loop_backs_off_then_fails(tmp_path: Path, monkeypatch: pytest.Mon
         crashes.append(error)
         return real_crashed(worker_id, error=error)
 
-    def launched(worker_id: int, *, pid: int, restart: bool) -> bool:
+    def launched(worker_id: int, *, pid: int, restart: bool, started_at: float | None = None) -> bool:
         launches.append(time.monotonic())
-        return real_launched(worker_id, pid=pid, restart=restart)
+        return real_launched(worker_id, pid=pid, restart=restart, started_at=started_at)
 
     monkeypatch.setattr(actions, "report_crashed", crashed)
     monkeypatch.setattr(actions, "report_launched", launched)

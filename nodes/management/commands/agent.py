@@ -4,11 +4,13 @@
         [--roles prefill] [--label zone=a] [--bind-host 0.0.0.0] [--keep-workers]
 
 In one process: registers/updates the Node with the detected resources; recovers the node's workers
-(adopts processes still running, relaunches lost ones, kills leftovers); runs the supervisor thread and
-the heartbeat thread; and, in the main thread, a Celery worker consuming ONLY the queue node.<name>
-(threads pool, small concurrency: the tasks just hand requests to the supervisor). On SIGTERM/SIGINT
-it stops its workers (SIGTERM, then SIGKILL), marks the node OFFLINE so the controller re-places them,
-and exits. With --keep-workers the processes are left running for the next agent to adopt.
+(adopts processes still running, relaunches lost ones, drains and stops orphans of replaced workers);
+runs the supervisor thread and the heartbeat thread; and, in the main thread, a Celery worker consuming
+ONLY the queue node.<name> (threads pool, small concurrency: the tasks just hand requests to the
+supervisor). On SIGTERM/SIGINT it marks the node OFFLINE so the controller re-places its workers, stops
+them (SIGTERM, then SIGKILL) and exits. With --keep-workers the processes are left running for the next
+agent to adopt. An agent killed outright (SIGKILL, OOM) leaves its workers serving: the controller marks
+the node UNREACHABLE and keeps them in rotation while their /health answers (inference.controller).
 """
 from __future__ import annotations
 
