@@ -7,9 +7,10 @@ slow the prefill, and a lease runs out only when the prefill side falls silent (
 unreachable) for one whole lease. Every renewal is bounded by a hard cap fixed at reservation time.
 
 Renewal exchange, one short TCP connection to the descriptor's host/port (the TCP transport's KV
-port, the RDMA transport's control port), JSON frames from `wire.py`:
+port, the RDMA transport's control port), after the port's handshake (`auth.py`: only a holder of
+the shared secret gets this far), JSON frames from `wire.py`:
 
-    prefill → {"op": "renew", "request_id", "token", "secret", "stage", "holder"}
+    prefill → {"op": "renew", "request_id", "token", "stage", "holder"}
     decode  → {"ok": true, "expires_in": s, "cap_in": s} | {"ok": false, "error": "..."}
 
 `token` is the descriptor's per-request transfer token: only a holder of the descriptor can renew.
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from inference.kv_transfer.auth import HandshakeRefused, connect_authenticated
 from inference.kv_transfer.base import KVTransferError, TransferDescriptor
 from inference.kv_transfer.wire import recv_frame, send_frame
 
@@ -161,15 +163,13 @@ class Lease:
 
 
 def answer_renewal(
-    header: dict[str, Any], find: Callable[[str], tuple[str, Lease] | None], secret: str, peer: str
+    header: dict[str, Any], find: Callable[[str], tuple[str, Lease] | None], peer: str
 ) -> dict[str, Any]:
-    """Decode side: check and apply one renewal frame; the reply frame to send back.
+    """Decode side: check and apply one renewal frame (on an authenticated connection); the reply.
 
     `find` gives the (transfer token, lease) of a transfer still expected, None for an unknown,
     finished or cancelled one. `peer` is the connection's address, used when the frame names no holder.
     """
-    if secret and not same_secret(header.get("secret", ""), secret):
-        return {"ok": False, "error": "bad shared secret"}
     request_id = str(header.get("request_id", ""))
     entry = find(request_id)
     if entry is None:
@@ -199,17 +199,27 @@ def request_renewal(
         "op": "renew",
         "request_id": descriptor.request_id,
         "token": descriptor.token,
-        "secret": secret,
         "stage": stage,
         "holder": holder,
     }
     asked_at = time.time()
+    deadline = time.monotonic() + timeout
     try:
-        with socket.create_connection((descriptor.host, descriptor.port), timeout=timeout) as sock:
-            sock.settimeout(timeout)
+        sock = connect_authenticated(
+            descriptor.host, descriptor.port, secret, connect_timeout=timeout, deadline=deadline
+        )
+    except HandshakeRefused as exc:
+        if not exc.retryable:  # the secret itself: no renewal will ever pass
+            raise LeaseLost(f"decode {where} refused the lease renewal: {exc.reason}") from exc
+        raise KVTransferError(f"cannot renew the lease at {where}: {exc}") from exc
+    except KVTransferError as exc:
+        raise KVTransferError(f"cannot renew the lease at {where}: {exc}") from exc
+    try:
+        with sock:
+            sock.settimeout(max(deadline - time.monotonic(), 0.01))
             send_frame(sock, frame)
             reply = recv_frame(sock)
-    except OSError as exc:
+    except (OSError, KVTransferError) as exc:
         raise KVTransferError(f"cannot renew the lease at {where}: {exc}") from exc
     if not reply.get("ok"):
         raise LeaseLost(f"decode {where} refused the lease renewal: {reply.get('error', 'unknown error')}")

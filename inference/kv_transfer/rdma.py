@@ -2,11 +2,12 @@
 
 The decode worker registers its whole KV pool once as one memory region and puts its address and rkey
 in the descriptor's `rdma` section. Its TCP KV port stays the control channel (JSON frames from
-`wire.py`, never pickle):
+`wire.py`, never pickle), behind the same gate and handshake as the TCP transport (`gate.py`,
+`auth.py`: no slot, no QP, before an HMAC proof of the shared secret):
 
-    prefill → {"op": "connect", "secret", "qp": QPInfo}   decode → {"ok": true, "qp": QPInfo}
+    prefill → {"op": "connect", "qp": QPInfo}   decode → {"ok": true, "qp": QPInfo}
         one RC queue pair per control connection; the prefill side caches the pair per decode peer
-    prefill → {"op": "write", request_id, token, secret, first_token, num_tokens, runs, nbytes}
+    prefill → {"op": "write", request_id, token, first_token, num_tokens, runs, nbytes}
     decode  → {"ok": true}         the grant, checked exactly like a TCP header
     prefill   RDMA WRITEs: source run → decode base + block_id * block_nbytes; waits for completions
     prefill → {"op": "done", "nbytes"}   (or {"op": "failed", "error"})
@@ -20,17 +21,17 @@ sender) and only then lets the blocks go. Peers that know the shared secret are 
 from __future__ import annotations
 
 import logging
-import secrets
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from inference.kv_transfer.auth import connect_authenticated
 from inference.kv_transfer.base import (
     KVLayout,
-    KVReceiver,
     KVSender,
     KVTransferError,
     OnKVReceived,
@@ -39,7 +40,7 @@ from inference.kv_transfer.base import (
     block_runs,
     send_bound,
 )
-from inference.kv_transfer.lease import LEASE_MAX_MULTIPLE, Lease, answer_renewal, peer_address, same_secret
+from inference.kv_transfer.receiver import GatedReceiver
 from inference.kv_transfer.verbs import MemoryRegion, QPInfo, VerbsDevice, VerbsError, VerbsQP
 from inference.kv_transfer.wire import recv_frame, send_frame
 
@@ -78,20 +79,7 @@ def _segments(src_block_ids: list[int], dst_block_ids: list[int]) -> list[tuple[
     return segments
 
 
-@dataclass
-class _Pending:
-    """A transfer the decode side expects; `conn` is set while a granted transfer is in flight."""
-
-    block_ids: list[int]
-    num_tokens: int
-    token: str
-    lease: Lease
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    cancelled: bool = False
-    conn: socket.socket | None = None
-
-
-class RdmaKVReceiver(KVReceiver):
+class RdmaKVReceiver(GatedReceiver):
     """Decode side of the RDMA transport: one registered KV pool, a TCP control port, one QP per peer link."""
 
     transport = "rdma"
@@ -103,188 +91,50 @@ class RdmaKVReceiver(KVReceiver):
         on_received: OnKVReceived,
         *,
         device: VerbsDevice,
-        bind_host: str = "0.0.0.0",
-        port: int = 0,
-        secret: str = "",
-        io_timeout: float = 30.0,
         idle_timeout: float = 300.0,
-        max_connections: int = 64,
-        max_lease_multiple: float = LEASE_MAX_MULTIPLE,
+        **gate_options: Any,
     ) -> None:
         _check_pool(kv_data, layout)
-        self._kv = kv_data
-        self._layout = layout
-        self._on_received = on_received
+        super().__init__(kv_data, layout, on_received, **gate_options)
         self._device = device
         self._region = _register(device, kv_data)
-        self._bind_host = bind_host
-        self._requested_port = port
-        self._secret = secret
-        self._io_timeout = io_timeout
         self._idle_timeout = idle_timeout  # a cached link may sit unused between transfers this long
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self._max_lease_multiple = max_lease_multiple
-        self._pending: dict[str, _Pending] = {}
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
-        self._stopped = threading.Event()
-        self.bytes_received = 0
-        self.transfers_done = 0
-
-    @property
-    def port(self) -> int:
-        """The bound control port (known after start())."""
-        if self._sock is None:
-            raise RuntimeError("receiver not started")
-        return int(self._sock.getsockname()[1])
 
     @property
     def region(self) -> MemoryRegion:
         """The registered KV pool (address, length, keys)."""
         return self._region
 
-    def start(self) -> None:
-        """Bind the control port and start the accept thread."""
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((self._bind_host, self._requested_port))
-        except OSError as exc:
-            sock.close()
-            raise KVTransferError(
-                f"cannot listen for KV transfers on {self._bind_host}:{self._requested_port}: {exc}"
-            ) from exc
-        sock.listen(128)
-        sock.settimeout(0.5)  # lets the accept loop notice stop()
-        self._sock = sock
-        threading.Thread(target=self._accept_loop, name="kv-rdma-accept", daemon=True).start()
-
     def stop(self) -> None:
         """Stop accepting and cut every control connection, so their queue pairs are destroyed."""
-        self._stopped.set()
-        if self._sock is not None:
-            self._sock.close()
-        with self._lock:
-            conns = list(self._conns)
-        for conn in conns:
-            _shutdown(conn)
+        super().stop()
+        self.gate.cut_all()
 
-    def expect(
-        self, request_id: str, block_ids: list[int], num_tokens: int, lease_s: float, host: str
-    ) -> TransferDescriptor:
-        """Register the reserved blocks of `request_id`; the descriptor carries the pool's address and rkey."""
-        token = secrets.token_hex(16)
-        lease = Lease(lease_s, max_multiple=self._max_lease_multiple)
-        now = time.time()
-        with self._lock:
-            self._pending[request_id] = _Pending(list(block_ids), num_tokens, token, lease)
-        return TransferDescriptor(
-            request_id=request_id,
-            transport=self.transport,
-            host=host,
-            port=self.port,
-            block_ids=list(block_ids),
-            num_tokens=num_tokens,
-            layout=self._layout,
-            lease_expires_at=now + lease_s,
-            token=token,
-            lease_s=lease_s,
-            lease_cap_at=now + (lease.cap_at - lease.granted_at),
-            rdma={
-                "addr": self._region.addr,
-                "rkey": self._region.rkey,
-                "block_nbytes": self._layout.block_nbytes,
-                "num_blocks": int(self._kv.shape[0]),
-                "device": self._device.name,
-            },
-        )
+    def _descriptor_rdma(self) -> dict[str, Any]:
+        """The pool's address and rkey: where the prefill side's one-sided writes go."""
+        return {
+            "addr": self._region.addr,
+            "rkey": self._region.rkey,
+            "block_nbytes": self._layout.block_nbytes,
+            "num_blocks": int(self._kv.shape[0]),
+            "device": self._device.name,
+        }
 
-    def cancel(self, request_id: str) -> None:
-        """Forget `request_id`; a transfer in flight is cut off and its QP destroyed before this returns."""
-        with self._lock:
-            pending = self._pending.pop(request_id, None)
-        if pending is None:
+    def _serve(self, conn: socket.socket, first: dict[str, Any]) -> None:
+        """Bring up the link's QP, then grant writes on it until the link closes or idles out."""
+        qp = self._handshake(conn, first)
+        if qp is None:
             return
-        pending.cancelled = True
-        conn = pending.conn  # read after setting `cancelled`: the serving thread does the reverse
-        if conn is not None:
-            _shutdown(conn)
-        with pending.lock:  # released only once no write for this request can land any more
-            pass
-
-    def lease(self, request_id: str) -> Lease | None:
-        """The lease of a transfer still expected (None once it arrived or was cancelled)."""
-        with self._lock:
-            pending = self._pending.get(request_id)
-        return None if pending is None or pending.cancelled else pending.lease
-
-    def _find(self, request_id: str) -> tuple[str, Lease] | None:
-        """(token, lease) of a transfer still expected, for a lease renewal."""
-        with self._lock:
-            pending = self._pending.get(request_id)
-        return None if pending is None or pending.cancelled else (pending.token, pending.lease)
-
-    def _accept_loop(self) -> None:
-        assert self._sock is not None
-        while not self._stopped.is_set():
-            try:
-                conn, _addr = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._stopped.is_set():
-                    return
-                logger.exception("RDMA KV accept failed")
-                time.sleep(0.1)
-                continue
-            if not self._slots.acquire(blocking=False):
-                _refuse(conn, "too many concurrent KV transfers")
-                continue
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="kv-rdma-recv", daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        qp: VerbsQP | None = None
         try:
-            conn.settimeout(self._io_timeout)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            qp = self._handshake(conn)
-            if qp is None:
-                return
             # One link carries many transfers back to back; the prefill side caches it.
-            while not self._stopped.is_set():
-                conn.settimeout(self._idle_timeout)
-                try:
-                    header = recv_frame(conn)
-                except (OSError, KVTransferError):
-                    return  # peer closed or idle between transfers
-                conn.settimeout(self._io_timeout)
+            while (header := self._next_frame(conn, self._idle_timeout)) is not None:
                 if not self._receive_one(conn, header, qp):
                     return
-        except (OSError, KVTransferError) as exc:
-            logger.warning("RDMA KV control connection failed: %s", exc)
         finally:
-            if qp is not None:
-                qp.close()
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
-            self._slots.release()
+            qp.close()
 
-    def _secret_ok(self, header: dict[str, object]) -> bool:
-        return not self._secret or same_secret(header.get("secret", ""), self._secret)
-
-    def _handshake(self, conn: socket.socket) -> VerbsQP | None:
+    def _handshake(self, conn: socket.socket, hello: dict[str, Any]) -> VerbsQP | None:
         """Answer the prefill side's connect frame with a QP connected to its QP; None when refused."""
-        hello = recv_frame(conn)
-        if hello.get("op") == "renew":  # a lease renewal: one frame each way on its own connection
-            send_frame(conn, answer_renewal(hello, self._find, self._secret, peer_address(conn)))
-            return None
-        if not self._secret_ok(hello):
-            send_frame(conn, {"ok": False, "error": "bad shared secret"})
-            return None
         if hello.get("op") != "connect":
             send_frame(conn, {"ok": False, "error": "expected a connect frame first (is the prefill side on tcp?)"})
             return None
@@ -309,35 +159,14 @@ class RdmaKVReceiver(KVReceiver):
             raise
         return qp
 
-    def _receive_one(self, conn: socket.socket, header: dict[str, object], qp: VerbsQP) -> bool:
+    def _receive_one(self, conn: socket.socket, header: dict[str, Any], qp: VerbsQP) -> bool:
         """Grant, wait for and acknowledge one transfer; False when the link must be closed."""
         started = time.perf_counter()
-        request_id = str(header.get("request_id", ""))
-        if not self._secret_ok(header):
-            send_frame(conn, {"ok": False, "error": "bad shared secret"})
+        grant = self._grant(header, op="write")
+        if isinstance(grant, str):
+            send_frame(conn, {"ok": False, "error": grant})
             return False
-        with self._lock:
-            pending = self._pending.get(request_id)
-        if pending is None or pending.cancelled:
-            send_frame(conn, {"ok": False, "error": f"unknown or expired request {request_id!r}"})
-            return False
-        if not same_secret(header.get("token", ""), pending.token):
-            send_frame(conn, {"ok": False, "error": "bad transfer token"})
-            return False
-        if pending.lease.expire():  # the decode worker is about to free the blocks (or has)
-            send_frame(conn, {"ok": False, "error": f"the lease of request {request_id!r} expired"})
-            return False
-        try:
-            if header.get("op") != "write":
-                raise ValueError("not a write frame")
-            runs = [(int(a), int(b)) for a, b in header.get("runs", [])]  # type: ignore[attr-defined]
-            first_token = int(header["first_token"])  # type: ignore[call-overload]
-        except (TypeError, ValueError, KeyError):
-            send_frame(conn, {"ok": False, "error": "malformed transfer header"})
-            return False
-        if runs != block_runs(pending.block_ids):
-            send_frame(conn, {"ok": False, "error": "runs do not match the reserved blocks"})
-            return False
+        pending, request_id = grant.pending, grant.request_id
         nbytes = len(pending.block_ids) * self._layout.block_nbytes
         with pending.lock:
             pending.conn = conn  # set before checking `cancelled`: cancel() sets it, then reads conn
@@ -370,37 +199,8 @@ class RdmaKVReceiver(KVReceiver):
             if pending.cancelled:  # aborted between the last write and now: nothing is in flight
                 send_frame(conn, {"ok": False, "error": f"request {request_id!r} was aborted"})
                 return False
-            with self._lock:
-                self._pending.pop(request_id, None)
-        stats = TransferStats(nbytes=nbytes, seconds=time.perf_counter() - started)
-        self.bytes_received += nbytes
-        self.transfers_done += 1
-        try:
-            self._on_received(request_id, first_token, stats)
-        except Exception as exc:  # the engine refused (e.g. aborted meanwhile): tell the sender
-            logger.warning("KV for %s arrived but could not be used: %s", request_id, exc)
-            send_frame(conn, {"ok": False, "error": f"decode could not continue: {exc}"})
-            return False
-        send_frame(conn, {"ok": True, "nbytes": nbytes})
-        return True
-
-
-def _shutdown(conn: socket.socket) -> None:
-    """Wake a thread blocked on `conn` (it sees EOF); the owner closes it."""
-    try:
-        conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
-def _refuse(conn: socket.socket, message: str) -> None:
-    try:
-        conn.settimeout(1.0)
-        send_frame(conn, {"ok": False, "error": message})
-    except OSError:
-        pass
-    finally:
-        conn.close()
+            self._arrived(grant)
+        return self._deliver(conn, grant, nbytes, started)
 
 
 @dataclass(frozen=True)
@@ -497,7 +297,6 @@ class RdmaKVSender(KVSender):
             "op": "write",
             "request_id": descriptor.request_id,
             "token": descriptor.token,
-            "secret": self._secret,
             "first_token": int(first_token),
             "num_tokens": descriptor.num_tokens,
             "runs": [list(r) for r in block_runs(dst)],
@@ -602,16 +401,14 @@ class RdmaKVSender(KVSender):
         """Connect the control channel and bring up a QP pair with the decode side."""
         host, port = peer
         where = f"{host}:{port}"
-        try:
-            sock = socket.create_connection(peer, timeout=min(self._connect_timeout, _remaining(deadline)))
-        except OSError as exc:
-            raise KVTransferError(f"cannot connect to decode KV port {where}: {exc}") from exc
+        sock = connect_authenticated(
+            host, port, self._secret, connect_timeout=self._connect_timeout, deadline=deadline
+        )
         qp: VerbsQP | None = None
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(_remaining(deadline))
             qp = self._device.create_qp()
-            send_frame(sock, {"op": "connect", "secret": self._secret, "qp": qp.info().to_dict()})
+            send_frame(sock, {"op": "connect", "qp": qp.info().to_dict()})
             reply = recv_frame(sock)
             if not reply.get("ok"):
                 raise KVTransferError(f"decode refused the KV transfer: {reply.get('error', 'unknown error')}")

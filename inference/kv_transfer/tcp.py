@@ -1,33 +1,31 @@
 """TCP KV transfer: the default transport, for any network (loopback, Ethernet, namespaces).
 
-The decode worker listens on a KV port. A prefill worker connects, sends a JSON header naming the
-request, its per-request token and the destination block runs, then the raw block bytes, which the
-decode side receives straight into its KV tensor (no intermediate copy, no pickle).
+The decode worker listens on a KV port. A prefill worker connects, passes the port's handshake
+(`auth.py`: an HMAC proof of the shared secret), sends a JSON header naming the request, its
+per-request token and the destination block runs, then the raw block bytes, which the decode side
+receives straight into its KV tensor (no intermediate copy, no pickle).
 """
 from __future__ import annotations
 
-import hmac
 import logging
-import secrets
 import socket
-import threading
 import time
-from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from inference.kv_transfer.auth import connect_authenticated
 from inference.kv_transfer.base import (
     KVLayout,
-    KVReceiver,
     KVSender,
     KVTransferError,
-    OnKVReceived,
     TransferDescriptor,
     TransferStats,
     block_runs,
     send_bound,
 )
-from inference.kv_transfer.lease import LEASE_MAX_MULTIPLE, Lease, answer_renewal, peer_address
+from inference.kv_transfer.lease import same_secret
+from inference.kv_transfer.receiver import GatedReceiver
 from inference.kv_transfer.wire import recv_exact_into, recv_frame, send_frame
 
 logger = logging.getLogger(__name__)
@@ -59,231 +57,47 @@ def _receive_blocks(sock: socket.socket, kv_data: torch.Tensor, first: int, coun
 
 
 def _same(given: object, expected: str) -> bool:
-    """Constant-time comparison of a header field with a secret.
-
-    As bytes: hmac.compare_digest raises TypeError for non-ASCII str, which would kill the receiving
-    thread instead of refusing the peer.
-    """
-    text = given if isinstance(given, str) else str(given)
-    return hmac.compare_digest(text.encode("utf-8", "surrogatepass"), expected.encode())
+    """Constant-time comparison of a header field with a secret (kept for its regression test)."""
+    return same_secret(given, expected)
 
 
-@dataclass
-class _Pending:
-    """A transfer the decode side expects: which blocks, guarded while bytes are being written."""
-
-    block_ids: list[int]
-    num_tokens: int
-    token: str
-    lease: Lease
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    cancelled: bool = False
-
-
-class TcpKVReceiver(KVReceiver):
-    """Decode side of the TCP transport: a listening socket and one thread per incoming transfer."""
+class TcpKVReceiver(GatedReceiver):
+    """Decode side of the TCP transport: the block bytes arrive on the (authenticated) connection."""
 
     transport = "tcp"
 
-    def __init__(
-        self,
-        kv_data: torch.Tensor,
-        layout: KVLayout,
-        on_received: OnKVReceived,
-        *,
-        bind_host: str = "0.0.0.0",
-        port: int = 0,
-        secret: str = "",
-        io_timeout: float = 30.0,
-        max_connections: int = 64,
-        max_lease_multiple: float = LEASE_MAX_MULTIPLE,
-    ) -> None:
-        self._kv = kv_data
-        self._layout = layout
-        self._on_received = on_received
-        self._bind_host = bind_host
-        self._requested_port = port
-        self._secret = secret
-        self._io_timeout = io_timeout
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self._max_lease_multiple = max_lease_multiple
-        self._pending: dict[str, _Pending] = {}
-        self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
-        self._stopped = threading.Event()
-        self.bytes_received = 0
-        self.transfers_done = 0
+    def _serve(self, conn: socket.socket, first: dict[str, Any]) -> None:
+        """Receive transfers until the connection closes (one connection may carry several)."""
+        header: dict[str, Any] | None = first
+        while header is not None and self._receive_one(conn, header):
+            header = self._next_frame(conn, self._io_timeout)
 
-    @property
-    def port(self) -> int:
-        """The bound KV port (known after start())."""
-        if self._sock is None:
-            raise RuntimeError("receiver not started")
-        return int(self._sock.getsockname()[1])
-
-    def start(self) -> None:
-        """Bind the KV port and start the accept thread."""
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((self._bind_host, self._requested_port))
-        except OSError as exc:
-            sock.close()
-            raise KVTransferError(
-                f"cannot listen for KV transfers on {self._bind_host}:{self._requested_port}: {exc}"
-            ) from exc
-        sock.listen(128)
-        sock.settimeout(0.5)  # lets the accept loop notice stop()
-        self._sock = sock
-        threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True).start()
-
-    def stop(self) -> None:
-        """Stop accepting; in-flight transfers finish or time out on their own."""
-        self._stopped.set()
-        if self._sock is not None:
-            self._sock.close()
-
-    def expect(
-        self, request_id: str, block_ids: list[int], num_tokens: int, lease_s: float, host: str
-    ) -> TransferDescriptor:
-        """Register the reserved blocks of `request_id` and describe them for the prefill side."""
-        token = secrets.token_hex(16)
-        lease = Lease(lease_s, max_multiple=self._max_lease_multiple)
-        now = time.time()
-        with self._lock:
-            self._pending[request_id] = _Pending(list(block_ids), num_tokens, token, lease)
-        return TransferDescriptor(
-            request_id=request_id,
-            transport=self.transport,
-            host=host,
-            port=self.port,
-            block_ids=list(block_ids),
-            num_tokens=num_tokens,
-            layout=self._layout,
-            lease_expires_at=now + lease_s,
-            token=token,
-            lease_s=lease_s,
-            lease_cap_at=now + (lease.cap_at - lease.granted_at),
-        )
-
-    def cancel(self, request_id: str) -> None:
-        """Forget `request_id`; waits for a write in progress so its blocks can be freed safely."""
-        with self._lock:
-            pending = self._pending.pop(request_id, None)
-        if pending is None:
-            return
-        pending.cancelled = True
-        with pending.lock:  # a receive in progress holds it: after this no byte lands in the blocks
-            pass
-
-    def lease(self, request_id: str) -> Lease | None:
-        """The lease of a transfer still expected (None once it arrived or was cancelled)."""
-        with self._lock:
-            pending = self._pending.get(request_id)
-        return None if pending is None or pending.cancelled else pending.lease
-
-    def _find(self, request_id: str) -> tuple[str, Lease] | None:
-        """(token, lease) of a transfer still expected, for a lease renewal."""
-        with self._lock:
-            pending = self._pending.get(request_id)
-        return None if pending is None or pending.cancelled else (pending.token, pending.lease)
-
-    def _accept_loop(self) -> None:
-        assert self._sock is not None
-        while not self._stopped.is_set():
-            try:
-                conn, _addr = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._stopped.is_set():
-                    return
-                logger.exception("KV accept failed")
-                time.sleep(0.1)
-                continue
-            if not self._slots.acquire(blocking=False):
-                self._refuse(conn, "too many concurrent KV transfers")
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="kv-recv", daemon=True).start()
-
-    @staticmethod
-    def _refuse(conn: socket.socket, message: str) -> None:
-        try:
-            conn.settimeout(1.0)
-            send_frame(conn, {"ok": False, "error": message})
-        except OSError:
-            pass
-        finally:
-            conn.close()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            conn.settimeout(self._io_timeout)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            # One connection may carry several transfers (or lease renewals) back to back.
-            while not self._stopped.is_set():
-                try:
-                    header = recv_frame(conn)
-                except KVTransferError:
-                    return  # peer closed between transfers
-                if header.get("op") == "renew":
-                    send_frame(conn, answer_renewal(header, self._find, self._secret, peer_address(conn)))
-                    continue
-                if not self._receive_one(conn, header):
-                    return
-        except (OSError, KVTransferError) as exc:
-            logger.warning("KV transfer connection failed: %s", exc)
-        finally:
-            conn.close()
-            self._slots.release()
-
-    def _receive_one(self, conn: socket.socket, header: dict[str, object]) -> bool:
+    def _receive_one(self, conn: socket.socket, header: dict[str, Any]) -> bool:
         """Receive one transfer; False when the connection must be closed."""
         started = time.perf_counter()
-        request_id = str(header.get("request_id", ""))
-        if self._secret and not _same(header.get("secret", ""), self._secret):
-            send_frame(conn, {"ok": False, "error": "bad shared secret"})
+        grant = self._grant(header, op=None)
+        if isinstance(grant, str):
+            send_frame(conn, {"ok": False, "error": grant})
             return False
-        with self._lock:
-            pending = self._pending.get(request_id)
-        if pending is None or pending.cancelled:
-            send_frame(conn, {"ok": False, "error": f"unknown or expired request {request_id!r}"})
-            return False
-        if not _same(header.get("token", ""), pending.token):
-            send_frame(conn, {"ok": False, "error": "bad transfer token"})
-            return False
-        if pending.lease.expire():  # the decode worker is about to free the blocks (or has)
-            send_frame(conn, {"ok": False, "error": f"the lease of request {request_id!r} expired"})
-            return False
-        try:
-            runs = [(int(a), int(b)) for a, b in header.get("runs", [])]  # type: ignore[attr-defined]
-            first_token = int(header["first_token"])  # type: ignore[call-overload]
-        except (TypeError, ValueError, KeyError):
-            send_frame(conn, {"ok": False, "error": "malformed transfer header"})
-            return False
-        if runs != block_runs(pending.block_ids):
-            send_frame(conn, {"ok": False, "error": "runs do not match the reserved blocks"})
-            return False
+        pending = grant.pending
         with pending.lock:
-            if pending.cancelled:
-                send_frame(conn, {"ok": False, "error": f"request {request_id!r} was aborted"})
-                return False
-            nbytes = 0
-            for first, count in runs:
-                nbytes += _receive_blocks(conn, self._kv, first, count)
-            with self._lock:
-                self._pending.pop(request_id, None)
-        stats = TransferStats(nbytes=nbytes, seconds=time.perf_counter() - started)
-        self.bytes_received += nbytes
-        self.transfers_done += 1
-        try:
-            self._on_received(request_id, first_token, stats)
-        except Exception as exc:  # the engine refused (e.g. aborted meanwhile): tell the sender
-            logger.warning("KV for %s arrived but could not be used: %s", request_id, exc)
-            send_frame(conn, {"ok": False, "error": f"decode could not continue: {exc}"})
-            return False
-        send_frame(conn, {"ok": True, "nbytes": nbytes})
-        return True
+            pending.conn = conn  # set before checking `cancelled`: cancel() sets it, then reads conn
+            try:
+                if pending.cancelled:
+                    send_frame(conn, {"ok": False, "error": f"request {grant.request_id!r} was aborted"})
+                    return False
+                nbytes = 0
+                for first, count in grant.runs:
+                    nbytes += _receive_blocks(conn, self._kv, first, count)
+            except (OSError, KVTransferError):
+                if pending.cancelled:  # cancel() cut the connection: the blocks are being freed
+                    logger.info("TCP KV transfer of %s cut off (aborted)", grant.request_id)
+                    return False
+                raise
+            finally:
+                pending.conn = None
+            self._arrived(grant)
+        return self._deliver(conn, grant, nbytes, started)
 
 
 class TcpKVSender(KVSender):
@@ -323,24 +137,16 @@ class TcpKVSender(KVSender):
         header = {
             "request_id": descriptor.request_id,
             "token": descriptor.token,
-            "secret": self._secret,
             "first_token": int(first_token),
             "num_tokens": descriptor.num_tokens,
             "runs": [list(r) for r in runs],
             "nbytes": len(dst) * self._layout.block_nbytes,
         }
-        try:
-            sock = socket.create_connection(
-                (descriptor.host, descriptor.port),
-                timeout=min(self._connect_timeout, max(deadline - time.monotonic(), 0.01)),
-            )
-        except OSError as exc:
-            raise KVTransferError(
-                f"cannot connect to decode KV port {descriptor.host}:{descriptor.port}: {exc}"
-            ) from exc
+        sock = connect_authenticated(
+            descriptor.host, descriptor.port, self._secret, connect_timeout=self._connect_timeout, deadline=deadline
+        )
         nbytes = 0
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(max(deadline - time.monotonic(), 0.01))
             send_frame(sock, header)
             # Source blocks are sent run by run of consecutive ids: one sendall per contiguous range.

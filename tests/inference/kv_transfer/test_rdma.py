@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from inference.kv_transfer import KVLayout, KVTransferError, TransferDescriptor, TransferStats
+from inference.kv_transfer.auth import authenticate
 from inference.kv_transfer.lease import LeaseLost, request_renewal
 from inference.kv_transfer.rdma import RdmaKVReceiver, RdmaKVSender
 from inference.kv_transfer.rdma_detect import rdma_available
@@ -368,13 +369,14 @@ def test_layout_mismatch_and_missing_rdma_section_are_clear_errors(pair: Pair) -
 def test_control_channel_rejects_malformed_peers(pair: Pair) -> None:
     def exchange(frame: dict[str, object]) -> dict[str, object]:
         with socket.create_connection(("127.0.0.1", pair.receiver.port), timeout=5) as sock:
+            authenticate(sock, "s3cret")
             send_frame(sock, frame)
             return recv_frame(sock)
 
-    reply = exchange({"op": "connect", "secret": "s3cret", "qp": {"qp_num": True}})
+    reply = exchange({"op": "connect", "qp": {"qp_num": True}})
     assert not reply["ok"] and "malformed QP info" in str(reply["error"])
     # A TCP-transport header sent to an RDMA decode worker.
-    reply = exchange({"request_id": "r", "token": "t", "secret": "s3cret", "runs": [[0, 1]], "first_token": 1})
+    reply = exchange({"request_id": "r", "token": "t", "runs": [[0, 1]], "first_token": 1})
     assert not reply["ok"] and "connect frame" in str(reply["error"])
     with pytest.raises(ValueError, match="gid"):
         QPInfo.from_dict({"qp_num": 5, "lid": 0, "gid": "nope", "psn": 1, "port": 1, "mtu": 3})
