@@ -45,6 +45,13 @@ def test_heartbeat_stamps_and_brings_an_offline_node_back() -> None:
     assert node.last_metrics == {"cpu_utilization": 0.5}
     assert timezone.now() - node.last_heartbeat < timedelta(seconds=5)
     assert actions.heartbeat(10**9) is False  # deleted node
+    unreachable = make_node(status=NodeStatus.UNREACHABLE, last_heartbeat=timezone.now() - timedelta(hours=1))
+    assert actions.heartbeat(unreachable.pk)
+    unreachable.refresh_from_db()
+    assert unreachable.status == NodeStatus.ONLINE  # its agent is back (and adopts the workers)
+    draining = make_node(status=NodeStatus.DRAINING)
+    assert actions.mark_node_unreachable(draining, reason="silent") == []
+    assert Node.objects.get(pk=draining.pk).status == NodeStatus.DRAINING  # an operator's drain is kept
 
 
 def test_mark_offline_stops_live_workers_and_reconciles(

@@ -22,6 +22,7 @@ import httpx
 import pytest
 from django.utils import timezone
 
+from inference.models import ScaleEvent
 from nodes import actions
 from nodes.agent.supervisor import (
     Managed,
@@ -169,8 +170,11 @@ def test_real_worker_crash_restart_adopt_and_drain(tiny_model_dir: Path, log_dir
         pids.append(d2.pid)
 
         # The agent restarts: a new supervisor adopts the running process instead of relaunching it.
+        assert d2.process_started_at and abs(d2.process_started_at - psutil_start(d2.pid)) < 0.01
         second = Supervisor(node.pk, config(log_dir / f"agent-{uuid.uuid4().hex[:6]}"))
         assert second.recover()["adopted"] == [decode.pk]
+        adopted = ScaleEvent.objects.get(deployment=dep, reason__startswith="adopted")
+        assert adopted.source == "recovery" and f"pid {d2.pid}" in adopted.reason
         second.tick()
         assert fresh(decode).pid == d2.pid and status(decode) == WorkerStatus.RUNNING
         assert second.managed()[decode.pk].phase == Phase.RUNNING
@@ -195,6 +199,12 @@ def test_real_worker_crash_restart_adopt_and_drain(tiny_model_dir: Path, log_dir
             if sup is not None:
                 pids += [m.pid for m in sup.managed().values()]
         kill_leftovers(*pids)
+
+
+def psutil_start(pid: int) -> float:
+    import psutil
+
+    return float(psutil.Process(pid).create_time())
 
 
 def psutil_alive(pid: int | None) -> bool:
@@ -345,3 +355,79 @@ def test_sync_starts_live_workers_nobody_runs_and_recover_relaunches_lost_ones(t
     sup.sync_with_db()  # a lost start message: the periodic sync picks the PENDING worker up
     assert pending.pk in sup.managed()
     sup._procs.clear()
+
+
+# A stand-in for a worker process left behind by a dead agent: its command line names launch_server and
+# its port (what adoption matches), and its /health reports it idle, so a drain finishes at once.
+FAKE_WORKER = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"status": "healthy", "running": 0, "queue_depth": 0, "kv_usage": 0.0}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), H).serve_forever()
+"""
+
+
+def start_fake_worker(port: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_WORKER, "inference.launch_server", "--port", str(port)],
+                            start_new_session=True)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("the fake worker did not come up")
+
+
+def test_recover_drains_and_stops_the_orphan_of_a_replaced_worker(tmp_path: Path) -> None:
+    """A worker failed over while its agent was away: the next agent drains its process and stops it."""
+    node = make_node(address="127.0.0.1")
+    dep = make_deployment()
+    port = free_port()
+    orphan = start_fake_worker(port)
+    try:
+        replaced = make_worker(dep, node, role="decode", port=port, status="stopped", pid=orphan.pid,
+                               process_started_at=psutil_start(orphan.pid))
+        sup = Supervisor(node.pk, config(tmp_path))
+        assert sup.recover()["reaped"] == [replaced.pk]
+        assert orphan.poll() is None  # not killed on sight: its requests in flight may finish
+        event = ScaleEvent.objects.get(deployment=dep)
+        assert event.source == "recovery" and event.reason.startswith("reap:") and str(orphan.pid) in event.reason
+        assert sup.wait_until(lambda: not sup.managed(), timeout=20, interval=0.05)
+        assert orphan.wait(timeout=10) == -signal.SIGTERM
+        stopped = fresh(replaced)
+        assert stopped.status == WorkerStatus.STOPPED and stopped.pid is None
+    finally:
+        if orphan.poll() is None:
+            orphan.kill()
+            orphan.wait()
+
+
+def test_recover_does_not_adopt_a_process_with_another_start_time(tmp_path: Path) -> None:
+    """Same pid and port but another start time: not this worker's process (a reused pid); relaunched."""
+    node = make_node(address="127.0.0.1")
+    port = free_port()
+    other = start_fake_worker(port)
+    try:
+        worker = make_worker(make_deployment(), node, role="decode", port=port, status="running", pid=other.pid,
+                             process_started_at=psutil_start(other.pid) - 3600.0)
+        sup = Supervisor(node.pk, config(tmp_path))
+        outcome = sup.recover()
+        assert outcome["adopted"] == [] and outcome["relaunched"] == [worker.pk]
+        assert not ScaleEvent.objects.filter(reason__startswith="adopted").exists()
+    finally:
+        other.kill()
+        other.wait()
