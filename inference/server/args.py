@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 
 @dataclass
@@ -37,6 +38,48 @@ class ServerArgs:
     served_model_name: str | None
     shared_secret: str
     log_level: str
+
+    @classmethod
+    def with_defaults(cls, **values: Any) -> ServerArgs:
+        """ServerArgs from `values` plus the parser's default for every field not given, unvalidated.
+
+        The agent builds a worker's configuration with it (then `to_argv`), on a host where it checks
+        nothing itself: the worker validates its flags when it starts. kv_transport "auto" is resolved as
+        parse_args does; the shared secret comes from the environment (never from a flag).
+        """
+        names = {f.name for f in fields(cls)}
+        merged: dict[str, Any] = {"shared_secret": os.environ.get("PLATFORM_SHARED_SECRET", "")}
+        for action in build_parser()._actions:
+            if action.dest in names:
+                merged[action.dest] = action.default
+            elif action.dest.startswith("no_") and action.dest[3:] in names:  # --no-X flags set X = False
+                merged[action.dest[3:]] = not action.default
+        merged.update(values)
+        if merged.get("kv_transport") == "auto":
+            merged["kv_transport"] = "rdma" if merged.get("rdma_device") else "tcp"
+        merged["model_path"] = Path(merged["model_path"])
+        return cls(**merged)
+
+    def to_argv(self) -> list[str]:
+        """The flags of this configuration: `parse_args(args.to_argv()) == args` (the one way a worker's
+        command line is built). Every value that is set is written, defaults included, so the command
+        line shows the whole configuration (and always --port, which adoption matches); switches only
+        when on. The shared secret is not a flag: it travels in the environment."""
+        values = vars(self)
+        argv: list[str] = []
+        for action in build_parser()._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            flag = max(action.option_strings, key=len)
+            if action.nargs == 0:  # a switch: --X sets X, --no-X clears X
+                if action.dest in values:
+                    on = bool(values[action.dest])
+                else:
+                    on = action.dest.startswith("no_") and values.get(action.dest[3:]) is False
+                argv += [flag] if on else []
+            elif values.get(action.dest) is not None:
+                argv += [flag, str(values[action.dest])]
+        return argv
 
 
 def _production() -> bool:
