@@ -50,6 +50,7 @@ import psutil
 from django.conf import settings
 from django.db import close_old_connections, connection
 
+from inference.server.args import ServerArgs
 from nodes import actions
 from nodes.models import ACTIVE_WORKER_STATUSES, Worker, WorkerRole, WorkerStatus
 from nodes.resources import forget_process, process_metrics
@@ -164,31 +165,30 @@ class WorkerSpec:
             rdma_device=(worker.node.rdma_devices or [None])[0] if rdma else None,
         )
 
-    def command(self, python: str = sys.executable) -> list[str]:
-        """The worker's command line: `python -m inference.launch_server` with the guide's flags."""
-        cmd = [
-            python, "-m", "inference.launch_server",
-            "--model-path", self.model_path,
-            "--service-type", self.role,
-            "--port", str(self.port),
-            "--host", self.host,
-            "--context-length", str(self.context_length),
-            "--batch-size", str(self.batch_size),
-            "--block-size", str(self.block_size),
-            "--num-threads", str(self.num_threads),
-            "--served-model-name", self.model_name,
-            "--kv-transport", self.kv_transport,
-        ]
-        if self.cpu_ids:
+    def server_args(self) -> ServerArgs:
+        """The worker's configuration as the worker itself parses it (inference.server.args)."""
+        return ServerArgs.with_defaults(
+            model_path=self.model_path,
+            service_type=self.role,
+            host=self.host,
+            port=self.port,
+            context_length=self.context_length,
+            batch_size=self.batch_size,
+            block_size=self.block_size,
+            num_threads=self.num_threads,
+            served_model_name=self.model_name,
+            kv_transport=self.kv_transport,
             # The controller hands out contiguous CPU ranges: the worker pins [base, base + threads).
-            cmd += ["--base-cpu-id", str(self.cpu_ids[0])]
-        if self.max_sequence_length:
-            cmd += ["--max-sequence-length", str(self.max_sequence_length)]
-        if self.role == WorkerRole.DECODE and self.kv_port:
-            cmd += ["--kv-port", str(self.kv_port)]
-        if self.rdma_device:
-            cmd += ["--rdma-device", self.rdma_device]
-        return cmd
+            base_cpu_id=self.cpu_ids[0] if self.cpu_ids else None,
+            max_sequence_length=self.max_sequence_length or None,
+            # Only decode workers listen for KV writes; 0 lets one pick a free port (its /info says which).
+            kv_port=self.kv_port if self.role == WorkerRole.DECODE and self.kv_port else 0,
+            rdma_device=self.rdma_device,
+        )
+
+    def command(self, python: str = sys.executable) -> list[str]:
+        """The worker's command line: `python -m inference.launch_server` with ServerArgs.to_argv()."""
+        return [python, "-m", "inference.launch_server", *self.server_args().to_argv()]
 
     def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """The worker's environment: the agent's, with CUDA_VISIBLE_DEVICES from gpu_ids ("" = CPU only)."""

@@ -127,9 +127,39 @@ def test_worker_spec_command_and_environment(tmp_path: Path) -> None:
     assert Path(flags["--model-path"]).is_absolute() and flags["--model-path"].endswith("model_cache/tiny")
     assert spec.env({"PATH": "/bin"})["CUDA_VISIBLE_DEVICES"] == ""  # no GPU: CPU worker, as in the guide
     assert WorkerSpec.from_worker(prefill).env({})["CUDA_VISIBLE_DEVICES"] == "1"
-    assert "--kv-port" not in WorkerSpec.from_worker(prefill).command()
+    prefill_cmd = WorkerSpec.from_worker(prefill).command()
+    assert dict(zip(prefill_cmd[3::2], prefill_cmd[4::2], strict=False))["--kv-port"] == "0"  # no KV listener
     bound = WorkerSpec.from_worker(decode, bind_host="0.0.0.0")
     assert bound.host == "0.0.0.0" and bound.base_url == "http://127.0.0.1:30011"
+
+
+def test_server_args_round_trip_through_the_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """parse_args(to_argv(a)) == a, for a rich configuration and for the one the agent builds."""
+    from inference.server.args import ServerArgs, parse_args
+
+    monkeypatch.setenv("PLATFORM_SHARED_SECRET", "s3cret")
+    (tmp_path / "config.json").write_text("{}")
+    rich = parse_args([
+        "--model-path", str(tmp_path), "--service-type", "decode", "--port", "30001", "--host", "10.0.0.5",
+        "--kv-port", "30002", "--kv-advertise-host", "10.0.0.6", "--context-length", "512", "--batch-size", "3",
+        "--max-num-batched-tokens", "1024", "--dtype", "float32", "--no-prefix-caching", "--no-chunked-prefill",
+        "--base-cpu-id", "0", "--num-threads", "1", "--max-sequence-length", "600", "--block-size", "32",
+        "--num-kv-blocks", "64", "--kv-lease-timeout", "12.5", "--max-queue", "9", "--max-tokens-limit", "99",
+        "--served-model-name", "tiny", "--log-level", "debug",
+    ])
+    assert not rich.prefix_caching and not rich.chunked_prefill  # the switches are part of the trip
+    assert parse_args(rich.to_argv()) == rich
+    plain = parse_args(["--model-path", str(tmp_path), "--service-type", "prefill"])
+    assert parse_args(plain.to_argv()) == plain
+    assert "--no-prefix-caching" not in plain.to_argv() and "s3cret" not in " ".join(rich.to_argv())
+    # What the agent launches: WorkerSpec → ServerArgs → argv, parsed back by the worker unchanged.
+    dep = make_deployment(model=make_model(path=str(tmp_path)), context_length=256, block_size=16)
+    node = make_node(address="127.0.0.1")
+    worker = make_worker(dep, node, role="decode", port=30021, kv_port=30022, cpu_ids=[0])
+    spec = WorkerSpec.from_worker(Worker.objects.select_related("deployment__model", "node").get(pk=worker.pk))
+    built = spec.server_args()
+    assert parse_args(spec.command()[3:]) == built == ServerArgs.with_defaults(**vars(built))
+    assert (built.port, built.kv_port, built.base_cpu_id, built.kv_transport) == (30021, 30022, 0, "tcp")
 
 
 def test_real_worker_crash_restart_adopt_and_drain(tiny_model_dir: Path, log_dir: Path) -> None:
