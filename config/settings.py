@@ -180,6 +180,9 @@ ROUTER_MAX_QUEUE = env_int("ROUTER_MAX_QUEUE", 1024, minimum=0)
 # An optional hard cap on the generations one router process holds (admitted and queued); 0: none,
 # the deployment's decode slots and ROUTER_MAX_QUEUE bound it.
 ROUTER_MAX_INFLIGHT = env_int("ROUTER_MAX_INFLIGHT", 0, minimum=0)
+# A stream whose decode worker fails after its first token moves to another decode worker (prompt +
+# tokens so far are prefilled again) at most this many times; 0 ends it with an error event instead.
+ROUTER_MAX_MIGRATIONS = env_int("ROUTER_MAX_MIGRATIONS", 2, minimum=0)
 ROUTER_MAX_BODY_BYTES = env_int("ROUTER_MAX_BODY_BYTES", 1_000_000, minimum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = ROUTER_MAX_BODY_BYTES
 # Shared secret that internal worker endpoints and KV ports accept (empty: no check, dev only).

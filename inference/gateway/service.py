@@ -66,6 +66,7 @@ class RouterService:
             "uptime_s": round(time.time() - self.started_at, 3),
             "inflight": client.inflight,
             "max_inflight": client.max_inflight,
+            "max_migrations": client.max_migrations,
             "admission": {
                 "decode_slots": client.admission.capacity(),
                 "queued": client.admission.queued,
@@ -115,6 +116,7 @@ def build_service() -> RouterService:
         request_timeout_s=float(settings.ROUTER_REQUEST_TIMEOUT_S),
         connect_timeout_s=connect_timeout,
         max_inflight=max_inflight or None,  # 0: bounded by the deployment's slots and the queue only
+        max_migrations=int(settings.ROUTER_MAX_MIGRATIONS),
     )
     deployment = getattr(settings, "ROUTER_DEPLOYMENT", None)
     if deployment:

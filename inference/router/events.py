@@ -58,6 +58,8 @@ class DoneEvent:
     decode: str
     kv_bytes: int | None = None
     retries: int = 0
+    # Times the stream moved to another decode worker after its first token (a worker failed).
+    migrations: int = 0
     type: Literal["done"] = "done"
 
 
@@ -67,6 +69,8 @@ class ErrorEvent:
 
     message: str
     status: int = 502
+    # False when moving the stream to another worker cannot help (the request's deadline passed).
+    migratable: bool = True
     type: Literal["error"] = "error"
 
 

@@ -49,8 +49,10 @@ class RouterMetrics:
             "router_worker_selections", "Requests sent to each worker", ["role", "url"], registry=r)
         self.failures = Counter(
             "router_worker_failures", "Failed calls to each worker", ["role", "url"], registry=r)
-        self.migrations = Counter(
+        self.retries = Counter(
             "router_retries", "Requests retried on another worker before their first token", registry=r)
+        self.migrations = Counter(
+            "router_migrations", "Streams moved to another decode worker after their first token", registry=r)
         self.inflight = Gauge("router_inflight", "Generations in flight in this router", registry=r)
         self.queued = Gauge("router_queued", "Requests waiting for a decode slot", registry=r)
         self.capacity = Gauge("router_decode_slots", "Decode slots of the workers in rotation", registry=r)

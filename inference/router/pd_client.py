@@ -12,8 +12,10 @@ Before the first token every failure of a worker (connect error, 5xx, timeout, b
 retried on another one: a prefill retry reuses the decode worker's descriptor, a decode retry starts
 over. While the prefill runs the decode stream is watched too, so a decode worker that dies or whose
 lease on the reserved blocks runs out (the prefill made no progress) ends the wait at once; a lost
-lease is retried with a fresh reservation. After the first token a failure ends the stream with an
-error event (generation is not migrated). Every wait is bounded.
+lease is retried with a fresh reservation. A decode worker that fails after the first token hands
+the stream to another one (migration.py), which is given prompt + the tokens sent so far as its
+prompt, at most `max_migrations` times per request; past that the stream ends with an error event.
+Every wait is bounded.
 
 Decode workers are taken through `Admission` (admission.py): at most a worker's batch slots at
 once, the rest wait in a FIFO queue until `ROUTER_QUEUE_TIMEOUT_S`, then 429. Worker calls use one
@@ -39,6 +41,7 @@ from inference.router.events import DoneEvent, ErrorEvent, Event, GenerateReques
 from inference.router.failures import BackendFailure, Busy, LeaseExpired, kv_timeout_message, raise_for_status
 from inference.router.health import describe_exception, stale_connection
 from inference.router.metrics import RouterMetrics
+from inference.router.migration import resumed_request
 from inference.router.ndjson import NdjsonReader
 from inference.router.pool import WorkerPool
 
@@ -67,6 +70,7 @@ class _Attempt:
     response: aiohttp.ClientResponse | None = None
     reader: NdjsonReader | None = None
     prompt_tokens: int = 0
+    prompt_ids: list[int] = field(default_factory=list)
     prefill: Endpoint | None = None
     prefill_result: dict[str, Any] = field(default_factory=dict)
     holds_decode_slot: bool = False
@@ -131,6 +135,7 @@ class DisaggregatedClient:
         stall_timeout_s: float = 60.0,
         abort_timeout_s: float = 2.0,
         max_inflight: int | None = None,
+        max_migrations: int = 2,
     ) -> None:
         if max_inflight is not None and max_inflight < 1:
             raise ValueError("max_inflight must be >= 1 (or None for no limit)")
@@ -139,6 +144,7 @@ class DisaggregatedClient:
         self.metrics = metrics or RouterMetrics()
         self.admission.metrics = self.metrics
         self.max_inflight = max_inflight
+        self.max_migrations = max_migrations
         self.inflight = 0
         self.request_timeout_s = request_timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -187,14 +193,18 @@ class DisaggregatedClient:
         metrics = self.metrics
         metrics.ttft.observe(first_at - arrived)
         if retries:
-            metrics.migrations.inc(retries)
+            metrics.retries.inc(retries)
+        prompt_ids = list(attempt.prompt_ids)
+        emitted: list[int] = []  # every token id forwarded to the client, across migrations
+        failed_decode: list[Endpoint] = []
+        migrations = 0
         finished = False
-        completion_tokens = 0
         last_at = first_at
         try:
-            while True:  # bounded: every read below has a timeout and the request a deadline
+            while True:  # bounded: every read has a timeout, the request a deadline, migrations a cap
                 kind = line.get("type")
                 following: dict[str, Any] | None = None
+                failure: ErrorEvent | None = None
                 if kind == "token":
                     ids = _token_ids(line)
                     text = str(line.get("text") or "")
@@ -204,32 +214,81 @@ class DisaggregatedClient:
                         text += str(following.get("text") or "")
                     if ids:
                         now = time.monotonic()
-                        if completion_tokens:
+                        if emitted:
                             metrics.itl.observe((now - last_at) / len(ids))
                         last_at = now
-                        completion_tokens += len(ids)
+                        emitted.extend(ids)
                     yield TokenEvent(text=text, token_ids=ids)
                 elif kind == "done":
                     finished = True
                     metrics.e2e.observe(time.monotonic() - arrived)
-                    yield self._done_event(req, attempt, line, arrived, first_at, completion_tokens, retries)
+                    done = self._done_event(req, attempt, line, arrived, first_at, len(emitted), retries)
+                    if migrations:
+                        # The last worker saw prompt + earlier tokens as its prompt: report the client's view.
+                        done.usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(emitted),
+                                      "total_tokens": len(prompt_ids) + len(emitted)}
+                        done.migrations = migrations
+                    yield done
                     return
                 elif kind == "error":
-                    yield ErrorEvent(f"decode worker {attempt.decode.url} failed: {line.get('message')}")
-                    return
+                    failure = ErrorEvent(f"decode worker {attempt.decode.url} failed: {line.get('message')}")
                 # Other line types are skipped: newer workers may add some.
-                if following is not None:
+                if failure is None and following is not None:
                     line = following
                     continue
-                next_line, error = await self._next_line(attempt, deadline)
-                if error is not None:
-                    yield error
+                if failure is None:
+                    next_line, failure = await self._next_line(attempt, deadline)
+                    if failure is None:
+                        assert next_line is not None
+                        line = next_line
+                        continue
+                # The decode worker failed after the first token: move the stream, or end it cleanly.
+                moved = await self._migrate(req, attempt, prompt_ids, emitted, failed_decode, migrations,
+                                            failure, deadline)
+                if isinstance(moved, ErrorEvent):
+                    yield moved
                     return
-                assert next_line is not None
-                line = next_line
+                attempt, line = moved
+                migrations += 1
         finally:
-            metrics.tokens.inc(completion_tokens)  # once per request, not per token
+            metrics.tokens.inc(len(emitted))  # once per request, not per token
             await self._finish(attempt, abort=not finished)
+
+    async def _migrate(
+        self,
+        req: GenerateRequest,
+        attempt: _Attempt,
+        prompt_ids: list[int],
+        emitted: list[int],
+        failed_decode: list[Endpoint],
+        migrations: int,
+        failure: ErrorEvent,
+        deadline: float,
+    ) -> tuple[_Attempt, dict[str, Any]] | ErrorEvent:
+        """Continue the stream on another decode worker after `failure`; the new attempt and its first
+        line, or the ErrorEvent that ends the stream (cap reached, deadline passed, nobody could take it).
+
+        `attempt` is finished here (aborted on its workers, its slot released) when it is replaced.
+        """
+        resumed = resumed_request(req, prompt_ids, emitted, migrations + 1)
+        if not failure.migratable or migrations >= self.max_migrations or resumed is None:
+            if failure.migratable and migrations >= self.max_migrations:
+                failure.message += f" (after {migrations} migrations; ROUTER_MAX_MIGRATIONS)"
+            return failure
+        logger.warning("%s: %s; moving the stream to another decode worker (%d tokens so far)",
+                       req.request_id, failure.message, len(emitted))
+        failed_decode.append(attempt.decode)
+        await self._finish(attempt, abort=True, wait_for_abort=False)
+        try:
+            moved, line, _first_at, _retries = await self._establish(
+                resumed, time.monotonic(), deadline, exclude_decode=failed_decode
+            )
+        except RouterError as exc:
+            # The client learns what broke its stream; why it could not move is the detail.
+            return ErrorEvent(f"{failure.message}; no other decode worker could take the stream: {exc.message}",
+                              status=failure.status)
+        self.metrics.migrations.inc()
+        return moved, line
 
     async def abort(self, urls: list[str], request_id: str) -> None:
         """Post `/internal/abort` for `request_id` to each URL; best effort, bounded, never raises."""
@@ -250,19 +309,20 @@ class DisaggregatedClient:
     # ----------------------------------------------------------------------------------------
 
     async def _establish(
-        self, req: GenerateRequest, arrived: float, deadline: float
+        self, req: GenerateRequest, arrived: float, deadline: float, exclude_decode: list[Endpoint] | None = None
     ) -> tuple[_Attempt, dict[str, Any], float, int]:
         """Take a decode slot, open its stream, get the prompt prefilled and read the first line.
 
         Returns the attempt (holding the open stream and a decode slot), the first token (or done)
-        line, when it arrived, and how many attempts failed before.
+        line, when it arrived, and how many attempts failed before. `exclude_decode`: decode workers
+        not to use (a migrated stream's failed ones).
         """
         pool = self.pool
         if not pool.endpoints("prefill"):
             raise RouterError(503, "no prefill endpoints configured")
         failures: list[dict[str, Any]] = []
         busy: list[dict[str, Any]] = []
-        tried_decode: list[Endpoint] = []
+        tried_decode: list[Endpoint] = list(exclude_decode or [])
         failed_prefill: list[Endpoint] = []
         queue_deadline = min(arrived + self.admission.queue_timeout_s, deadline)
         # Bounds: each worker failure excludes a decode endpoint or a prefill endpoint for the rest
@@ -392,6 +452,7 @@ class DisaggregatedClient:
         if not isinstance(ids, list):
             raise BackendFailure("descriptor line has no prompt_token_ids list")
         attempt.prompt_tokens = len(ids)
+        attempt.prompt_ids = [int(t) for t in ids if isinstance(t, int)]
         return line
 
     async def _prefill_and_first_output(
@@ -588,7 +649,7 @@ class DisaggregatedClient:
                 line = await attempt.reader.next()
         except TimeoutError:
             if wait >= remaining:
-                return None, ErrorEvent(f"request exceeded {self.request_timeout_s:g}s", status=504)
+                return None, ErrorEvent(f"request exceeded {self.request_timeout_s:g}s", status=504, migratable=False)
             self._record_failure(decode, f"stream stalled for {wait:.1f}s")
             return None, ErrorEvent(f"decode worker {decode.url} sent nothing for {wait:.1f}s", status=504)
         except _TRANSPORT_ERRORS as exc:

@@ -367,6 +367,7 @@ def done_fields(done: DoneEvent) -> dict[str, Any]:
         "decode": done.decode,
         "kv_bytes": done.kv_bytes,
         "retries": done.retries,
+        "migrations": done.migrations,
     }
 
 

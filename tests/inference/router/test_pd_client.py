@@ -435,3 +435,36 @@ def test_chat_messages_and_token_ids_reach_the_decode_worker(stand_ins: Cluster)
     first, second = stand_ins.decode[0].requests
     assert first["messages"] == messages and "prompt" not in first
     assert second["input_ids"] == [5, 6, 7] and "prompt" not in second
+
+
+def test_decode_dying_after_the_first_token_moves_the_stream(stand_ins: Cluster) -> None:
+    dying, other = stand_ins.decode
+    dying.behavior = "die_after_first_token"
+    client = make_client(stand_ins.prefill_urls, [dying.url, other.url])
+    req = request(max_tokens=5)
+    events = run(drain(client, req))
+    done = events[-1]
+    assert isinstance(done, DoneEvent), events
+    # One token from the dying worker, four more from the other: the client sees one stream.
+    ids = [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
+    assert len(ids) == 5 and ids[0] == FIRST_TOKEN
+    assert done.migrations == 1 and done.decode == other.url and done.finish_reason == "length"
+    assert done.usage == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    # The other worker was given prompt + the token already sent, and the remaining max_tokens.
+    (resumed,) = other.requests
+    assert resumed["input_ids"] == [0, 1, 2, FIRST_TOKEN] and resumed["sampling"]["max_tokens"] == 4
+    assert resumed["request_id"] == f"{req.request_id}-m1"
+    assert dying.wait_for("aborts") == [req.request_id]
+    assert_idle(client)
+
+
+def test_migrations_are_bounded(stand_ins: Cluster) -> None:
+    for stand_in in stand_ins.decode:
+        stand_in.behavior = "die_after_first_token"
+    client = make_client(stand_ins.prefill_urls, stand_ins.decode_urls)
+    client.max_migrations = 1
+    events = run(drain(client, request(max_tokens=5)))
+    # First worker: 1 token, dies; second: 1 more token, dies; no third try: a clean error event.
+    assert [len(e.token_ids) for e in events if isinstance(e, TokenEvent)] == [1, 1]
+    assert isinstance(events[-1], ErrorEvent) and "ROUTER_MAX_MIGRATIONS" in events[-1].message
+    assert_idle(client)
