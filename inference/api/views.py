@@ -6,8 +6,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.core.exceptions import ValidationError as DjangoValidationError
-from django.db.models import Count, ProtectedError, Q, QuerySet
+from django.db.models import Count, ProtectedError, Q
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import mixins, status, viewsets
@@ -18,6 +17,15 @@ from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
 from inference import actions
+from inference.api.params import (
+    ChoiceParam,
+    IdParam,
+    QueryParam,
+    QueryParamFilterBackend,
+    StrictLimitOffsetPagination,
+    clean_text,
+)
+from inference.api.schema import PlatformAutoSchema
 from inference.api.serializers import (
     DeploymentSerializer,
     ErrorSerializer,
@@ -30,7 +38,7 @@ from inference.api.serializers import (
     WorkerRestartSerializer,
     WorkerSerializer,
 )
-from inference.models import Deployment, ScaleEvent, ScaleSource, ScalingRule
+from inference.models import Deployment, DeploymentStatus, ScaleEvent, ScaleSource, ScalingRule
 from inference.models import Model as ServedModel
 from nodes.models import ACTIVE_WORKER_STATUSES, Node, Worker, WorkerRole, WorkerStatus
 
@@ -58,38 +66,26 @@ def _actor(request: Request) -> str:
     return str(getattr(request.user, "username", "") or "anonymous")
 
 
-# The range of a BigAutoField (ids in query parameters outside it can match nothing).
-_MIN_ID, _MAX_ID = -(2**63), 2**63 - 1
+class PlatformViewSetMixin:
+    """What every viewset of the API shares: query parameters validated and documented in one place.
 
-
-def _filter(queryset: QuerySet, request: Request, **lookups: str) -> QuerySet:
-    """Apply the query parameters named in `lookups` (param name -> ORM lookup) that are present.
-
-    A value the field cannot hold (`?deployment=abc`) is the client's error: 400 naming the
-    parameter, not the 500 of the ORM's ValueError.
+    `filter_params` (inference.api.params.QueryParam) declare a list's filters; the backend parses
+    them (bad values are 400s naming the parameter) and documents them, the paginator does the same
+    for `limit`/`offset`, and the schema class adds the error answers to every operation.
     """
-    for param, lookup in lookups.items():
-        value = request.query_params.get(param)
-        if value in (None, ""):
-            continue
-        if lookup.endswith("_id"):
-            # Checked here: an id past 64 bits passes filter() and fails only when the query runs
-            # (OverflowError on SQLite, DataError on PostgreSQL).
-            try:
-                number = int(value)
-            except ValueError:
-                number = None
-            if number is None or not _MIN_ID <= number <= _MAX_ID:
-                raise ValidationError({param: f"must be an integer id, got {value!r}"})
-        try:
-            queryset = queryset.filter(**{lookup: value})
-        except (ValueError, TypeError, DjangoValidationError) as exc:
-            raise ValidationError({param: f"not a valid value: {value!r}"}) from exc
-    return queryset
+
+    schema = PlatformAutoSchema()
+    filter_backends = [QueryParamFilterBackend]
+    pagination_class = StrictLimitOffsetPagination
+    filter_params: tuple[QueryParam, ...] = ()
 
 
-def _deployment_param(name: str = "deployment") -> OpenApiParameter:
-    return OpenApiParameter(name, OpenApiTypes.INT, description="only objects of this deployment id")
+def _deployment_param() -> IdParam:
+    return IdParam("deployment", "deployment_id", "only objects of this deployment id")
+
+
+def _role_filter() -> ChoiceParam:
+    return ChoiceParam("role", "role", "only this role", choices=tuple(WorkerRole.values))
 
 
 def _role_param() -> OpenApiParameter:
@@ -103,7 +99,7 @@ def _role_param() -> OpenApiParameter:
         summary="Allow or forbid CPU oversubscription on a node (its only field an operator sets)"
     ),
 )
-class NodeViewSet(mixins.UpdateModelMixin, viewsets.ReadOnlyModelViewSet):
+class NodeViewSet(PlatformViewSetMixin, mixins.UpdateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Hosts registered by their agents (agents own these rows), the drain action and the placement setting."""
 
     serializer_class = NodeSerializer
@@ -143,7 +139,7 @@ class NodeViewSet(mixins.UpdateModelMixin, viewsets.ReadOnlyModelViewSet):
 
 
 @extend_schema_view(destroy=extend_schema(responses={204: None, 409: ErrorSerializer}))
-class ServedModelViewSet(viewsets.ModelViewSet):
+class ServedModelViewSet(PlatformViewSetMixin, viewsets.ModelViewSet):
     """Model checkpoints the platform serves (a model used by a deployment cannot be deleted)."""
 
     serializer_class = ServedModelSerializer
@@ -158,19 +154,13 @@ class ServedModelViewSet(viewsets.ModelViewSet):
             raise Conflict(f"model {instance.name} is used by deployment(s): {names}") from exc
 
 
-@extend_schema_view(
-    list=extend_schema(parameters=[OpenApiParameter("status", OpenApiTypes.STR, description="only this status")]),
-    destroy=extend_schema(responses={204: None, 409: ErrorSerializer}),
-)
-class DeploymentViewSet(viewsets.ModelViewSet):
+@extend_schema_view(destroy=extend_schema(responses={204: None, 409: ErrorSerializer}))
+class DeploymentViewSet(PlatformViewSetMixin, viewsets.ModelViewSet):
     """Deployments: CRUD (replica changes are recorded as ScaleEvents), scale and metrics."""
 
     serializer_class = DeploymentSerializer
     queryset = Deployment.objects.select_related("model").order_by("name")
-
-    def get_queryset(self) -> QuerySet:
-        """Deployments, optionally filtered by `?status=`."""
-        return _filter(super().get_queryset(), self.request, status="status")
+    filter_params = (ChoiceParam("status", "status", "only this status", choices=tuple(DeploymentStatus.values)),)
 
     def perform_create(self, serializer: BaseSerializer) -> None:
         """Create through inference.actions.save_deployment (records the initial ScaleEvents)."""
@@ -272,14 +262,13 @@ def metric_series_for_request(deployment: Deployment, params: Any) -> dict[str, 
 
     Shared by this API and the admin's chart endpoint; bad values answer 400 (DRF ValidationError).
     """
-    from rest_framework.exceptions import ValidationError
 
     def number(name: str, default: int, low: int, high: int) -> int:
         raw = params.get(name)
         if raw in (None, ""):
             return default
         try:
-            return min(max(int(str(raw)), low), high)
+            return min(max(int(clean_text(name, str(raw))), low), high)
         except ValueError as exc:
             raise ValidationError({name: f"must be an integer, got {raw!r}"}) from exc
 
@@ -291,26 +280,17 @@ def metric_series_for_request(deployment: Deployment, params: Any) -> dict[str, 
     return actions.deployment_metric_series(deployment, timedelta(minutes=minutes), role, max_points=max_points)
 
 
-@extend_schema_view(
-    list=extend_schema(
-        parameters=[
-            _deployment_param(),
-            _role_param(),
-            OpenApiParameter("status", OpenApiTypes.STR, enum=WorkerStatus.values, description="only this status"),
-            OpenApiParameter("node", OpenApiTypes.INT, description="only workers on this node id"),
-        ]
-    )
-)
-class WorkerViewSet(viewsets.ReadOnlyModelViewSet):
+class WorkerViewSet(PlatformViewSetMixin, viewsets.ReadOnlyModelViewSet):
     """Worker processes (read-only: the controller and agents own them) and the restart action."""
 
     serializer_class = WorkerSerializer
     queryset = Worker.objects.select_related("node", "deployment").order_by("deployment_id", "role", "id")
-
-    def get_queryset(self) -> QuerySet:
-        """Workers, optionally filtered by deployment, role, status and node."""
-        lookups = {"deployment": "deployment_id", "role": "role", "status": "status", "node": "node_id"}
-        return _filter(super().get_queryset(), self.request, **lookups)
+    filter_params = (
+        _deployment_param(),
+        _role_filter(),
+        ChoiceParam("status", "status", "only this status", choices=tuple(WorkerStatus.values)),
+        IdParam("node", "node_id", "only workers on this node id"),
+    )
 
     @extend_schema(
         summary="Restart a worker process",
@@ -332,16 +312,12 @@ class WorkerViewSet(viewsets.ReadOnlyModelViewSet):
         return Response(payload, status=status.HTTP_202_ACCEPTED)
 
 
-@extend_schema_view(list=extend_schema(parameters=[_deployment_param(), _role_param()]))
-class ScalingRuleViewSet(viewsets.ModelViewSet):
+class ScalingRuleViewSet(PlatformViewSetMixin, viewsets.ModelViewSet):
     """Threshold and schedule scaling rules; model validation failures answer 400 per field."""
 
     serializer_class = ScalingRuleSerializer
     queryset = ScalingRule.objects.select_related("deployment").order_by("deployment_id", "name")
-
-    def get_queryset(self) -> QuerySet:
-        """Rules, optionally filtered by deployment and role."""
-        return _filter(super().get_queryset(), self.request, deployment="deployment_id", role="role")
+    filter_params = (_deployment_param(), _role_filter())
 
     def perform_create(self, serializer: BaseSerializer) -> None:
         """Create through inference.actions.save_rule."""
@@ -355,21 +331,13 @@ class ScalingRuleViewSet(viewsets.ModelViewSet):
         actions.save_rule(rule, changed_fields=serializer.validated_data.keys())
 
 
-@extend_schema_view(
-    list=extend_schema(
-        parameters=[
-            _deployment_param(),
-            _role_param(),
-            OpenApiParameter("source", OpenApiTypes.STR, enum=ScaleSource.values, description="only this source"),
-        ]
-    )
-)
-class ScaleEventViewSet(viewsets.ReadOnlyModelViewSet):
+class ScaleEventViewSet(PlatformViewSetMixin, viewsets.ReadOnlyModelViewSet):
     """Recorded replica changes, newest first (read-only: actions.py writes them)."""
 
     serializer_class = ScaleEventSerializer
     queryset = ScaleEvent.objects.order_by("-created_at", "-id")
-
-    def get_queryset(self) -> QuerySet:
-        """Events, optionally filtered by deployment, role and source."""
-        return _filter(super().get_queryset(), self.request, deployment="deployment_id", role="role", source="source")
+    filter_params = (
+        _deployment_param(),
+        _role_filter(),
+        ChoiceParam("source", "source", "only this source", choices=tuple(ScaleSource.values)),
+    )

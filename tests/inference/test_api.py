@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
-from django.urls import resolve
+from django.urls import Resolver404, resolve
 from django.utils import timezone
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from inference import actions
 from inference.models import Deployment, ScaleEvent, ScalingRule
-from nodes.models import Node, Worker
+from nodes.models import Node, Worker, WorkerStatus
 from tests.support.control_plane import make_deployment, make_model, make_node, make_worker
 
 pytestmark = pytest.mark.django_db
@@ -62,7 +62,12 @@ def test_api_root_lists_resources(api: APIClient) -> None:
 
 
 def test_router_generate_route_is_not_shadowed() -> None:
-    assert resolve("/api/generate").url_name == "api-generate"
+    """/api/generate is the gateway's (a Channels route ahead of Django), and no REST API path takes it."""
+    from inference.gateway.routing import http_urlpatterns
+
+    assert any(pattern.pattern.match("api/generate") for pattern in http_urlpatterns)
+    with pytest.raises(Resolver404):
+        resolve("/api/generate")
 
 
 def test_schema_generates_without_warnings(tmp_path: Path, api: APIClient) -> None:
@@ -393,3 +398,73 @@ def test_events_are_read_only_and_filtered(api: APIClient) -> None:
     assert [(e["role"], e["from_replicas"], e["to_replicas"], e["reason"]) for e in events] == [("decode", 1, 2, "a")]
     assert len(api.get("/api/events/?source=api").json()["results"]) == 1
     assert api.post("/api/events/", {}, format="json").status_code == 405
+
+
+# --------------------------------------------------------------------------- query parameters
+
+LIST_PATHS = ["/api/nodes/", "/api/models/", "/api/deployments/", "/api/workers/", "/api/rules/", "/api/events/"]
+
+
+@pytest.fixture
+def one_of_each() -> Deployment:
+    """A row in every list (a page query runs only when the table has rows)."""
+    deployment = make_deployment(decode_max=8)
+    make_worker(deployment, make_node())
+    ScalingRule.objects.create(deployment=deployment, name="hot", kind="threshold", role="decode", threshold=0.8)
+    actions.scale_deployment(deployment, "decode", 2, source="manual", reason="fixture")
+    return deployment
+
+
+def _query_parameters(api: APIClient, path: str) -> list[dict[str, Any]]:
+    """The query parameters the OpenAPI schema documents for `GET path`."""
+    schema = api.get("/api/schema/?format=json").json()
+    return [p for p in schema["paths"][path]["get"].get("parameters", []) if p["in"] == "query"]
+
+
+@pytest.mark.parametrize("path", LIST_PATHS)
+def test_every_documented_query_parameter_refuses_bad_values_with_400(
+    api: APIClient, one_of_each: Deployment, path: str
+) -> None:
+    """Regression (schemathesis on PostgreSQL): `?status=%00` and `?limit=<2**65>` were 500s.
+
+    Driven by the schema, so a filter added later is covered: NUL in any parameter, integers past
+    64 bits (or past the page size) and values outside an enum are 400s naming the parameter."""
+    parameters = _query_parameters(api, path)
+    names = {p["name"] for p in parameters}
+    assert {"limit", "offset"} <= names
+    for parameter in parameters:
+        name, schema = parameter["name"], parameter["schema"]
+        bad = ["\x00", "a\x00b"]
+        if schema["type"] == "integer":
+            bad += ["53253501965985038336", "-36893488147419103233", "abc", "1.5", " 1", "1_0"]
+            bad += [str(schema["minimum"] - 1), str(schema["maximum"] + 1)]
+        if "enum" in schema:
+            bad += ["bogus", schema["enum"][0].upper()]
+        for value in bad:
+            response = api.get(path, {name: value})
+            assert response.status_code == 400, (path, name, value, response.content)
+            assert name in response.json(), (path, name, value, response.json())
+        good = schema["enum"][0] if "enum" in schema else str(schema.get("minimum", 1))
+        assert api.get(path, {name: good}).status_code == 200, (path, name, good)
+
+
+def test_limit_and_offset_bounds(api: APIClient, one_of_each: Deployment) -> None:
+    assert api.get("/api/models/", {"limit": "53253501965985038336"}).json() == {
+        "limit": ["must be an integer from 1 to 1000, got '53253501965985038336'"]
+    }
+    assert api.get("/api/models/", {"limit": "0"}).status_code == 400
+    assert api.get("/api/models/", {"offset": "-1"}).status_code == 400
+    page = api.get("/api/models/", {"limit": "1000", "offset": str(2**63 - 1)})
+    assert page.status_code == 200 and page.json()["results"] == []
+    assert api.get("/api/models/", {"limit": "1"}).json()["count"] == 1
+
+
+def test_schema_documents_the_error_answers(api: APIClient) -> None:
+    schema = api.get("/api/schema/?format=json").json()
+    paths = schema["paths"]
+    assert {"200", "400", "401"} <= set(paths["/api/workers/"]["get"]["responses"])
+    assert {"200", "401", "404"} <= set(paths["/api/workers/{id}/"]["get"]["responses"])
+    assert "400" not in paths["/api/workers/{id}/"]["get"]["responses"]  # nothing to validate
+    assert {"202", "400", "401", "404", "503"} <= set(paths["/api/deployments/{id}/scale/"]["post"]["responses"])
+    status = next(p for p in paths["/api/workers/"]["get"]["parameters"] if p["name"] == "status")
+    assert status["schema"]["enum"] == list(WorkerStatus.values)
