@@ -71,6 +71,12 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float, procs: list[Pr
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})\n{logs}")
 
 
+def agent_command(rid: str, name: str, address: str, role: str) -> list[str]:
+    """`manage.py agent` of the host `name` (node `<rid>-<name>`), taking only `role` workers."""
+    return [sys.executable, "manage.py", "agent", "--name", f"{rid}-{name}", "--address", address, "--roles", role,
+            "--port-range", "31000-31099", "--heartbeat", "1"]
+
+
 class Platform:
     """The processes, addresses and API client of one multi-host run."""
 
@@ -166,6 +172,13 @@ def _database_env(lab: NetnsLab, rid: str, log_dir: Path, tmp: Path) -> tuple[di
 @pytest.fixture
 def platform(tmp_path: Path, log_dir: Path) -> Iterator[Platform]:
     """Three namespaces, a migrated database with an API token, controller and agents running."""
+    with running_platform(tmp_path, log_dir) as plat:
+        yield plat
+
+
+@contextlib.contextmanager
+def running_platform(tmp_path: Path, log_dir: Path, env_overrides: dict[str, str] | None = None) -> Iterator[Platform]:
+    """The `platform` fixture's body; `env_overrides` change the processes' settings (e.g. timeouts)."""
     lab = NetnsLab()
     rid = lab.prefix
     run_logs = log_dir / rid
@@ -190,6 +203,7 @@ def platform(tmp_path: Path, log_dir: Path) -> Iterator[Platform]:
             "CUDA_VISIBLE_DEVICES": "",
             "PLATFORM_SHARED_SECRET": f"mh-{secrets.token_hex(8)}",
             "DJANGO_ALLOWED_HOSTS": "*",
+            **(env_overrides or {}),
         })
         plat = Platform(lab, env, run_logs)
         plat.manage("migrate", "--noinput", "-v", "0")
@@ -203,10 +217,7 @@ def platform(tmp_path: Path, log_dir: Path) -> Iterator[Platform]:
         py = sys.executable
         plat.start("controller", "ctl", [py, "manage.py", "controller", "--concurrency", "4"])
         for name, ip, role in (("pre", pre_ip, "prefill"), ("dec", dec_ip, "decode")):
-            plat.start(f"agent-{name}", name, [
-                py, "manage.py", "agent", "--name", f"{rid}-{name}", "--address", ip, "--roles", role,
-                "--port-range", "31000-31099", "--heartbeat", "1",
-            ])
+            plat.start(f"agent-{name}", name, agent_command(rid, name, ip, role))
         plat.router_url = f"http://{ctl_ip}:8000"
         plat.api = httpx.Client(base_url=plat.router_url, headers={"Authorization": f"Token {token}"}, timeout=30)
         yield plat
