@@ -3,19 +3,26 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from inference.server.errors import WorkerError, bad_request
 from inference.server.worker import Worker
 
+logger = logging.getLogger(__name__)
+
 MAX_BODY_BYTES = 8 * 2**20
+# An answer given before the whole body was read reaches most HTTP clients only if the rest is read
+# too: httpx, for one, is still writing and sees the connection reset instead of the 413. So the
+# rest is read and dropped, up to this much; past it the answer goes out with `Connection: close`.
+DRAIN_LIMIT_BYTES = 4 * MAX_BODY_BYTES
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -28,7 +35,12 @@ def _error(exc: WorkerError) -> JSONResponse:
     return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
 
 
+class _ClientGone(Exception):
+    """The caller hung up while its body was being read: there is nobody to answer."""
+
+
 async def _json_body(request: Request) -> dict[str, Any]:
+    """The request's JSON object, read chunk by chunk under MAX_BODY_BYTES (413 past it)."""
     too_large = WorkerError(413, f"request body over {MAX_BODY_BYTES} bytes", "request_too_large")
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
@@ -36,10 +48,14 @@ async def _json_body(request: Request) -> dict[str, Any]:
     # Read chunk by chunk: a chunked body has no Content-Length, and request.body() would hold all
     # of it in memory before any check.
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise too_large
+    try:
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise too_large
+    except ClientDisconnect as exc:
+        raise _ClientGone from exc
+    request.state.body_read = True
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep for the parser
@@ -49,13 +65,31 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return body
 
 
+async def _drain(request: Request) -> bool:
+    """Read and drop what is left of the body (bounded); False when it went past the bound."""
+    if getattr(request.state, "body_read", False):
+        return True
+    dropped = 0
+    try:
+        async for chunk in request.stream():
+            dropped += len(chunk)
+            if dropped > DRAIN_LIMIT_BYTES:
+                return False
+    except ClientDisconnect:
+        return True  # nobody left to answer; nothing to protect
+    except RuntimeError:  # "Stream consumed": everything was read already
+        return True
+    return True
+
+
 def create_app(worker: Worker) -> Starlette:
     """The Starlette application serving one worker."""
 
     def internal(handler: Handler) -> Handler:
         """Internal endpoints accept only callers holding the platform's shared secret (when set)."""
 
-        async def wrapped(request: Request) -> Response:
+        async def checked(request: Request) -> Response:
+            """The secret first (before the body is parsed), then the handler; errors as JSON."""
             secret = worker.args.shared_secret
             if secret:
                 given = request.headers.get("x-platform-secret", "")
@@ -70,6 +104,18 @@ def create_app(worker: Worker) -> Starlette:
                 return await handler(request)
             except WorkerError as exc:
                 return _error(exc)
+
+        async def wrapped(request: Request) -> Response:
+            """Every error answer readable by every client; a caller that hung up, a quiet close."""
+            try:
+                response = await checked(request)
+            except _ClientGone:
+                # The router gave up on this request (it sends /internal/abort too): not a fault here.
+                logger.info("%s: the caller closed the connection while sending its body", request.url.path)
+                return Response(status_code=499)  # never sent: the connection is gone
+            if response.status_code >= 400 and not await _drain(request):
+                response.headers["Connection"] = "close"
+            return response
 
         return wrapped
 

@@ -8,6 +8,7 @@ into the decode worker's reserved blocks, answer with the first token and timing
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -37,11 +38,16 @@ from inference.server.errors import StartupError, WorkerError, bad_request, over
 from inference.server.metrics import WorkerMetrics
 from inference.server.requests import parse_sampling, parse_token_ids, prompt_token_ids
 from inference.server.resources import Utilization, pin_cpus, select_device
+from inference.server.tombstones import AbortTombstones
 
 logger = logging.getLogger(__name__)
 
 # How long a decode stream waits for the next engine output before declaring the engine stuck.
 OUTPUT_TIMEOUT_S = 120.0
+
+# Seconds after an abort that found nothing at which it looks again for the request (still
+# reserving its blocks when the abort came): one engine step is the usual window.
+ABORT_RECHECK_S = (0.5, 1.5, 3.0)
 
 # Test-only fault injection (docs/internals.md): a prefill worker started with this variable set
 # sleeps that many seconds between computing the prompt and sending its KV, so that tests can kill
@@ -273,12 +279,37 @@ class Worker:
             params.max_tokens = room
         return params
 
+    @functools.cached_property
+    def aborted_ids(self) -> AbortTombstones:
+        """Request ids aborted lately, so that a request arriving after its abort is refused."""
+        return AbortTombstones()
+
+    def refuse_if_aborted(self, request_id: str) -> None:
+        """Raise 409 `aborted` for a request whose abort arrived first (nothing gets reserved)."""
+        if request_id in self.aborted_ids:
+            logger.info("%s arrived after its abort: refused", request_id)
+            self.metrics.outcome("aborted")
+            raise WorkerError(409, f"request {request_id} was aborted before it arrived", "aborted")
+
     async def abort(self, request_id: str) -> None:
         """Abort a request in any state and free its blocks (idempotent).
 
         A decode request waiting for its KV ends its stream at once; a prefill in progress is
-        cancelled (its blocks are freed once a KV send already under way has finished).
+        cancelled (its blocks are freed once a KV send already under way has finished). The id is
+        remembered for a while (a tombstone): the request itself may still be on its way.
         """
+        # First, before any await: a request arriving meanwhile must already find the tombstone.
+        self.aborted_ids.add(request_id)
+        if not await self._abort_now(request_id):
+            # Nothing here yet; the request may be past its tombstone check but not registered
+            # (reserving blocks in a thread): look again once that window has passed.
+            later = asyncio.ensure_future(self._abort_stragglers(request_id))
+            self._background.add(later)
+            later.add_done_callback(self._background.discard)
+
+    async def _abort_now(self, request_id: str) -> bool:
+        """Cancel whatever of `request_id` lives here now; whether anything did."""
+        live = self.engine.get_sequence(request_id) is not None
         if self.receiver is not None:
             await asyncio.to_thread(self.receiver.cancel, request_id)
         waiter = self._kv_waiters.pop(request_id, None)
@@ -292,6 +323,16 @@ class Worker:
         elif waiter is not None:
             logger.info("abort of %s: decode request cancelled", request_id)
         self.async_engine.abort(request_id)
+        return live or waiter is not None or task is not None
+
+    async def _abort_stragglers(self, request_id: str) -> None:
+        """Abort `request_id` again should it have registered after its abort found nothing."""
+        for delay in ABORT_RECHECK_S:
+            await asyncio.sleep(delay)
+            if request_id in self._kv_waiters or request_id in self._prefill_tasks:
+                logger.info("abort of %s: applied to the request that arrived meanwhile", request_id)
+                await self._abort_now(request_id)
+                return
 
     # ------------------------------------------------------------------ decode
     def _on_kv_received(self, request_id: str, first_token: int, stats: TransferStats) -> None:
@@ -299,6 +340,10 @@ class Worker:
         waiter = self._kv_waiters.get(request_id)
         if waiter is None:
             raise KVTransferError(f"request {request_id} is no longer waiting")
+        if request_id in self.aborted_ids:  # aborted while it was being reserved: end it now
+            waiter.aborted = True
+            waiter.loop.call_soon_threadsafe(waiter.event.set)
+            raise KVTransferError(f"request {request_id} was aborted")
         self.async_engine.kv_received(request_id, first_token)
         waiter.stats = stats
         self.metrics.kv_transfer_bytes.inc(stats.nbytes)
@@ -312,6 +357,7 @@ class Worker:
         """
         received_at = time.perf_counter()
         request_id = str(body.get("request_id") or uuid.uuid4().hex)
+        self.refuse_if_aborted(request_id)
         params = parse_sampling(body.get("sampling"), self.args.max_tokens_limit)
         ids = prompt_token_ids(body, self.engine.tokenizer, self.engine.config.vocab_size)
         self._check_prompt_length(len(ids))
@@ -453,6 +499,7 @@ class Worker:
         request_id = body.get("request_id")
         if not isinstance(request_id, str) or not request_id:
             raise bad_request("'request_id' must be a non-empty string")
+        self.refuse_if_aborted(request_id)
         task = asyncio.ensure_future(self._prefill(request_id, body))
         self._prefill_tasks[request_id] = task
         try:
