@@ -1,0 +1,162 @@
+"""Zero lost requests, drilled: streams through a decode worker killed mid-stream, and hang-ups.
+
+Real processes on loopback (tiny model): one prefill worker, two decode workers, the router.
+
+- *kill*: ``--streams`` streaming ``/v1/completions`` (``max_tokens`` 200, greedy, ``ignore_eos``)
+  at ``--concurrency``; once a third of them have started, one decode worker is SIGKILLed. Every
+  stream must end with a ``finish_reason`` (the router moves the broken ones to the other decode
+  worker); the greedy ones are compared token for token with an unbroken run of the same prompt.
+- *hang-up*: ``--hangups`` streams closed by the client right after their first token. Counted on
+  the decode worker afterwards: how many still ran to completion (``worker_requests_total
+  {outcome="ok"}``) and how many tokens it generated meanwhile.
+
+    .venv/bin/python -m bench.stream_drill                 # about a minute
+    .venv/bin/python -m bench.stream_drill --quick
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+
+from bench.common import base_parser, log, markdown_table, parse_args, tiny_model_dir, write_result
+
+PROMPTS = [f"Stream number {i} tells the story of disaggregated inference" for i in range(10)]
+
+
+def _metric(url: str, name: str, label: str = "") -> float:
+    """A worker's Prometheus counter value (0 when absent)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name) and label in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def _stream(session: aiohttp.ClientSession, router: str, prompt: str, max_tokens: int,
+                  hang_up: bool = False) -> dict[str, Any]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    tokens: list[int] = []
+    finish = None
+    error = None
+    async with session.post(f"{router}/v1/completions", json=body) as response:
+        if response.status != 200:
+            return {"status": response.status, "finish_reason": None, "tokens": [], "error": await response.text()}
+        async for raw in response.content:
+            if not raw.startswith(b"data: {"):
+                continue
+            event = json.loads(raw[6:])
+            if "error" in event:
+                error = event["error"]["message"]
+                continue
+            choice = event["choices"][0]
+            tokens.extend(choice.get("token_ids") or [])
+            finish = choice.get("finish_reason") or finish
+            if hang_up and tokens:
+                break  # leaving the block closes the connection
+    return {"status": 200, "finish_reason": finish, "tokens": tokens, "error": error}
+
+
+async def _kill_drill(router: str, victim: Any, streams: int, concurrency: int, max_tokens: int) -> dict[str, Any]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        reference = {p: (await _stream(session, router, p, max_tokens))["tokens"] for p in PROMPTS}
+        started = 0
+        killed_at: float | None = None
+        semaphore = asyncio.Semaphore(concurrency)
+
+        async def one(i: int) -> dict[str, Any]:
+            nonlocal started, killed_at
+            async with semaphore:
+                started += 1
+                if killed_at is None and started > streams // 3:
+                    victim.kill()
+                    killed_at = time.monotonic()
+                result = await _stream(session, router, PROMPTS[i % len(PROMPTS)], max_tokens)
+                result["equal"] = result["tokens"] == reference[PROMPTS[i % len(PROMPTS)]]
+                return result
+
+        results = await asyncio.gather(*(one(i) for i in range(streams)))
+    return {
+        "streams": streams,
+        "completed": sum(1 for r in results if r["finish_reason"] is not None and r["error"] is None),
+        "lost": sum(1 for r in results if r["finish_reason"] is None or r["error"] is not None),
+        "equal_to_unbroken": sum(1 for r in results if r["equal"]),
+        "errors": sorted({str(r["error"])[:160] for r in results if r["error"]})[:5],
+    }
+
+
+async def _hangup_drill(router: str, decode_urls: list[str], hangups: int, concurrency: int) -> dict[str, Any]:
+    ok_before = sum(_metric(u, "worker_requests_total", 'outcome="ok"') for u in decode_urls)
+    tokens_before = sum(_metric(u, "worker_generation_tokens_total") for u in decode_urls)
+    semaphore = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        async def one(i: int) -> None:
+            async with semaphore:
+                await _stream(session, router, PROMPTS[i % len(PROMPTS)], 200, hang_up=True)
+
+        await asyncio.gather(*(one(i) for i in range(hangups)))
+    await asyncio.sleep(3)  # aborts land; a stream still running would finish 200 tokens in this time
+    return {
+        "hangups": hangups,
+        "ran_to_completion": int(sum(_metric(u, "worker_requests_total", 'outcome="ok"') for u in decode_urls)
+                                 - ok_before),
+        "tokens_generated": int(sum(_metric(u, "worker_generation_tokens_total") for u in decode_urls)
+                                - tokens_before),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start the processes, run both drills, print and write the result."""
+    p = base_parser(__doc__.splitlines()[0] if __doc__ else "stream drill")
+    p.add_argument("--streams", type=int, default=100)
+    p.add_argument("--concurrency", type=int, default=20)
+    p.add_argument("--hangups", type=int, default=1000)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(p, argv)
+    if args.quick:
+        args.streams, args.concurrency, args.hangups = 12, 4, 20
+    from tests.support.processes import Proc, start_router, start_worker
+
+    model = args.model_dir or tiny_model_dir()
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    common = ["--block-size", "8", "--context-length", "1024", "--num-threads", "1"]
+    procs: list[Proc] = []
+    try:
+        prefill, prefill_url = start_worker("prefill", model, log_dir, extra=common)
+        procs.append(prefill)
+        decodes = [start_worker("decode", model, log_dir, extra=common) for _ in range(2)]
+        procs += [proc for proc, _ in decodes]
+        router, router_url = start_router([prefill_url], [url for _, url in decodes], log_dir)
+        procs.append(router)
+        hangup = asyncio.run(_hangup_drill(router_url, [url for _, url in decodes], args.hangups, args.concurrency))
+        log(f"hang-ups: {hangup}")
+        kill = asyncio.run(_kill_drill(router_url, decodes[0][0], args.streams, args.concurrency, 200))
+        log(f"kill: {kill}")
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+    print(markdown_table(
+        ["drill", "streams", "completed", "lost", "equal to an unbroken run"],
+        [["decode worker SIGKILLed", kill["streams"], kill["completed"], kill["lost"], kill["equal_to_unbroken"]]],
+    ))
+    print(markdown_table(
+        ["drill", "streams", "ran to completion anyway", "tokens generated for nobody"],
+        [["client hangs up after the first token", hangup["hangups"], hangup["ran_to_completion"],
+          hangup["tokens_generated"]]],
+    ))
+    name = "stream_drill_quick" if args.quick else "stream_drill"
+    path = write_result(args.out_dir, name, "bench.stream_drill", argv, {"kill": kill, "hangup": hangup})
+    log(f"result: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
