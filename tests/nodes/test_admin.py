@@ -139,3 +139,20 @@ def test_activate_node_action_undoes_a_drain(client_root: Client, cluster: dict[
 def test_node_status_is_not_edited_by_hand(client_root: Client, cluster: dict[str, Any]) -> None:
     page = client_root.get(reverse("admin:nodes_node_change", args=[cluster["fresh"].pk])).content.decode()
     assert 'name="status"' not in page  # drain / activate actions change it, with the workers
+
+
+def test_unreachable_node_is_shown_and_can_be_marked_offline(client_root: Client, cluster: dict[str, Any]) -> None:
+    """An UNREACHABLE node (agent silent, workers serving) has its own badge; "Mark offline" gives up on it."""
+    node = cluster["fresh"]
+    Node.objects.filter(pk=node.pk).update(status="unreachable")
+    page = client_root.get(reverse("admin:nodes_node_changelist")).content.decode()
+    assert ">Unreachable</span>" in page
+    response = client_root.post(
+        reverse("admin:nodes_node_changelist"), {"action": "mark_nodes_offline", "_selected_action": [node.pk]},
+        follow=True,
+    )
+    notes = [str(m.message) for m in response.context["messages"]]
+    assert notes == [f"{node.name} is offline; 1 worker(s) re-placed elsewhere."]
+    assert Node.objects.get(pk=node.pk).status == "offline"
+    stopped = Worker.objects.get(pk=cluster["running"].pk)
+    assert stopped.status == "stopped" and "marked offline by root" in stopped.last_error
