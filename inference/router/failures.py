@@ -27,6 +27,14 @@ class BackendFailure(Exception):
         self.message = message
 
 
+class DecodePeerFailure(BackendFailure):
+    """The prefill worker could not write the KV into the decode worker (it closed or vanished).
+
+    Says nothing against the prefill worker: the decode side of the attempt is what failed, so the
+    request starts over with another decode worker.
+    """
+
+
 class Busy(Exception):
     """A worker answered 429: it is alive but full, so another one may take the request."""
 
@@ -75,6 +83,8 @@ def raise_for_status(status: int, raw: bytes, role: str) -> None:
     if role == "prefill" and status == 409 and kind == "lease_expired":
         # Nobody's fault here (a previous prefill worker took the time): reserve again.
         raise LeaseExpired(message)
+    if role == "prefill" and kind == "kv_transfer_error":
+        raise DecodePeerFailure(f"the prefill worker could not deliver the KV: {message}")
     # The decode worker validates the request (prompt length, sampling values): its 4xx is the
     # client's error, except 401/403, which say the router's shared secret is wrong. A prefill
     # worker sees an already validated request, so only its 400 is the request's fault;

@@ -38,7 +38,14 @@ from inference.router.admission import Admission
 from inference.router.endpoint import Endpoint
 from inference.router.errors import RouterError
 from inference.router.events import DoneEvent, ErrorEvent, Event, GenerateRequest, TokenEvent, new_request_id
-from inference.router.failures import BackendFailure, Busy, LeaseExpired, kv_timeout_message, raise_for_status
+from inference.router.failures import (
+    BackendFailure,
+    Busy,
+    DecodePeerFailure,
+    LeaseExpired,
+    kv_timeout_message,
+    raise_for_status,
+)
 from inference.router.health import describe_exception, stale_connection
 from inference.router.metrics import RouterMetrics
 from inference.router.migration import resumed_request
@@ -547,6 +554,9 @@ class DisaggregatedClient:
             prefill.acquire()
             try:
                 attempt.prefill_result = await self._post_prefill(prefill, body, deadline)
+            except DecodePeerFailure:
+                pool.record_success(prefill)
+                raise  # the decode worker failed: `_establish` starts over with another one
             except BackendFailure as exc:
                 logger.warning("prefill %s failed for %s: %s", prefill.url, attempt.request_id, exc.message)
                 self._record_failure(prefill, exc.message)

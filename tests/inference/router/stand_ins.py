@@ -66,7 +66,8 @@ class StandIn:
 
     Decode behaviors: ok, http400, http401, http429, http500, no_descriptor (hangs before its first line),
     error_line (error line instead of the first token), die_after_first_token. Prefill behaviors:
-    ok, http400, http429, http500, hang, lease_expired_once (409 `lease_expired`, then ok).
+    ok, http400, http429, http500, hang, lease_expired_once (409 `lease_expired`, then ok),
+    kv_transfer_error_once (502 `kv_transfer_error`, then ok).
     Health: "healthy", "unhealthy" (status field) or "http500". A decode stand-in's lease is
     `kv_wait_s`: without KV by then it sends the worker's `reason: kv_timeout` error line.
     """
@@ -262,6 +263,9 @@ class StandIn:
         if behavior == "lease_expired_once":
             self.behavior = "ok"
             return _error(409, "the decode lease has expired", "lease_expired")
+        if behavior == "kv_transfer_error_once":  # the decode worker vanished during the KV send
+            self.behavior = "ok"
+            return _error(502, "KV transfer failed: peer closed after 0 of 4 bytes", "kv_transfer_error")
         descriptor = body.get("descriptor") or {}
         if descriptor.get("request_id") != body.get("request_id") or not isinstance(body.get("prompt_token_ids"), list):
             return _error(400, "descriptor does not match the request")

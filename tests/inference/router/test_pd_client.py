@@ -468,3 +468,18 @@ def test_migrations_are_bounded(stand_ins: Cluster) -> None:
     assert [len(e.token_ids) for e in events if isinstance(e, TokenEvent)] == [1, 1]
     assert isinstance(events[-1], ErrorEvent) and "ROUTER_MAX_MIGRATIONS" in events[-1].message
     assert_idle(client)
+
+
+def test_kv_transfer_failure_blames_the_decode_worker_and_starts_over(stand_ins: Cluster) -> None:
+    """A prefill worker that could not write the KV into the decode worker (it died during the send)
+    is not at fault: the request starts over on the other decode worker with the same prefill one."""
+    (prefill,) = stand_ins.prefill[:1]
+    prefill.behavior = "kv_transfer_error_once"
+    client = make_client([prefill.url], stand_ins.decode_urls)
+    events = run(drain(client, request()))
+    done = events[-1]
+    assert isinstance(done, DoneEvent) and done.retries == 1 and done.prefill == prefill.url
+    first_decode = next(e for e in client.pool.endpoints("decode") if e.url != done.decode)
+    assert first_decode.consecutive_failures == 1
+    assert client.pool.endpoints("prefill")[0].consecutive_failures == 0
+    assert_idle(client)
