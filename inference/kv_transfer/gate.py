@@ -90,9 +90,9 @@ class ConnectionGate:
         max_handshakes_per_peer: int = 64,
     ) -> None:
         self._serve = serve
-        self._bind_host = bind_host
+        self.bind_host = bind_host
         self._requested_port = port
-        self._secret = secret
+        self.secret = secret
         self._name = name
         self._max_connections = max_connections
         # Three quarters by default: one address (say a host running several prefill workers) can
@@ -137,11 +137,11 @@ class ConnectionGate:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((self._bind_host, self._requested_port))
+            sock.bind((self.bind_host, self._requested_port))
         except OSError as exc:
             sock.close()
             raise KVTransferError(
-                f"cannot listen for KV transfers on {self._bind_host}:{self._requested_port}: {exc}"
+                f"cannot listen for KV transfers on {self.bind_host}:{self._requested_port}: {exc}"
             ) from exc
         sock.listen(1024)
         sock.setblocking(False)
@@ -299,7 +299,7 @@ class ConnectionGate:
             self.stats.malformed += 1
             self._refuse(handshake, "malformed authentication frame")
             return
-        reply, error = check_auth(frame, handshake.nonce, self._secret)
+        reply, error = check_auth(frame, handshake.nonce, self.secret)
         if reply is None:
             if error == "bad shared secret":
                 self.stats.bad_secret += 1

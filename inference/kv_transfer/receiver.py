@@ -33,6 +33,17 @@ from inference.kv_transfer.wire import recv_frame, send_frame
 
 logger = logging.getLogger(__name__)
 
+_WILDCARDS = ("", "0.0.0.0", "::")
+
+
+def kv_bind_host(host: str, advertise_host: str | None, secret: str) -> str:
+    """Where a decode worker's KV port listens: `--host`, but in open mode (no shared secret) only
+    the advertised address (`--kv-advertise-host`) when `--host` is every interface: without the
+    secret the port takes writes from anyone who reaches it."""
+    if not secret and advertise_host and host in _WILDCARDS:
+        return advertise_host
+    return host
+
 
 @dataclass
 class Pending:
@@ -112,6 +123,13 @@ class GatedReceiver(KVReceiver, abc.ABC):
     def start(self) -> None:
         """Bind the KV port and start accepting (authenticated) connections."""
         self.gate.start()
+        if not self.gate.secret and self.gate.bind_host in _WILDCARDS:
+            logger.warning(
+                "KV port %d listens on every interface with no PLATFORM_SHARED_SECRET: anyone who "
+                "reaches it can hold transfer slots, and a holder of a descriptor can write into its "
+                "blocks. Set the secret, or --host / --kv-advertise-host to a private address "
+                "(docs/security.md)", self.port,
+            )
 
     def stop(self) -> None:
         """Stop accepting; transfers in flight finish or time out on their own."""

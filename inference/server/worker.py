@@ -31,6 +31,7 @@ from inference.kv_transfer import (
 from inference.kv_transfer.keeper import LeaseKeeper
 from inference.kv_transfer.lease import Lease, LeaseLost
 from inference.kv_transfer.rdma import RdmaKVReceiver, RdmaKVSender
+from inference.kv_transfer.receiver import kv_bind_host
 from inference.kv_transfer.tcp import TcpKVReceiver, TcpKVSender
 from inference.kv_transfer.verbs import VerbsDevice
 from inference.server.args import ServerArgs
@@ -122,7 +123,7 @@ class Worker:
                 self.engine.kv_cache.data,
                 self.layout,
                 self._on_kv_received,
-                bind_host=args.host,
+                bind_host=kv_bind_host(args.host, args.kv_advertise_host, args.shared_secret),
                 port=args.kv_port,
                 secret=args.shared_secret,
             )
@@ -151,7 +152,7 @@ class Worker:
                     self.layout,
                     self._on_kv_received,
                     device=device,
-                    bind_host=args.host,
+                    bind_host=kv_bind_host(args.host, args.kv_advertise_host, args.shared_secret),
                     port=args.kv_port,
                     secret=args.shared_secret,
                 )

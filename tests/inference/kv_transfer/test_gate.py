@@ -12,6 +12,7 @@ import torch
 from inference.kv_transfer import KVLayout, KVTransferError, TransferStats
 from inference.kv_transfer.auth import HandshakeRefused, authenticate
 from inference.kv_transfer.lease import LeaseLost, request_renewal
+from inference.kv_transfer.receiver import kv_bind_host
 from inference.kv_transfer.tcp import TcpKVReceiver, TcpKVSender
 from inference.kv_transfer.wire import recv_frame, send_frame
 
@@ -180,3 +181,10 @@ def test_stop_closes_the_port() -> None:
     receiver.stop()
     with pytest.raises(OSError):
         connect(port).close()
+
+
+def test_open_mode_binds_the_kv_port_to_the_advertised_address_only() -> None:
+    assert kv_bind_host("0.0.0.0", "10.0.0.5", secret="") == "10.0.0.5"
+    assert kv_bind_host("0.0.0.0", None, secret="") == "0.0.0.0"  # nothing advertised: a warning at start
+    assert kv_bind_host("10.0.0.7", "10.0.0.5", secret="") == "10.0.0.7"  # an explicit --host is kept
+    assert kv_bind_host("0.0.0.0", "10.0.0.5", secret="s") == "0.0.0.0"  # the handshake guards the port
