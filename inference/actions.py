@@ -15,7 +15,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from inference.models import Deployment, MetricSample, ScaleEvent, ScaleSource, ScalingRule
+from inference.models import Deployment, MetricSample, ScaleEvent, ScaleOverride, ScaleSource, ScalingRule
 from nodes.models import WorkerRole
 
 logger = logging.getLogger(__name__)
@@ -152,6 +152,112 @@ def scale_deployment_by(
     with transaction.atomic():
         current = Deployment.objects.select_for_update().get(pk=deployment.pk).replicas(role)
         return scale_deployment(deployment, role, current + delta, source=source, reason=reason, rule=rule)
+
+
+# The longest override a manual scale may ask for: past a week, disabling the rule says it better.
+MAX_OVERRIDE = timedelta(days=7)
+
+
+class ScheduleConflict(Exception):
+    """A manual scale that an active schedule rule would revert at its next evaluation.
+
+    Carries the rule, so the API (409) and the admin can name it and say how to override it.
+    """
+
+    def __init__(self, rule: ScalingRule, role: str, requested: int, held: int) -> None:
+        from inference.selectors import window_text  # selectors imports this module's models only
+
+        self.rule, self.role, self.requested, self.held = rule, role, requested, held
+        super().__init__(
+            f"schedule rule '{rule.name}' ({window_text(rule)}) holds {role} replicas at {held}; a manual "
+            f"scale to {requested} would be reverted at its next evaluation. Ask for an override with an "
+            "end time (override_until or override_minutes), or disable the rule."
+        )
+
+
+def plan_manual_scale(
+    deployment: Deployment,
+    role: str,
+    replicas: int,
+    *,
+    source: str,
+    actor: str,
+    reason: str = "",
+    override_until: datetime | None = None,
+    now: datetime | None = None,
+) -> ScaleOverride | None:
+    """Decide whether a manual scale of `role` to `replicas` may go ahead; record an override if asked.
+
+    Call inside the transaction that applies (or queues) the scale, so a refused scale leaves nothing.
+    - An active override of the role takes the new count (and `override_until`, if given): the
+      operator's explicit intent continues rather than being set back by the override itself.
+    - `override_until` given: a ScaleOverride holds the role at the (clamped) count until then,
+      naming the schedule rule it overrides (if one holds the role now).
+    - Else, an active schedule rule whose (clamped) target differs from the (clamped) request raises
+      ScheduleConflict: the rule would silently revert the change at its next evaluation.
+    Returns the override in force for the role after the call, or None.
+    """
+    from inference.selectors import active_override, schedule_rule_holding
+
+    validate_role(role)
+    _validate_source(source)
+    now = now or timezone.now()
+    if override_until is not None and not now < override_until <= now + MAX_OVERRIDE:
+        raise ValueError(f"override_until must be in the future and at most {MAX_OVERRIDE.days} days ahead")
+    locked = Deployment.objects.select_for_update().get(pk=deployment.pk)
+    low, high = locked.bounds(role)
+    target = min(max(int(replicas), low), high)
+    override = active_override(locked, role, now)
+    if override is not None:
+        override.replicas = target
+        override.ends_at = override_until or override.ends_at
+        override.save(update_fields=["replicas", "ends_at"])
+        return override
+    rule = schedule_rule_holding(locked, role, now)
+    if override_until is not None:
+        return ScaleOverride.objects.create(
+            deployment=locked, role=role, replicas=target, ends_at=override_until, rule=rule,
+            source=source, created_by=actor, reason=reason.strip(),
+        )  # fmt: skip
+    if rule is not None and rule.target_replicas is not None:
+        held = min(max(rule.target_replicas, low), high)
+        if held != target:
+            raise ScheduleConflict(rule, role, target, held)
+    return None
+
+
+def override_note(override: ScaleOverride | None) -> str:
+    """What a ScaleEvent's reason says about the override a manual scale made or continued."""
+    if override is None:
+        return ""
+    overridden = f" of schedule rule '{override.rule.name}'" if override.rule is not None else ""
+    return f" (override #{override.pk}{overridden} until {override.ends_at.isoformat(timespec='seconds')})"
+
+
+def manual_scale_by(
+    deployment: Deployment,
+    role: str,
+    delta: int,
+    *,
+    source: str,
+    actor: str,
+    reason: str,
+    override_until: datetime | None = None,
+    now: datetime | None = None,
+) -> ScaleEvent | None:
+    """An operator's "one more / one fewer" (the admin actions), refused if a schedule rule would revert it.
+
+    Raises ScheduleConflict (nothing changed) unless `override_until` asks for an override.
+    """
+    with transaction.atomic():
+        current = Deployment.objects.select_for_update().get(pk=deployment.pk).replicas(role)
+        override = plan_manual_scale(
+            deployment, role, current + delta, source=source, actor=actor, reason=reason,
+            override_until=override_until, now=now,
+        )  # fmt: skip
+        return scale_deployment(
+            deployment, role, current + delta, source=source, reason=reason + override_note(override)
+        )
 
 
 def save_deployment(

@@ -11,11 +11,12 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
+from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from inference import actions
-from inference.models import Deployment, MetricSample, ScaleEvent, ScalingRule
+from inference.models import Deployment, MetricSample, ScaleEvent, ScaleOverride, ScalingRule
 from inference.models import Model as ServedModel
 from nodes.admin import age_text, health_summary, status_badge
 from nodes.models import ACTIVE_WORKER_STATUSES, Worker, WorkerRole, WorkerStatus
@@ -272,13 +273,19 @@ class DeploymentAdmin(admin.ModelAdmin):
 
     def _scale(self, request: HttpRequest, queryset: QuerySet, role: str, delta: int) -> None:
         for deployment in queryset:
-            event = actions.scale_deployment_by(
-                deployment,
-                role,
-                delta,
-                source="manual",
-                reason=f"admin action {role} {delta:+d} by {request.user}",
-            )
+            try:
+                event = actions.manual_scale_by(
+                    deployment,
+                    role,
+                    delta,
+                    source="manual",
+                    actor=str(request.user),
+                    reason=f"admin action {role} {delta:+d} by {request.user}",
+                )
+            except actions.ScheduleConflict as exc:
+                # Refused rather than applied and silently set back by the rule a moment later.
+                self.message_user(request, f"{deployment.name}: {exc}", messages.ERROR)
+                continue
             if event is None:
                 low, high = deployment.bounds(role)
                 self.message_user(
@@ -405,6 +412,21 @@ class ReadOnlyAdmin(admin.ModelAdmin):
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         """History is not edited."""
         return False
+
+
+@admin.register(ScaleOverride)
+class ScaleOverrideAdmin(ReadOnlyAdmin):
+    """Overrides of scaling rules made by manual scales: which role, what count, until when, why."""
+
+    list_display = ["created_at", "deployment", "role", "replicas", "ends_at", "active", "rule", "created_by", "reason"]
+    list_filter = ["role", "deployment"]
+    list_select_related = ["deployment", "rule"]
+    search_fields = ["deployment__name", "reason", "created_by"]
+
+    @admin.display(description="active", boolean=True)
+    def active(self, override: ScaleOverride) -> bool:
+        """Whether it still holds its role."""
+        return bool(override.ends_at > timezone.now())
 
 
 @admin.register(ScaleEvent)

@@ -188,6 +188,37 @@ class ScaleEvent(models.Model):
         return f"{self.deployment.name} {self.role} {self.from_replicas}->{self.to_replicas}"
 
 
+class ScaleOverride(models.Model):
+    """An operator's replica count for one role that scaling rules leave alone until `ends_at`.
+
+    A manual scale that an active schedule rule would revert is refused (409) unless it asks for an
+    override: then this row holds the role at `replicas` (schedule and threshold rules of the role
+    are paused) until `ends_at`, after which the rules take over again. `rule` is the schedule rule
+    that was holding the role when the override was made (None: none was). Ending it early sets
+    `ends_at` to the present.
+    """
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="scale_overrides")
+    role = models.CharField(max_length=16, choices=[("prefill", "Prefill"), ("decode", "Decode")])
+    replicas = models.PositiveIntegerField()
+    ends_at = models.DateTimeField(db_index=True)
+    rule = models.ForeignKey(
+        ScalingRule, null=True, blank=True, on_delete=models.SET_NULL, related_name="overrides",
+        help_text="the schedule rule holding the role when the override was made",
+    )
+    source = models.CharField(max_length=16, choices=ScaleSource.choices)
+    created_by = models.CharField(max_length=150, blank=True)
+    reason = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["deployment", "role", "ends_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.deployment.name} {self.role}={self.replicas} until {self.ends_at:%Y-%m-%d %H:%M}"
+
+
 class MetricSample(models.Model):
     """A deployment's role-level metrics at one moment (charts and scaling read these); pruned by age."""
 

@@ -24,12 +24,19 @@ Schedule rules (`evaluate_schedule_rules`)
     Inside `[start_time, end_time)` in settings.TIME_ZONE (the window wraps midnight when end < start,
     e.g. 22:00–07:00; start == end is an empty window) the rule holds `target_replicas` (clamped to
     min/max) via `scale_deployment` (source "schedule"): whenever the desired replicas differ, they are
-    set back (a manual change during the window lasts until the next evaluation; disable the rule to
-    override it). When several schedule rules of a role are active, the one whose window started most
-    recently wins. While a schedule rule holds a role, that role's threshold rules are paused (their breach
-    timers reset), so the two never fight. When the window ends nothing is restored: the replicas stay
-    where the schedule left them. To go back to a day-time value, add a second schedule rule for the rest
-    of the day, e.g. "night" 22:00–07:00 decode = 1 and "day" 07:00–22:00 decode = 3.
+    set back. A manual scale that the rule would revert is refused (409 in the API, an error in the
+    admin; `inference.actions.ScheduleConflict`) unless it asks for an override (below). When several
+    schedule rules of a role are active, the one whose window started most recently wins. While a
+    schedule rule holds a role, that role's threshold rules are paused (their breach timers reset), so
+    the two never fight. When the window ends nothing is restored: the replicas stay where the schedule
+    left them. To go back to a day-time value, add a second schedule rule for the rest of the day,
+    e.g. "night" 22:00–07:00 decode = 1 and "day" 07:00–22:00 decode = 3.
+
+Overrides (`ScaleOverride`)
+    An operator's explicit count for a role with an end time (`override_until` / `override_minutes` on
+    `POST /api/deployments/{id}/scale/`, or the admin). While one is active it holds the role at its
+    replicas (set back like a schedule rule would) and the role's schedule and threshold rules are
+    paused; when it ends, the rules take over again at their next evaluation.
 
 Every change goes through `scale_deployment`, which records a ScaleEvent with the reason built here.
 `evaluate_all()` runs every enabled rule; Celery beat calls it (inference.tasks.evaluate_scaling_rules).
@@ -39,15 +46,31 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from datetime import datetime, time, timedelta
-from zoneinfo import ZoneInfo
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from inference import actions
-from inference.models import Comparison, Deployment, DeploymentStatus, RuleKind, ScaleEvent, ScaleSource, ScalingRule
+from inference.models import (
+    Comparison,
+    Deployment,
+    DeploymentStatus,
+    RuleKind,
+    ScaleEvent,
+    ScaleOverride,
+    ScaleSource,
+    ScalingRule,
+)
+from inference.selectors import (  # noqa: F401  (in_window, local_time, minutes_since_start: this module's API)
+    active_override,
+    active_schedule_rule,
+    in_window,
+    local_time,
+    minutes_since_start,
+    window_text,
+)
 from nodes.models import Worker, WorkerStatus
 
 logger = logging.getLogger(__name__)
@@ -79,42 +102,6 @@ def role_load(deployment: Deployment, role: str, *, now: datetime | None = None)
 
 
 # ------------------------------------------------------------------------------------------- schedules
-def local_time(now: datetime) -> time:
-    """Wall-clock time of `now` in settings.TIME_ZONE."""
-    return now.astimezone(ZoneInfo(settings.TIME_ZONE)).time()
-
-
-def _minutes(t: time) -> float:
-    return t.hour * 60 + t.minute + t.second / 60 + t.microsecond / 60e6
-
-
-def in_window(start: time, end: time, at: time) -> bool:
-    """Whether `at` is in [start, end); the window wraps midnight when end < start; start == end is empty."""
-    if start == end:
-        return False
-    if start < end:
-        return start <= at < end
-    return at >= start or at < end
-
-
-def minutes_since_start(start: time, at: time) -> float:
-    """Minutes from the window's start to `at`, going forward through midnight if needed."""
-    return (_minutes(at) - _minutes(start)) % (24 * 60)
-
-
-def active_schedule_rule(rules: Sequence[ScalingRule], now: datetime) -> ScalingRule | None:
-    """The schedule rule holding a role now: of those whose window contains `now`, the latest started."""
-    at = local_time(now)
-    active = [
-        r for r in rules
-        if r.enabled and r.kind == RuleKind.SCHEDULE and r.start_time is not None and r.end_time is not None
-        and r.target_replicas is not None and in_window(r.start_time, r.end_time, at)
-    ]
-    if not active:
-        return None
-    return min(active, key=lambda r: (minutes_since_start(r.start_time, at), r.name))  # type: ignore[arg-type]
-
-
 def evaluate_schedule_rules(
     deployment: Deployment, role: str, rules: Sequence[ScalingRule], now: datetime
 ) -> tuple[ScalingRule | None, ScaleEvent | None]:
@@ -126,10 +113,7 @@ def evaluate_schedule_rules(
     target = min(max(rule.target_replicas, low), high)
     if deployment.replicas(role) == target:
         return rule, None
-    reason = (
-        f"schedule rule '{rule.name}': {rule.start_time:%H:%M}–{rule.end_time:%H:%M} ({settings.TIME_ZONE}) "
-        f"holds {role} replicas at {rule.target_replicas}"
-    )
+    reason = f"schedule rule '{rule.name}': {window_text(rule)} holds {role} replicas at {rule.target_replicas}"
     event = actions.scale_deployment(
         deployment, role, rule.target_replicas, source=str(ScaleSource.SCHEDULE), reason=reason, rule=rule
     )
@@ -137,6 +121,18 @@ def evaluate_schedule_rules(
         ScalingRule.objects.filter(pk=rule.pk).update(last_triggered_at=now)
         rule.last_triggered_at = now
     return rule, event
+
+
+def hold_override(deployment: Deployment, role: str, override: ScaleOverride) -> ScaleEvent | None:
+    """Keep the role at the override's replicas (set back if something else moved them)."""
+    if deployment.replicas(role) == override.replicas:
+        return None
+    overridden = f", overriding schedule rule '{override.rule.name}'" if override.rule is not None else ""
+    reason = (
+        f"override #{override.pk} by {override.created_by or 'an operator'} holds {role} replicas at "
+        f"{override.replicas} until {override.ends_at.isoformat(timespec='seconds')}{overridden}"
+    )
+    return actions.scale_deployment(deployment, role, override.replicas, source=override.source, reason=reason)
 
 
 # ------------------------------------------------------------------------------------------ thresholds
@@ -198,12 +194,18 @@ def evaluate_deployment(deployment: Deployment, rules: Sequence[ScalingRule], no
             deployment.refresh_from_db()
             for rule in locked:
                 rule.deployment = deployment  # one instance, so a change by one rule is seen by the next
-            holder, event = evaluate_schedule_rules(
-                deployment, role, [r for r in locked if r.kind == RuleKind.SCHEDULE], now
-            )
+            thresholds = [r for r in locked if r.kind == RuleKind.THRESHOLD]
+            override = active_override(deployment, role, now)
+            if override is not None:
+                # The operator's explicit count wins over every rule of the role until it ends.
+                event = hold_override(deployment, role, override)
+                holder: object = override
+            else:
+                holder, event = evaluate_schedule_rules(
+                    deployment, role, [r for r in locked if r.kind == RuleKind.SCHEDULE], now
+                )
             if event is not None:
                 events.append(event)
-            thresholds = [r for r in locked if r.kind == RuleKind.THRESHOLD]
             if holder is not None:
                 for rule in thresholds:  # paused while the schedule holds the role
                     evaluate_threshold_rule(rule, None, now)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from datetime import timedelta
 from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
@@ -9,7 +10,8 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from inference.models import Deployment, ScaleEvent, ScalingRule
+from inference import actions
+from inference.models import Deployment, ScaleEvent, ScaleOverride, ScalingRule
 from inference.models import Model as ServedModel
 from nodes.models import ACTIVE_WORKER_STATUSES, Node, Worker, WorkerRole
 
@@ -85,20 +87,49 @@ class ServedModelSerializer(serializers.ModelSerializer):
         read_only_fields = ["id", "created_at"]
 
 
+class ScaleOverrideSerializer(serializers.ModelSerializer):
+    """An operator's count for a role that scaling rules leave alone until `ends_at`."""
+
+    rule_name = serializers.CharField(source="rule.name", read_only=True, allow_null=True, default=None)
+    active = serializers.SerializerMethodField()
+    # Plain text in the schema: a second component with ScaleSource's enum would make drf-spectacular
+    # name the enums of ScaleEvent.source and Model.source by hash.
+    source = serializers.CharField(read_only=True, help_text="who made it: manual (admin) or api")
+
+    class Meta:
+        model = ScaleOverride
+        fields = ["id", "deployment", "role", "replicas", "ends_at", "active", "rule", "rule_name", "source",
+                  "created_by", "reason", "created_at"]  # fmt: skip
+        read_only_fields = fields
+
+    @extend_schema_field(serializers.BooleanField())
+    def get_active(self, override: ScaleOverride) -> bool:
+        """Whether the override still holds its role."""
+        return bool(override.ends_at > timezone.now())
+
+
 class DeploymentSerializer(ModelCleanMixin):
     """A disaggregated deployment: replicas and bounds per role, router and worker flags."""
 
     model_name = serializers.CharField(source="model.name", read_only=True)
+    overrides = serializers.SerializerMethodField()
 
     class Meta:
         model = Deployment
         fields = [
-            "id", "name", "model", "model_name", "status",
+            "id", "name", "model", "model_name", "status", "overrides",
             "prefill_replicas", "prefill_min", "prefill_max", "decode_replicas", "decode_min", "decode_max",
             "router_policy", "context_length", "max_sequence_length", "batch_size", "block_size",
             "kv_transport", "threads_per_worker", "created_at", "updated_at",
         ]  # fmt: skip
         read_only_fields = ["id", "created_at", "updated_at"]
+
+    @extend_schema_field(ScaleOverrideSerializer(many=True))
+    def get_overrides(self, deployment: Deployment) -> list[dict[str, Any]]:
+        """Overrides holding a role now (scaling rules leave that role alone until they end)."""
+        from inference.selectors import active_overrides
+
+        return list(ScaleOverrideSerializer(active_overrides(deployment, timezone.now()), many=True).data)
 
     def prepare_candidate(self, candidate: Any, attrs: dict[str, Any]) -> None:
         """An update changing only a role's bounds clamps its replicas instead of failing.
@@ -156,18 +187,66 @@ class ScaleEventSerializer(serializers.ModelSerializer):
 
 
 class ScaleRequestSerializer(serializers.Serializer):
-    """Body of `POST /api/deployments/{id}/scale/`; the count is clamped to the role's bounds later."""
+    """Body of `POST /api/deployments/{id}/scale/`; the count is clamped to the role's bounds later.
+
+    Inside an active schedule rule's window a count the rule would revert is refused (409) unless an
+    override end is given, as `override_until` (a time) or `override_minutes` (from now).
+    """
 
     role = serializers.ChoiceField(choices=WorkerRole.choices)
     replicas = serializers.IntegerField(min_value=0, max_value=10_000)
     reason = serializers.CharField(required=False, allow_blank=True, max_length=1000, default="")
+    override_until = serializers.DateTimeField(
+        required=False, allow_null=True, default=None,
+        help_text="hold this count against scaling rules until this time (at most 7 days ahead)",
+    )  # fmt: skip
+    override_minutes = serializers.IntegerField(
+        required=False, allow_null=True, default=None, min_value=1,
+        max_value=int(actions.MAX_OVERRIDE.total_seconds() // 60),
+        help_text="hold this count against scaling rules for this many minutes",
+    )  # fmt: skip
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        """One way of giving the override's end at most; resolved into `override_until`."""
+        until, minutes = attrs.get("override_until"), attrs.pop("override_minutes", None)
+        if until is not None and minutes is not None:
+            message = "give override_until or override_minutes, not both"
+            raise serializers.ValidationError({"override_minutes": [message]})
+        now = timezone.now()
+        if minutes is not None:
+            until = now + timedelta(minutes=minutes)
+        if until is not None and not now < until <= now + actions.MAX_OVERRIDE:
+            raise serializers.ValidationError(
+                {"override_until": [f"must be in the future and at most {actions.MAX_OVERRIDE.days} days ahead"]}
+            )
+        attrs["override_until"] = until
+        return attrs
 
 
 class ScaleQueuedSerializer(serializers.Serializer):
-    """Answer of the scale endpoint: the Celery task that will apply the change."""
+    """Answer of the scale endpoint: the Celery task that will apply the change, and the override in force."""
 
     queued = serializers.BooleanField()
     task_id = serializers.CharField()
+    override = ScaleOverrideSerializer(allow_null=True)
+
+
+class RuleRefSerializer(serializers.Serializer):
+    """A scaling rule named in an answer."""
+
+    id = serializers.IntegerField()
+    name = serializers.CharField()
+    start_time = serializers.TimeField()
+    end_time = serializers.TimeField()
+    target_replicas = serializers.IntegerField()
+
+
+class ScheduleConflictSerializer(serializers.Serializer):
+    """409 of the scale endpoint: the schedule rule that would revert the requested count."""
+
+    detail = serializers.CharField()
+    rule = RuleRefSerializer()
+    held_replicas = serializers.IntegerField()
 
 
 class WorkerRestartSerializer(serializers.Serializer):

@@ -11,5 +11,6 @@ router.register("deployments", views.DeploymentViewSet, basename="deployment")
 router.register("workers", views.WorkerViewSet, basename="worker")
 router.register("rules", views.ScalingRuleViewSet, basename="scalingrule")
 router.register("events", views.ScaleEventViewSet, basename="scaleevent")
+router.register("overrides", views.ScaleOverrideViewSet, basename="scaleoverride")
 
 urlpatterns: list[URLPattern | URLResolver] = list(router.urls)

@@ -6,6 +6,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
+from django.db import transaction
 from django.db.models import Count, ProtectedError, Q
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
@@ -31,14 +32,16 @@ from inference.api.serializers import (
     ErrorSerializer,
     NodeSerializer,
     ScaleEventSerializer,
+    ScaleOverrideSerializer,
     ScaleQueuedSerializer,
     ScaleRequestSerializer,
     ScalingRuleSerializer,
+    ScheduleConflictSerializer,
     ServedModelSerializer,
     WorkerRestartSerializer,
     WorkerSerializer,
 )
-from inference.models import Deployment, DeploymentStatus, ScaleEvent, ScaleSource, ScalingRule
+from inference.models import Deployment, DeploymentStatus, ScaleEvent, ScaleOverride, ScaleSource, ScalingRule
 from inference.models import Model as ServedModel
 from nodes.models import ACTIVE_WORKER_STATUSES, Node, Worker, WorkerRole, WorkerStatus
 
@@ -191,30 +194,50 @@ class DeploymentViewSet(PlatformViewSetMixin, viewsets.ModelViewSet):
             raise Conflict(str(exc)) from exc
 
     @extend_schema(
-        summary="Queue a scale operation for one role (the count is clamped to the role's min/max)",
+        summary="Queue a scale operation for one role (the count is clamped to the role's min/max); "
+        "409 if an active schedule rule would revert it, unless an override end is given",
         request=ScaleRequestSerializer,
-        responses={202: ScaleQueuedSerializer, 503: ErrorSerializer},
+        responses={202: ScaleQueuedSerializer, 409: ScheduleConflictSerializer, 503: ErrorSerializer},
     )
     @action(detail=True, methods=["post"])
     def scale(self, request: Request, pk: str | None = None) -> Response:
-        """Validate the body and enqueue inference.tasks.scale_deployment_task; answer 202 with its id."""
+        """Check the scale against schedule rules (inference.actions.plan_manual_scale), record an
+        override if asked, and enqueue inference.tasks.scale_deployment_task; answer 202 with its id."""
         deployment = self.get_object()
         body = ScaleRequestSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        reason = body.validated_data["reason"].strip() or f"scale requested through the API by {_actor(request)}"
-        kwargs = {
-            "deployment_id": deployment.pk,
-            "role": body.validated_data["role"],
-            "replicas": body.validated_data["replicas"],
-            "source": "api",
-            "reason": reason,
-        }
+        data = body.validated_data
+        actor = _actor(request)
+        reason = data["reason"].strip() or f"scale requested through the API by {actor}"
         try:
-            result = _enqueue_scale(kwargs)
-        except Exception as exc:  # kombu/redis raise many types when the broker is down
-            logger.exception("could not enqueue scale_deployment_task for %s", deployment.name)
-            raise ServiceUnavailable(f"could not queue the scale operation: {exc}") from exc
-        payload = ScaleQueuedSerializer({"queued": True, "task_id": str(result.id)}).data
+            # One transaction: a refused scale, or one the broker could not take, leaves no override.
+            with transaction.atomic():
+                override = actions.plan_manual_scale(
+                    deployment, data["role"], data["replicas"], source="api", actor=actor, reason=reason,
+                    override_until=data["override_until"],
+                )  # fmt: skip
+                kwargs = {
+                    "deployment_id": deployment.pk,
+                    "role": data["role"],
+                    "replicas": data["replicas"],
+                    "source": "api",
+                    "reason": reason + actions.override_note(override),
+                }
+                try:
+                    result = _enqueue_scale(kwargs)
+                except Exception as exc:  # kombu/redis raise many types when the broker is down
+                    logger.exception("could not enqueue scale_deployment_task for %s", deployment.name)
+                    raise ServiceUnavailable(f"could not queue the scale operation: {exc}") from exc
+        except actions.ScheduleConflict as exc:
+            rule = exc.rule
+            conflict = {
+                "detail": str(exc),
+                "rule": {"id": rule.pk, "name": rule.name, "start_time": rule.start_time, "end_time": rule.end_time,
+                         "target_replicas": rule.target_replicas},
+                "held_replicas": exc.held,
+            }  # fmt: skip
+            return Response(ScheduleConflictSerializer(conflict).data, status=status.HTTP_409_CONFLICT)
+        payload = ScaleQueuedSerializer({"queued": True, "task_id": str(result.id), "override": override}).data
         return Response(payload, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(
@@ -341,3 +364,11 @@ class ScaleEventViewSet(PlatformViewSetMixin, viewsets.ReadOnlyModelViewSet):
         _role_filter(),
         ChoiceParam("source", "source", "only this source", choices=tuple(ScaleSource.values)),
     )
+
+
+class ScaleOverrideViewSet(PlatformViewSetMixin, viewsets.ReadOnlyModelViewSet):
+    """Overrides of scaling rules made by manual scales, newest first (made through the scale action)."""
+
+    serializer_class = ScaleOverrideSerializer
+    queryset = ScaleOverride.objects.select_related("rule").order_by("-created_at", "-id")
+    filter_params = (_deployment_param(), _role_filter())

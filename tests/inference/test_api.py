@@ -5,6 +5,7 @@ import base64
 import json
 import types
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,8 @@ from django.utils import timezone
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from inference import actions
-from inference.models import Deployment, ScaleEvent, ScalingRule
+from inference import actions, scaling, selectors
+from inference.models import Deployment, ScaleEvent, ScaleOverride, ScalingRule
 from nodes.models import Node, Worker, WorkerStatus
 from tests.support.control_plane import make_deployment, make_model, make_node, make_worker
 
@@ -282,6 +283,122 @@ def test_scale_when_the_broker_is_down_is_503(api: APIClient, monkeypatch: pytes
     assert "redis unreachable" in response.json()["detail"]
 
 
+# --------------------------------------------------------------------------- scaling intent (schedule overrides)
+
+
+def _run_tasks_inline(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Queued Celery tasks run in-process with the published kwargs (what a controller worker does)."""
+    pytest.importorskip("inference.tasks", reason="inference.tasks (controller) not written yet")
+    from celery.app.task import Task
+
+    ran: list[Any] = []
+
+    def run_inline(self: Any, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        ran.append(self.run(*(args or ()), **(kwargs or {})))
+        return types.SimpleNamespace(id=str(uuid.uuid4()))
+
+    monkeypatch.setattr(Task, "apply_async", run_inline)
+    return ran
+
+
+def _night_rule_active_now(deployment: Deployment, target: int = 1) -> ScalingRule:
+    """A schedule rule for decode whose window is the hour around now (in the platform's time zone)."""
+    now = timezone.now()
+    return ScalingRule.objects.create(
+        deployment=deployment, name="night", kind="schedule", role="decode",
+        start_time=scaling.local_time(now - timedelta(hours=1)), end_time=scaling.local_time(now + timedelta(hours=1)),
+        target_replicas=target,
+    )  # fmt: skip
+
+
+def test_manual_scale_inside_a_schedule_window_is_409_naming_the_rule(
+    api: APIClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: it answered 202 and the rule set the count back 30 ms later, silently."""
+    ran = _run_tasks_inline(monkeypatch)
+    deployment = make_deployment(decode_replicas=1, decode_max=4)
+    rule = _night_rule_active_now(deployment)
+    url = f"/api/deployments/{deployment.pk}/scale/"
+    response = api.post(url, {"role": "decode", "replicas": 3}, format="json")
+    assert response.status_code == 409, response.content
+    body = response.json()
+    assert "'night'" in body["detail"] and "override_until" in body["detail"]
+    assert body["rule"]["id"] == rule.pk and body["rule"]["name"] == "night" and body["held_replicas"] == 1
+    assert ran == [] and not ScaleEvent.objects.filter(deployment=deployment).exists()
+    assert not ScaleOverride.objects.exists()
+    # The rule's own count (and the other role) are not a conflict: nothing would be reverted.
+    assert api.post(url, {"role": "decode", "replicas": 1}, format="json").status_code == 202
+    assert api.post(url, {"role": "prefill", "replicas": 2}, format="json").status_code == 202
+
+
+def test_an_override_holds_until_its_end_then_the_rule_takes_over(
+    api: APIClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran = _run_tasks_inline(monkeypatch)
+    deployment = make_deployment(decode_replicas=1, decode_max=4)
+    rule = _night_rule_active_now(deployment)
+    url = f"/api/deployments/{deployment.pk}/scale/"
+    response = api.post(url, {"role": "decode", "replicas": 3, "reason": "launch", "override_minutes": 30},
+                        format="json")  # fmt: skip
+    assert response.status_code == 202, response.content
+    override = response.json()["override"]
+    assert (override["role"], override["replicas"], override["rule"], override["rule_name"]) == ("decode", 3, rule.pk,
+                                                                                                 "night")
+    assert override["active"] is True and override["created_by"] == "operator"
+    event = ScaleEvent.objects.get(deployment=deployment)
+    assert ran == [event.pk] and (event.from_replicas, event.to_replicas, event.source) == (1, 3, "api")
+    assert "launch" in event.reason and f"override #{override['id']} of schedule rule 'night' until" in event.reason
+
+    # Visible in the API: on the deployment and in /api/overrides/.
+    assert [o["id"] for o in api.get(f"/api/deployments/{deployment.pk}/").json()["overrides"]] == [override["id"]]
+    listed = api.get("/api/overrides/", {"deployment": deployment.pk}).json()["results"]
+    assert [o["id"] for o in listed] == [override["id"]]
+
+    # The rule leaves the role alone while the override lasts...
+    now = timezone.now()
+    assert scaling.evaluate_all(now=now + timedelta(minutes=29)) == []
+    assert Deployment.objects.get(pk=deployment.pk).decode_replicas == 3
+    # ...and a further manual scale inside it moves the override's count instead of being refused.
+    assert api.post(url, {"role": "decode", "replicas": 4}, format="json").status_code == 202
+    assert ScaleOverride.objects.get(pk=override["id"]).replicas == 4
+    # After its end, the rule takes over again (and says so).
+    events = scaling.evaluate_all(now=now + timedelta(minutes=31))
+    assert [(e.from_replicas, e.to_replicas, e.source, e.rule_id) for e in events] == [(4, 1, "schedule", rule.pk)]
+    assert selectors.active_overrides(deployment, now + timedelta(minutes=31)) == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"override_minutes": 10, "override_until": "2099-01-01T00:00:00Z"}, "override_minutes"),
+        ({"override_until": "2001-01-01T00:00:00Z"}, "override_until"),
+        ({"override_minutes": 0}, "override_minutes"),
+        ({"override_minutes": 7 * 24 * 60 + 1}, "override_minutes"),
+        ({"override_until": "soon"}, "override_until"),
+    ],
+)
+def test_override_end_validation(api: APIClient, extra: dict[str, Any], field: str) -> None:
+    deployment = make_deployment()
+    body = {"role": "decode", "replicas": 2, **extra}
+    response = api.post(f"/api/deployments/{deployment.pk}/scale/", body, format="json")
+    assert response.status_code == 400 and set(response.json()) == {field}, response.content
+    assert not ScaleOverride.objects.exists()
+
+
+def test_no_override_is_left_when_the_broker_is_down(api: APIClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    from inference.api import views
+
+    def broken(kwargs: dict[str, Any]) -> Any:
+        raise ConnectionError("redis unreachable")
+
+    monkeypatch.setattr(views, "_enqueue_scale", broken)
+    deployment = make_deployment()
+    _night_rule_active_now(deployment)
+    body = {"role": "decode", "replicas": 2, "override_minutes": 5}
+    assert api.post(f"/api/deployments/{deployment.pk}/scale/", body, format="json").status_code == 503
+    assert not ScaleOverride.objects.exists()
+
+
 # --------------------------------------------------------------------------- metrics
 
 
@@ -465,6 +582,6 @@ def test_schema_documents_the_error_answers(api: APIClient) -> None:
     assert {"200", "400", "401"} <= set(paths["/api/workers/"]["get"]["responses"])
     assert {"200", "401", "404"} <= set(paths["/api/workers/{id}/"]["get"]["responses"])
     assert "400" not in paths["/api/workers/{id}/"]["get"]["responses"]  # nothing to validate
-    assert {"202", "400", "401", "404", "503"} <= set(paths["/api/deployments/{id}/scale/"]["post"]["responses"])
+    assert {"202", "400", "401", "404", "409", "503"} <= set(paths["/api/deployments/{id}/scale/"]["post"]["responses"])
     status = next(p for p in paths["/api/workers/"]["get"]["parameters"] if p["name"] == "status")
     assert status["schema"]["enum"] == list(WorkerStatus.values)
