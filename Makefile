@@ -44,6 +44,7 @@ test: venv
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy .
+	$(BIN)/lint-imports
 
 bench: venv
 	$(BIN)/python -m bench.run_all

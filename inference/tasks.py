@@ -54,7 +54,8 @@ def collect_metrics() -> int:
 
 @shared_task(name="inference.tasks.check_node_heartbeats", ignore_result=True)
 def check_node_heartbeats() -> list[str]:
-    """Mark silent nodes OFFLINE (their workers are re-placed); returns their names."""
+    """Mark silent nodes UNREACHABLE and probe their workers (only those that stop answering are
+    re-placed); returns the names of the nodes newly unreachable."""
     return [node.name for node in controller.check_node_heartbeats()]
 
 
