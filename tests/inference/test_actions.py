@@ -15,7 +15,7 @@ from django.db import connection
 from django.utils import timezone
 
 from inference import actions
-from inference.models import Deployment, MetricSample, ScaleEvent, ScalingRule
+from inference.models import Deployment, MetricSample, ScaleEvent, ScaleOverride, ScalingRule
 from tests.support.control_plane import make_deployment, make_node, make_worker
 
 pytestmark = pytest.mark.django_db
@@ -360,3 +360,74 @@ def test_record_metric_sample_validates_role() -> None:
         actions.record_metric_sample(deployment, "both")
     sample = actions.record_metric_sample(deployment.pk, "decode", load=0.5)
     assert sample.deployment_id == deployment.pk and sample.at is not None
+
+
+# --------------------------------------------------------------------------- manual scales vs schedule rules
+
+
+def _schedule(deployment: Deployment, *, target: int = 1, name: str = "night") -> ScalingRule:
+    """A decode schedule rule whose window is the hour around now (platform time zone)."""
+    from inference.selectors import local_time
+
+    now = timezone.now()
+    return ScalingRule.objects.create(
+        deployment=deployment, name=name, kind="schedule", role="decode", target_replicas=target,
+        start_time=local_time(now - timedelta(hours=1)), end_time=local_time(now + timedelta(hours=1)),
+    )  # fmt: skip
+
+
+def test_manual_scale_by_is_refused_inside_a_schedule_window() -> None:
+    deployment = make_deployment(decode_replicas=1, decode_max=4)
+    _schedule(deployment)
+    with pytest.raises(actions.ScheduleConflict) as refused:
+        actions.manual_scale_by(deployment, "decode", +1, source="manual", actor="ops", reason="more")
+    assert refused.value.rule.name == "night" and (refused.value.requested, refused.value.held) == (2, 1)
+    assert "'night'" in str(refused.value) and "override" in str(refused.value)
+    assert Deployment.objects.get(pk=deployment.pk).decode_replicas == 1
+    assert not ScaleEvent.objects.exists()
+    # A disabled rule holds nothing; the prefill role was never held.
+    ScalingRule.objects.update(enabled=False)
+    assert actions.manual_scale_by(deployment, "decode", +1, source="manual", actor="ops", reason="more") is not None
+
+
+def test_a_count_the_bounds_clamp_to_the_rules_target_is_no_conflict() -> None:
+    deployment = make_deployment(decode_replicas=2, decode_min=2, decode_max=4)
+    _schedule(deployment, target=1)  # clamped to 2 by decode_min: the rule holds 2
+    assert actions.plan_manual_scale(deployment, "decode", 0, source="api", actor="ops") is None  # clamps to 2
+    with pytest.raises(actions.ScheduleConflict):
+        actions.plan_manual_scale(deployment, "decode", 3, source="api", actor="ops")
+
+
+def test_manual_scale_by_with_an_override_records_it_in_the_event() -> None:
+    deployment = make_deployment(decode_replicas=1, decode_max=4)
+    rule = _schedule(deployment)
+    until = timezone.now() + timedelta(minutes=20)
+    event = actions.manual_scale_by(deployment, "decode", +2, source="manual", actor="ops", reason="launch",
+                                    override_until=until)  # fmt: skip
+    assert event is not None and (event.from_replicas, event.to_replicas) == (1, 3)
+    override = ScaleOverride.objects.get()
+    assert (override.replicas, override.rule, override.created_by, override.ends_at) == (3, rule, "ops", until)
+    assert f"override #{override.pk} of schedule rule 'night'" in event.reason
+    with pytest.raises(ValueError, match="future"):
+        actions.plan_manual_scale(deployment, "decode", 2, source="api", actor="ops",
+                                  override_until=timezone.now() - timedelta(seconds=1))  # fmt: skip
+
+
+def test_the_admin_scale_action_shows_the_rule_that_refuses_it() -> None:
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+    from django.urls import reverse
+
+    client = Client()
+    client.force_login(get_user_model().objects.create_superuser("root", "root@example.com", None))
+    deployment = make_deployment(decode_replicas=1, decode_max=4)
+    _schedule(deployment)
+    response = client.post(
+        reverse("admin:inference_deployment_changelist"),
+        {"action": "scale_decode_up", "_selected_action": [deployment.pk]},
+        follow=True,
+    )
+    page = response.content.decode()
+    assert response.status_code == 200 and "schedule rule &#x27;night&#x27;" in page and "override_until" in page
+    assert Deployment.objects.get(pk=deployment.pk).decode_replicas == 1
+    assert not ScaleEvent.objects.exists()

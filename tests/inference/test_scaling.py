@@ -205,3 +205,27 @@ def test_disabled_rules_and_stopped_deployments_are_skipped() -> None:
     ScalingRule.objects.filter(pk=night.pk).update(enabled=True)
     Deployment.objects.filter(pk=dep.pk).update(status="stopped")
     assert scaling.evaluate_all(now=datetime(2026, 3, 10, 23, 0, tzinfo=ZoneInfo("UTC"))) == []
+
+
+def test_an_override_holds_its_count_and_pauses_the_roles_rules() -> None:
+    """While an override lasts, neither the schedule nor a breached threshold rule moves the role;
+    a count moved by something else is set back to the override's, with the override in the reason."""
+    from inference.models import ScaleOverride
+
+    dep = make_deployment(decode_replicas=3, decode_max=5, batch_size=4)
+    night = ScalingRule.objects.create(deployment=dep, name="night", kind="schedule", role="decode",
+                                       start_time=time(11, 0), end_time=time(13, 0), target_replicas=1)
+    busy = threshold_rule(dep, name="busy decode", role="decode", duration_s=0, cooldown_s=0)
+    set_load(dep, "decode", [(4, 0)], T0)
+    override = ScaleOverride.objects.create(deployment=dep, role="decode", replicas=3, rule=night,
+                                            ends_at=T0 + timedelta(minutes=10), source="api", created_by="ops")
+    with override_settings(TIME_ZONE="UTC"):
+        assert scaling.evaluate_all(now=T0) == []
+        busy.refresh_from_db()
+        assert busy.breach_started_at is None  # paused, not counting
+        Deployment.objects.filter(pk=dep.pk).update(decode_replicas=2)  # e.g. an edit in the admin form
+        [held] = scaling.evaluate_all(now=T0 + timedelta(minutes=1))
+        assert (held.from_replicas, held.to_replicas, held.source) == (2, 3, "api")
+        assert f"override #{override.pk} by ops" in held.reason and "'night'" in held.reason
+        [after] = scaling.evaluate_all(now=T0 + timedelta(minutes=10))  # ended: the schedule is back
+        assert (after.to_replicas, after.rule_id) == (1, night.pk)

@@ -17,6 +17,7 @@ import time
 import types
 from collections import Counter, defaultdict
 from collections.abc import Iterator
+from datetime import time as dt_time
 from typing import Any
 
 import pytest
@@ -58,6 +59,9 @@ def rows(db: None) -> None:
     make_worker(deployment, make_node())
     ScalingRule.objects.create(deployment=deployment, name="busy", kind=RuleKind.THRESHOLD, role="decode",
                                threshold=0.8)
+    # Holding decode all day: scale requests meet the 409 of a schedule conflict, and overrides are made.
+    ScalingRule.objects.create(deployment=deployment, name="all-day", kind=RuleKind.SCHEDULE, role="decode",
+                               start_time=dt_time(0, 0), end_time=dt_time(23, 59, 59, 999999), target_replicas=1)
     actions.scale_deployment(deployment, "prefill", 2, source="manual", reason="fuzz fixture")
 
 
