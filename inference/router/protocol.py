@@ -28,7 +28,7 @@ _MAX_STOP = 16
 # "max_token" would otherwise be silently ignored); OpenAI endpoints ignore unknown fields as
 # OpenAI-compatible servers do, because client libraries add new ones over time.
 _GENERATE_FIELDS = {
-    "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+    "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
     "stop_token_ids", "ignore_eos", "model", "input_ids",
 }
 
@@ -114,6 +114,9 @@ def parse_sampling(data: dict[str, Any], max_tokens_field: str = "max_tokens") -
     top_p = _get_float(data, "top_p", 1.0)
     if not 0.0 < top_p <= 1.0:
         raise bad_request(f"'top_p' must be in (0, 1], got {top_p!r}")
+    min_p = _get_float(data, "min_p", 0.0)
+    if not 0.0 <= min_p <= 1.0:
+        raise bad_request(f"'min_p' must be in [0, 1], got {min_p!r}")
     top_k = data.get("top_k")
     if top_k is None:
         top_k = -1
@@ -127,6 +130,7 @@ def parse_sampling(data: dict[str, Any], max_tokens_field: str = "max_tokens") -
         "temperature": temperature,
         "top_k": top_k,
         "top_p": top_p,
+        "min_p": min_p,
         "seed": seed,
         "stop": _get_stop(data),
         "stop_token_ids": _get_token_ids(data, "stop_token_ids") or [],

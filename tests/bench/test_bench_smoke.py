@@ -44,11 +44,14 @@ def _positive(value: Any) -> bool:
 
 def test_engine_throughput_quick(tmp_path: Path, tiny_model_dir: Path) -> None:
     result = _run(engine_throughput, "engine_throughput", tmp_path, "--model-dir", str(tiny_model_dir))
-    (model,) = result["models"]
-    assert [r["concurrency"] for r in model["engine"]] == [1, 4]
-    assert all(r["output_tokens"] == r["requests"] * model["max_tokens"] for r in model["engine"])
-    assert all(_positive(r["ratio_vs_hf_sequential"]) for r in model["engine"])
-    assert all(_positive(s["step_over_forward"]) and _positive(s["hf_forward_ms"]) for s in model["step_vs_forward"])
+    # One entry per measured dtype (default: float32 and auto, which may resolve to float32 too).
+    assert len(result["models"]) == 2 and result["models"][0]["dtype"] == "float32"
+    for model in result["models"]:
+        assert [r["concurrency"] for r in model["engine"]] == [1, 4]
+        assert all(r["output_tokens"] == r["requests"] * model["max_tokens"] for r in model["engine"])
+        assert all(_positive(r["ratio_vs_hf_sequential"]) for r in model["engine"])
+        assert all(_positive(s["step_over_forward"]) and _positive(s["hf_forward_ms"])
+                   for s in model["step_vs_forward"])
     assert result["vllm"] == {"attempted": False}
 
 

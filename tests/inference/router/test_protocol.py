@@ -24,10 +24,11 @@ def test_generate_defaults_and_sampling() -> None:
     assert parsed.kind == "generate" and not parsed.stream
     assert parsed.request.prompt == "hi"
     assert parsed.request.sampling == {
-        "max_tokens": 5, "temperature": 0.0, "top_k": -1, "top_p": 1.0, "seed": 3,
+        "max_tokens": 5, "temperature": 0.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0, "seed": 3,
         "stop": ["\n"], "stop_token_ids": [], "ignore_eos": False,
     }
     assert parse_generate({"prompt": "hi", "stream": True}).stream
+    assert parse_generate({"prompt": "hi", "min_p": 0.05}).request.sampling["min_p"] == 0.05
 
 
 @pytest.mark.parametrize(
@@ -42,6 +43,7 @@ def test_generate_defaults_and_sampling() -> None:
         ({"prompt": "x", "temperature": -1}, "temperature"),
         ({"prompt": "x", "top_p": 0}, "top_p"),
         ({"prompt": "x", "top_k": -2}, "top_k"),
+        ({"prompt": "x", "min_p": 1.5}, "min_p"),
         ({"prompt": "x", "seed": 1.5}, "seed"),
         ({"prompt": "x", "stop": [1]}, "stop"),
         ({"prompt": "x", "stream": "yes"}, "stream"),
