@@ -149,6 +149,14 @@ class GatewayConsumer(AsyncHttpConsumer):  # type: ignore[misc]
         headers = [(b"retry-after", b"1")] if exc.status == 429 else []
         await self.json(exc.status, exc.to_dict(), headers)
 
+    async def router_or_503(self) -> RouterService | None:
+        """This process's router, or None after answering 503 (settings name a bad endpoint/policy)."""
+        try:
+            return get_router()
+        except RouterError as exc:
+            await self.error(exc)
+            return None
+
     async def method_allowed(self) -> bool:
         """405 with Allow unless the request uses one of `methods`."""
         if self.scope.get("method") in self.methods:
@@ -300,9 +308,8 @@ class HealthConsumer(GatewayConsumer):
         """Answer from the pool's state."""
         if not await self.method_allowed():
             return
-        service = _service_or_none()
+        service = await self.router_or_503()
         if service is None:
-            await self.error(_misconfigured())
             return
         pool = service.pool
         if any(endpoint.last_health_at is None for endpoint in pool.all_endpoints()):
@@ -336,9 +343,8 @@ class StatusConsumer(GatewayConsumer):
         """Answer the full status."""
         if not await self.method_allowed() or not await self.authorized():
             return
-        service = _service_or_none()
+        service = await self.router_or_503()
         if service is None:
-            await self.error(_misconfigured())
             return
         await self.json(200, service.status())
 
@@ -350,27 +356,11 @@ class MetricsConsumer(GatewayConsumer):
         """Render the registry."""
         if not await self.method_allowed():
             return
-        service = _service_or_none()
+        service = await self.router_or_503()
         if service is None:
-            await self.error(_misconfigured())
             return
         from inference.router.metrics import CONTENT_TYPE
 
         await self.send_headers(status=200, headers=[(b"content-type", CONTENT_TYPE.encode())])
         self.responded = True
         await self.send_body(service.metrics.render())
-
-
-def _service_or_none() -> RouterService | None:
-    try:
-        return get_router()
-    except RouterError:
-        return None
-
-
-def _misconfigured() -> RouterError:
-    try:
-        get_router()
-    except RouterError as exc:
-        return exc
-    return RouterError(503, "router unavailable")
