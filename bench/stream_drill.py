@@ -41,7 +41,7 @@ def _metric(url: str, name: str, label: str = "") -> float:
 
 async def _stream(session: aiohttp.ClientSession, router: str, prompt: str, max_tokens: int,
                   hang_up: bool = False) -> dict[str, Any]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
     tokens: list[int] = []
     finish = None

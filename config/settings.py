@@ -183,6 +183,14 @@ ROUTER_MAX_INFLIGHT = env_int("ROUTER_MAX_INFLIGHT", 0, minimum=0)
 # A stream whose decode worker fails after its first token moves to another decode worker (prompt +
 # tokens so far are prefilled again) at most this many times; 0 ends it with an error event instead.
 ROUTER_MAX_MIGRATIONS = env_int("ROUTER_MAX_MIGRATIONS", 2, minimum=0)
+# Other names the OpenAI endpoints accept for the served model ("alias=served,..."); any other
+# unknown `model` is a 404 in OpenAI's error format.
+ROUTER_MODEL_ALIASES: dict[str, str] = {}
+for _item in env_list("ROUTER_MODEL_ALIASES"):
+    _alias, _sep, _served = (part.strip() for part in _item.partition("="))
+    if not _sep or not _alias or not _served:
+        raise ImproperlyConfigured(f"ROUTER_MODEL_ALIASES: {_item!r} is not alias=served-model-name")
+    ROUTER_MODEL_ALIASES[_alias] = _served
 ROUTER_MAX_BODY_BYTES = env_int("ROUTER_MAX_BODY_BYTES", 1_000_000, minimum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = ROUTER_MAX_BODY_BYTES
 # Shared secret that internal worker endpoints and KV ports accept (empty: no check, dev only).

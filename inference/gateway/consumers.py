@@ -201,6 +201,8 @@ class GenerationConsumer(GatewayConsumer):
             except orjson.JSONDecodeError as exc:
                 raise RouterError(400, f"request body is not valid JSON: {exc}") from exc
             parsed = PARSERS[self.kind](data)
+            if self.kind != "generate":  # the seed's /generate ignores `model`; OpenAI clients rely on it
+                service.check_model(parsed.model)
             model = parsed.model or service.model_hint() or "unknown"
             events = service.client.generate(parsed.request, self.arrived)
             if not parsed.stream:
@@ -294,6 +296,11 @@ class ModelsConsumer(GatewayConsumer):
                 if isinstance(info.get("context_length"), int):
                     entry["max_model_len"] = info["context_length"]
                 data.append(entry)
+        for alias, served in sorted(service.model_aliases.items()):
+            if served in seen and alias not in seen:
+                seen.add(alias)
+                data.append({"id": alias, "object": "model", "created": int(service.started_at),
+                             "owned_by": "disagg-platform", "root": served})
         await self.json(200, {"object": "list", "data": data})
 
 

@@ -27,6 +27,7 @@ class RouterService:
     client: DisaggregatedClient
     metrics: RouterMetrics
     started_at: float = field(default_factory=time.time)
+    model_aliases: dict[str, str] = field(default_factory=dict)
     deployment: str | None = None
     follow_task: asyncio.Task[None] | None = None
 
@@ -47,6 +48,29 @@ class RouterService:
     def count(self, endpoint: str, outcome: str) -> None:
         """Count one finished request of `endpoint` (generate, completion, chat) by outcome."""
         self.metrics.requests.labels(endpoint, outcome).inc()
+
+    def served_models(self) -> set[str]:
+        """Model names the workers reported in their last health answers (no network)."""
+        names = set()
+        for endpoint in self.pool.all_endpoints():
+            model = (endpoint.last_health or {}).get("model")
+            if isinstance(model, str) and model:
+                names.add(model)
+        return names
+
+    def check_model(self, requested: str | None) -> None:
+        """RouterError 404 (OpenAI's `model_not_found`) unless `requested` is served or an alias of it.
+
+        No name or no worker that reported one yet: accepted (nothing to check against).
+        """
+        if not requested:
+            return
+        served = self.served_models()
+        if not served or self.model_aliases.get(requested, requested) in served:
+            return
+        known = sorted(served | {a for a, s in self.model_aliases.items() if s in served})
+        raise RouterError(404, f"The model `{requested}` does not exist; this router serves {', '.join(known)}",
+                          error_type="invalid_request_error", code="model_not_found", param="model")
 
     def model_hint(self) -> str | None:
         """A model name from the workers' last health answers (no network), if any reported one."""
@@ -123,7 +147,8 @@ def build_service() -> RouterService:
         from inference.gateway.follow import load_now
 
         load_now(pool, deployment)
-    return RouterService(pool=pool, client=client, metrics=metrics, deployment=deployment or None)
+    return RouterService(pool=pool, client=client, metrics=metrics, deployment=deployment or None,
+                         model_aliases=dict(getattr(settings, "ROUTER_MODEL_ALIASES", {})))
 
 
 def get_router() -> RouterService:

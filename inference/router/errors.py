@@ -36,16 +36,24 @@ class RouterError(Exception):
         *,
         error_type: str | None = None,
         backends: list[dict[str, Any]] | None = None,
+        code: str | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.error_type = error_type or error_type_for(status)
         self.backends = backends or []
+        self.code = code  # OpenAI's machine-readable `code`, e.g. "model_not_found"
+        self.param = param  # the request field at fault, as OpenAI reports it
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON body of the error response: `{"error": {"message", "type", "backends"?}}`."""
         error: dict[str, Any] = {"message": self.message, "type": self.error_type}
+        if self.code is not None:
+            error["code"] = self.code
+        if self.param is not None:
+            error["param"] = self.param
         if self.backends:
             error["backends"] = self.backends
         return {"error": error}

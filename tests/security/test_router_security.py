@@ -28,8 +28,9 @@ pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 GUARDED = [
     ("POST", "/generate", {"prompt": "hi", "max_tokens": 2}),
     ("POST", "/api/generate", {"prompt": "hi", "max_tokens": 2}),
-    ("POST", "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2}),
-    ("POST", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ("POST", "/v1/completions", {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}),
+    ("POST", "/v1/chat/completions",
+     {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
     ("GET", "/v1/models", None),
     ("GET", "/router/status", None),
 ]
@@ -65,14 +66,14 @@ def test_health_is_open(secure_cluster: SecureCluster) -> None:
 def test_openai_client_api_key(secure_cluster: SecureCluster) -> None:
     client = openai.OpenAI(base_url=secure_cluster.router + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
     chat = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0
+        model="tiny-llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0
     )
     assert chat.choices[0].finish_reason in ("stop", "length")
-    stream = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0, stream=True)
+    stream = client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=3, temperature=0, stream=True)
     assert len(list(stream)) >= 1
     wrong = openai.OpenAI(base_url=secure_cluster.router + "/v1", api_key="sk-wrong", max_retries=0, timeout=30)
     with pytest.raises(openai.AuthenticationError):
-        wrong.completions.create(model="tiny", prompt="Hello", max_tokens=3)
+        wrong.completions.create(model="tiny-llama", prompt="Hello", max_tokens=3)
 
 
 def ws_url(cluster: SecureCluster) -> str:

@@ -47,6 +47,7 @@ def router(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         "ROUTER_HEALTH_INTERVAL_S": "0.3",
         "ROUTER_CONNECT_TIMEOUT_S": "3",
         "ROUTER_GRACEFUL_TIMEOUT_S": "2",
+        "ROUTER_MODEL_ALIASES": "gpt-4o-mini=stub-model",
     }
     cmd = [sys.executable, "-m", "inference.launch_router", "--host", "127.0.0.1", "--listen-port", str(port),
            "--load-balance-strategy", "round-robin", "--log-level", "warning"]
@@ -233,7 +234,21 @@ def test_openai_completions(router: str, fresh: Cluster) -> None:
                                             stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == " t0 t1 t2"
     assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 5
-    assert [m.id for m in client.models.list()] == ["stub-model"]
+    assert [m.id for m in client.models.list()][0] == "stub-model"
+
+
+def test_openai_unknown_model_is_404_and_aliases_work(router: str, fresh: Cluster) -> None:
+    client = openai.OpenAI(base_url=f"{router}/v1", api_key="x", max_retries=0, timeout=20)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    error = missing.value.body
+    assert isinstance(error, dict) and error["code"] == "model_not_found" and error["param"] == "model"
+    assert "stub-model" in error["message"] and not any(s.requests for s in fresh.decode)  # never sent on
+    completion = client.completions.create(model="gpt-4o-mini", prompt="hi", max_tokens=2)
+    assert completion.model == "gpt-4o-mini" and completion.choices[0].text == " t0 t1"
+    assert {m.id for m in client.models.list()} == {"stub-model", "gpt-4o-mini"}
+    # The seed's /generate ignores `model`, as documented.
+    assert httpx.post(f"{router}/generate", json={"prompt": "x", "max_tokens": 1, "model": "zzz"}).status_code == 200
 
 
 def test_openai_chat(router: str, fresh: Cluster) -> None:
