@@ -6,6 +6,7 @@ import asyncio
 import re
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ def make_kv(num_blocks: int) -> torch.Tensor:
     return torch.randn(shape)
 
 
-def start_receiver(**kwargs: float) -> tuple[TcpKVReceiver, list[tuple[str, int, TransferStats]]]:
+def start_receiver(**kwargs: Any) -> tuple[TcpKVReceiver, list[tuple[str, int, TransferStats]]]:
     received: list[tuple[str, int, TransferStats]] = []
     receiver = TcpKVReceiver(
         torch.zeros_like(make_kv(8)), LAYOUT, lambda *item: received.append(item), bind_host="127.0.0.1",
@@ -193,7 +194,7 @@ def test_keeper_keeps_a_slow_prefill_alive_and_a_fast_one_sends_nothing(receiver
             keeper.stop()
 
     async def run() -> list[float]:
-        return await asyncio.gather(guarded(slow, 3.0), guarded(fast, 0.05))  # 3 s: over 3 leases
+        return list(await asyncio.gather(guarded(slow, 3.0), guarded(fast, 0.05)))  # 3 s: over 3 leases
 
     slow_lease, fast_lease = receiver.lease("slow"), receiver.lease("fast")
     assert asyncio.run(run()) == [3.0, 0.05]
