@@ -26,16 +26,6 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    """Two prefill and two decode stand-ins for the module."""
-    stand_ins = Cluster()
-    try:
-        yield stand_ins
-    finally:
-        stand_ins.stop()
-
-
-@pytest.fixture(scope="module")
 def router(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The router process in front of the cluster; yields its base URL."""
     port = free_port()

@@ -1,4 +1,5 @@
-"""Fixtures for the router tests: a cluster of stand-in workers shared by a module."""
+"""Fixtures for the router and gateway tests: a cluster of stand-in workers shared by a module
+(tests with their own `cluster` of real workers, like test_disaggregated_e2e, override it)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
