@@ -1,8 +1,9 @@
-"""Request size limits of the router process, enforced before Django buffers a body.
+"""Request size limits of the router process's Django paths (admin, REST API), enforced before
+Django buffers a body (the generation consumers in inference/gateway enforce their own).
 
 Django's ASGI handler reads a whole request body (spooling it to disk when large) before any view
-runs, and uvicorn sets no limit of its own, so the views' ROUTER_MAX_BODY_BYTES check alone would
-come after an arbitrarily large upload. This middleware answers 413 JSON as soon as the declared
+runs, and uvicorn sets no limit of its own, so a check in a view would come after an arbitrarily
+large upload. This middleware answers 413 JSON as soon as the declared
 Content-Length, or the bytes of a chunked body so far, pass the limit.
 """
 from __future__ import annotations
