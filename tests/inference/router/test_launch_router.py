@@ -1,4 +1,4 @@
-"""Flags of `python -m inference.launch_router` (the process itself runs in tests/inference/gateway/test_consumers.py)."""
+"""Flags of `python -m inference.launch_router` (the process runs in tests/inference/gateway/test_consumers.py)."""
 from __future__ import annotations
 
 import pytest
