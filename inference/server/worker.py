@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inference.engine import AsyncEngine, LLMEngine, NoFreeBlocks, SamplingParams
+from inference.engine.sampling_params import load_sampling_defaults
 from inference.engine.sequence import SequenceStatus
 from inference.kv_transfer import (
     KVLayout,
@@ -36,6 +37,7 @@ from inference.kv_transfer.tcp import TcpKVReceiver, TcpKVSender
 from inference.kv_transfer.verbs import VerbsDevice
 from inference.server.args import ServerArgs
 from inference.server.errors import StartupError, WorkerError, bad_request, overloaded
+from inference.server.load import LoadSignals
 from inference.server.metrics import WorkerMetrics
 from inference.server.requests import parse_sampling, parse_token_ids, prompt_token_ids
 from inference.server.resources import Utilization, pin_cpus, select_device
@@ -105,12 +107,19 @@ class Worker:
             )
         except (OSError, ValueError) as exc:
             raise StartupError(f"cannot load the model from --model-path {args.model_path}: {exc}") from exc
+        try:
+            # What a request that leaves temperature/top_p/top_k/min_p out samples with (as vLLM does).
+            self.sampling_defaults = load_sampling_defaults(args.model_path)
+        except ValueError as exc:
+            raise StartupError(f"--model-path {args.model_path}: {exc}") from exc
         model_max = self.engine.config.max_position_embeddings
         self.context_length = min(args.context_length or model_max, model_max)
         self.max_sequence_length = min(args.max_sequence_length or self.context_length, model_max)
         self.model_name = args.served_model_name or args.model_path.name
         self.metrics = WorkerMetrics(self.role, self.model_name)
         self.utilization = Utilization(self.cpus, self.device)
+        # Windowed readings for the autoscaler (a 5 s sample of the queue alone misses short prompts).
+        self.signals = LoadSignals()
         self.layout = KVLayout.from_dict(self.engine.kv_cache.layout())
         self.async_engine = AsyncEngine(self.engine)
         self._kv_waiters: dict[str, _KVWaiter] = {}
@@ -202,7 +211,8 @@ class Worker:
 
         `queue_depth`: sequences waiting for a batch slot (KV arrived, or queued for prefill);
         `running`: sequences in the batch (at most `batch_size`); `reserved`: decode requests whose
-        blocks are reserved and whose KV has not arrived yet.
+        blocks are reserved and whose KV has not arrived yet. Plus the autoscaler's windowed readings
+        (inference.server.load): pending prompt tokens, sustained prefill tokens/s, busy ratio, TTFT/ITL p90.
         """
         body: dict[str, Any] = {"status": "healthy"}
         gpu = self.utilization.gpu()
@@ -219,6 +229,7 @@ class Worker:
             batch_size=self.args.batch_size,
             kv_usage=round(self.engine.kv_usage(), 4),
         )
+        body.update(self.signals.snapshot())
         return body
 
     def info(self) -> dict[str, Any]:
@@ -359,7 +370,7 @@ class Worker:
         received_at = time.perf_counter()
         request_id = str(body.get("request_id") or uuid.uuid4().hex)
         self.refuse_if_aborted(request_id)
-        params = parse_sampling(body.get("sampling"), self.args.max_tokens_limit)
+        params = parse_sampling(body.get("sampling"), self.args.max_tokens_limit, self.sampling_defaults)
         ids = prompt_token_ids(body, self.engine.tokenizer, self.engine.config.vocab_size)
         self._check_prompt_length(len(ids))
         params = self._clamp(params, len(ids))
@@ -379,7 +390,7 @@ class Worker:
         assert self.receiver is not None
         descriptor = self.receiver.expect(request_id, block_ids, len(ids), self.args.kv_lease_timeout, host)
         self.metrics.prompt_tokens.inc(len(ids))
-        return self._decode_events(request_id, ids, descriptor, waiter, received_at)
+        return self._decode_events(request_id, ids, descriptor, waiter, received_at, params.to_dict())
 
     async def _wait_for_kv(self, request_id: str, waiter: _KVWaiter) -> dict[str, Any] | None:
         """Wait for the prompt's KV for as long as the prefill worker keeps the lease alive.
@@ -416,11 +427,15 @@ class Worker:
         descriptor: TransferDescriptor,
         waiter: _KVWaiter,
         received_at: float,
+        sampling: dict[str, Any],
     ) -> AsyncIterator[dict[str, Any]]:
         finished = False
         outcome = "aborted"
         try:
-            yield {"type": "descriptor", "descriptor": descriptor.to_dict(), "prompt_token_ids": ids}
+            # `sampling`: the parameters resolved here (model defaults filled in), which the router
+            # hands to the prefill worker so that the first token is sampled exactly as the rest.
+            yield {"type": "descriptor", "descriptor": descriptor.to_dict(), "prompt_token_ids": ids,
+                   "sampling": sampling}
             expiry = await self._wait_for_kv(request_id, waiter)
             if expiry is not None:
                 outcome = "kv_timeout"
@@ -444,8 +459,10 @@ class Worker:
                 if out.new_token_ids:
                     if last_token_at is None:
                         self.metrics.ttft.observe(now - received_at)
+                        self.signals.observe("ttft", now - received_at)
                     else:
                         self.metrics.itl.observe((now - last_token_at) / len(out.new_token_ids))
+                        self.signals.observe("itl", (now - last_token_at) / len(out.new_token_ids))
                     last_token_at = now
                     completion_tokens += len(out.new_token_ids)
                     self.metrics.generation_tokens.inc(len(out.new_token_ids))
@@ -519,7 +536,7 @@ class Worker:
     async def _prefill(self, request_id: str, body: dict[str, Any]) -> dict[str, Any]:
         started = time.perf_counter()
         ids = parse_token_ids(body.get("prompt_token_ids"), self.engine.config.vocab_size, "prompt_token_ids")
-        params = parse_sampling(body.get("sampling"), self.args.max_tokens_limit)
+        params = parse_sampling(body.get("sampling"), self.args.max_tokens_limit, self.sampling_defaults)
         try:
             descriptor = TransferDescriptor.from_dict(body.get("descriptor"))
         except ValueError as exc:
@@ -558,9 +575,18 @@ class Worker:
                 # Bounded by the lease's hard cap (just the lease for a decode worker without renewals).
                 async with asyncio.timeout(max(descriptor.lease_cap_remaining(), 0.01)):
                     phase = "computing"
-                    first_token, block_ids = await keeper.guard(self._compute_prompt(request_id, ids, first_params))
+                    self.signals.prefill_started(len(ids))
+                    computed = False
+                    try:
+                        first_token, block_ids = await keeper.guard(
+                            self._compute_prompt(request_id, ids, first_params)
+                        )
+                        computed = True
+                    finally:
+                        self.signals.prefill_finished(len(ids), computed=computed)
                     prefill_s = time.perf_counter() - started
                     self.metrics.ttft.observe(prefill_s)
+                    self.signals.observe("ttft", prefill_s)
                     self.metrics.prompt_tokens.inc(len(ids))
                     phase = "prefilled"
                     if self.fault_prefill_delay_s:
