@@ -101,10 +101,18 @@ class Deployment(models.Model):
 
 
 class RuleKind(models.TextChoices):
-    """Threshold rules react to load; schedule rules set replicas in a time window."""
+    """Threshold rules react to load; schedule rules set replicas in a time window; SLO rules keep a
+    latency percentile under a target by adding workers of the role that limits it."""
 
     THRESHOLD = "threshold", "Threshold"
     SCHEDULE = "schedule", "Schedule"
+    TTFT_SLO = "ttft_slo", "SLO: TTFT p90 ≤ threshold seconds (adds prefill)"
+    ITL_SLO = "itl_slo", "SLO: ITL p90 ≤ threshold milliseconds (adds decode)"
+
+
+# The role whose workers an SLO rule adds: time to first token is prefill work (queueing and computing
+# the prompt), the gap between tokens is decode work (as in NVIDIA Dynamo's planner).
+SLO_ROLES: dict[str, str] = {RuleKind.TTFT_SLO: "prefill", RuleKind.ITL_SLO: "decode"}
 
 
 class Comparison(models.TextChoices):
@@ -117,8 +125,11 @@ class Comparison(models.TextChoices):
 class ScalingRule(models.Model):
     """A load- or time-based rule changing a deployment's replicas of one role.
 
-    Threshold: when the role's load (see inference.scaling) stays `comparison` `threshold` for
-    `duration_s`, add `step` replicas (negative to remove), then wait `cooldown_s`.
+    Threshold: when the role's load (see inference.scaling) stays `comparison` `threshold` over a
+    window of `duration_s` (samples evaluated together, a tolerated share may dissent), add `step`
+    replicas (negative to remove), then wait `cooldown_s`.
+    SLO (ttft_slo, itl_slo): when the p90 latency stays above `threshold` (seconds for TTFT,
+    milliseconds for ITL) over the window, add `step` workers of the role that limits it (SLO_ROLES).
     Schedule: between `start_time` and `end_time` (may wrap midnight) hold `target_replicas`.
     The deployment's min/max always bound the result.
     """
@@ -138,6 +149,10 @@ class ScalingRule(models.Model):
     target_replicas = models.PositiveIntegerField(null=True, blank=True)
     breach_started_at = models.DateTimeField(null=True, blank=True)
     last_triggered_at = models.DateTimeField(null=True, blank=True)
+    observations = models.JSONField(
+        default=list, blank=True,
+        help_text="an SLO rule's window: [epoch seconds, p90 or null] seen at its recent evaluations",
+    )
 
     class Meta:
         ordering = ["deployment_id", "name"]
@@ -153,10 +168,32 @@ class ScalingRule(models.Model):
                 raise ValidationError({"threshold": "a threshold rule needs a threshold"})
             if self.step == 0:
                 raise ValidationError({"step": "step must not be 0"})
+        elif self.kind in SLO_ROLES:
+            self._clean_slo()
         elif self.kind == RuleKind.SCHEDULE:
             missing = [f for f in ("start_time", "end_time", "target_replicas") if getattr(self, f) is None]
             if missing:
                 raise ValidationError({f: "required for a schedule rule" for f in missing})
+
+    def _clean_slo(self) -> None:
+        """An SLO rule: a positive target, the limiting role, scale-out only."""
+        unit = "seconds" if self.kind == RuleKind.TTFT_SLO else "milliseconds"
+        what = "TTFT" if self.kind == RuleKind.TTFT_SLO else "ITL"
+        if self.threshold is None or self.threshold <= 0:
+            raise ValidationError(
+                {"threshold": f"a {what} SLO rule needs its p90 target in {unit} as threshold (> 0)"}
+            )
+        role = SLO_ROLES[self.kind]
+        if self.role != role:
+            raise ValidationError(
+                {"role": f"a {what} SLO rule adds {role} workers ({what} is limited by {role}); role must be {role}"}
+            )
+        if self.step <= 0:
+            raise ValidationError({"step": f"a {what} SLO rule only adds workers: step must be >= 1"})
+        if self.comparison != Comparison.ABOVE:
+            raise ValidationError(
+                {"comparison": f"a {what} SLO rule fires when the p90 is above its target: comparison must be above"}
+            )
 
 
 class ScaleSource(models.TextChoices):
@@ -170,7 +207,11 @@ class ScaleSource(models.TextChoices):
 
 
 class ScaleEvent(models.Model):
-    """One change of a deployment's replicas, with its reason."""
+    """One change of a deployment's replicas, with its reason, and how long its new workers took to run.
+
+    The controller links each worker it places to the event that asked for it (`placed_workers`); when
+    the last of them reports RUNNING, `time_to_run_s` is filled in (nodes.actions.report_healthy).
+    """
 
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="scale_events")
     role = models.CharField(max_length=16)
@@ -180,6 +221,14 @@ class ScaleEvent(models.Model):
     rule = models.ForeignKey(ScalingRule, null=True, blank=True, on_delete=models.SET_NULL)
     reason = models.TextField()
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    placed_workers = models.ManyToManyField(
+        "nodes.Worker", blank=True, related_name="scale_events",
+        help_text="workers the controller placed to carry out this change",
+    )
+    time_to_run_s = models.FloatField(
+        null=True, blank=True,
+        help_text="seconds from this event until the workers placed for it were RUNNING",
+    )
 
     class Meta:
         ordering = ["-created_at"]
