@@ -112,7 +112,7 @@ class RuleKind(models.TextChoices):
 
 # The role whose workers an SLO rule adds: time to first token is prefill work (queueing and computing
 # the prompt), the gap between tokens is decode work (as in NVIDIA Dynamo's planner).
-SLO_ROLES: dict[str, str] = {RuleKind.TTFT_SLO: "prefill", RuleKind.ITL_SLO: "decode"}
+SLO_ROLES: dict[str, str] = {"ttft_slo": "prefill", "itl_slo": "decode"}  # RuleKind values
 
 
 class Comparison(models.TextChoices):
