@@ -11,8 +11,9 @@ from .block_manager import BlockManager, NoFreeBlocks, block_hashes
 from .config import ModelConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache
+from .memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from .model import LlamaForCausalLM
-from .model_runner import DEFAULT_KV_CACHE_BYTES, ModelRunner
+from .model_runner import ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceStatus
@@ -49,9 +50,11 @@ class LLMEngine:
         *,
         block_size: int = 16,
         num_blocks: int | None = None,
-        max_num_seqs: int = 32,
+        max_num_seqs: int | None = None,
         max_model_len: int | None = None,
         kv_cache_bytes: int | None = None,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+        use_compile: bool = False,
         max_num_batched_tokens: int | None = None,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = torch.float32,
@@ -62,9 +65,14 @@ class LLMEngine:
     ) -> None:
         """Load config, weights (and the tokenizer, if the folder has one) and allocate the KV pool.
 
-        `num_blocks` defaults to enough blocks for `max_num_seqs * max_model_len` tokens, capped by
-        `kv_cache_bytes` (default 1 GiB). `max_model_len` defaults to the model's
-        `max_position_embeddings`. `dtype`: a torch dtype, or "auto" / "float32" / "bfloat16" /
+        The KV pool has `num_blocks` blocks when given; otherwise it is sized from memory (see
+        `memory.py`): `kv_cache_bytes` (default: a share of the available host memory) on a CPU,
+        `gpu_memory_utilization` of the GPU less the profiled peak on a GPU, never more than
+        `max_num_seqs * max_model_len` tokens; `KVPoolTooSmall` (a ValueError) when it cannot hold one
+        `max_model_len` sequence. `max_num_seqs` None: derived from the pool. `max_model_len` defaults
+        to the model's `max_position_embeddings`. `use_compile`: torch.compile the dense parts of the model
+        (compile.py; `CompileUnavailable` without a C++ compiler on a CPU).
+        `dtype`: a torch dtype, or "auto" / "float32" / "bfloat16" /
         "float16" (see `dtypes.resolve_dtype`); the KV cache uses the same dtype. The default fp32
         matches transformers' fp32 token for token. `enable_prefix_caching`: full blocks are
         registered under chained content hashes and a new prefill reuses the longest cached prefix.
@@ -72,7 +80,7 @@ class LLMEngine:
         of that many tokens, alternating with decode steps. `max_queued_kv_fraction` bounds the
         blocks held by reserved and ready (not yet running) sequences together, see `reserve`.
         """
-        if block_size <= 0 or max_num_seqs <= 0:
+        if block_size <= 0 or (max_num_seqs is not None and max_num_seqs <= 0):
             raise ValueError("block_size and max_num_seqs must be positive")
         if not 0.0 < max_queued_kv_fraction <= 1.0:
             raise ValueError("max_queued_kv_fraction must be in (0, 1]")
@@ -81,19 +89,24 @@ class LLMEngine:
         self.device = torch.device(device)
         self.tokenizer = Tokenizer.maybe_from_pretrained(model_path) if load_tokenizer else None
         self.block_size = block_size
-        self.max_num_seqs = max_num_seqs
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
         cfg = self.config
+        max_batched = int(max_num_batched_tokens or max(2048, min(self.max_model_len, 8192)))
         self.runner = ModelRunner(
             model_path,
             cfg,
             block_size=block_size,
             num_blocks=num_blocks,
-            max_tokens_hint=max_num_seqs * self.max_model_len,
-            kv_cache_bytes=kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
+            max_model_len=self.max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            kv_cache_bytes=kv_cache_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
             device=self.device,
             dtype=dtype,
+            use_compile=use_compile,
         )
+        self.max_num_seqs = self.runner.max_num_seqs
         self.model: LlamaForCausalLM = self.runner.model
         self.kv_cache: KVCache = self.runner.kv_cache
         self.dtype = self.runner.dtype
@@ -103,8 +116,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager,
             block_size,
-            max_num_seqs,
-            int(max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))),
+            self.max_num_seqs,
+            max_batched,
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill,
         )
@@ -123,13 +136,14 @@ class LLMEngine:
         self.num_preemptions = 0  # total, for metrics and tests
         self.last_step_ran = False  # whether the last step() ran a forward pass (idle detection)
         logger.info(
-            "engine ready: %s (%s), %d KV blocks x %d tokens (%.1f MiB), max_model_len %d",
+            "engine ready: %s (%s), %d KV blocks x %d tokens (%.1f MiB), max_model_len %d, batch %d",
             model_path,
             cfg.architecture,
             num_blocks,
             block_size,
             self.kv_cache.nbytes / 2**20,
             self.max_model_len,
+            self.max_num_seqs,
         )
 
     # ----------------------------------------------------------------------------------------- queries

@@ -9,6 +9,7 @@ paged cache only that bucket's keys.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +104,10 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        # `project`, or its compiled version with --compile.
+        self._project: Callable[
+            [torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+        ] = self.project
 
     def forward(
         self,
@@ -113,11 +118,7 @@ class Attention(nn.Module):
         kv_cache: KVCache | None,
     ) -> torch.Tensor:
         """Attend for the flat tokens `x` `[num_tokens, hidden]`; writes their K/V into the cache."""
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self._project(x, cos, sin)
 
         if kv_cache is not None:
             k_rows = meta.write_rows + self.layer_idx * kv_cache.layer_stride
@@ -131,6 +132,20 @@ class Attention(nn.Module):
                 raise ValueError("attention over cached context needs a KV cache")
             out = self._decode(q, meta, kv_cache)
         return self.o_proj(out)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q `[n, heads, head_dim]` and k, v `[n, kv_heads, head_dim]` of the flat tokens, RoPE applied."""
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        return q, k, v.reshape(n, self.num_kv_heads, self.head_dim)
+
+    def compile_projection(self) -> None:
+        """Use a torch.compile'd `project` from now on (`--compile`, see compile.py)."""
+        self._project = torch.compile(self.project, dynamic=True)
 
     def _sdpa(
         self,

@@ -12,23 +12,31 @@ import logging
 import torch
 
 from .batch import BatchMetadata, build_metadata
+from .compile import check_compile_available, compile_model
 from .config import ModelConfig
 from .dtypes import dtype_name, resolve_dtype
 from .kv_cache import KVCache
+from .memory import (
+    AUTO_BATCH_CAP,
+    CPU_KV_FRACTION,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    cpu_kv_bytes,
+    format_bytes,
+    gpu_kv_bytes,
+    plan_pool,
+)
 from .model import LlamaForCausalLM
 from .sampler import sample
+from .sampling_params import SamplingParams
 from .sequence import Sequence
 from .weights import load_model
 
 logger = logging.getLogger(__name__)
 
-# Default cap on the KV pool when `num_blocks` is not given.
-DEFAULT_KV_CACHE_BYTES = 1 << 30
-
 
 class ModelRunner:
-    """Loads the weights in the resolved dtype, allocates the paged KV cache in the same dtype, and
-    executes steps."""
+    """Loads the weights in the resolved dtype, sizes and allocates the paged KV cache in the same dtype
+    (see `memory.py`), and executes steps."""
 
     def __init__(
         self,
@@ -37,25 +45,53 @@ class ModelRunner:
         *,
         block_size: int,
         num_blocks: int | None,
-        max_tokens_hint: int,
+        max_model_len: int,
+        max_num_seqs: int | None,
+        max_num_batched_tokens: int,
         kv_cache_bytes: int | None,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         device: torch.device,
         dtype: str | torch.dtype,
+        use_compile: bool = False,
     ) -> None:
-        """`num_blocks` defaults to enough blocks for `max_tokens_hint` tokens, capped by
-        `kv_cache_bytes` (default 1 GiB). `dtype` is "auto", a name of `dtypes.DTYPES` or a dtype."""
+        """`num_blocks` given: exactly that pool (`max_num_seqs` defaults to the CPU cap then). Otherwise
+        the pool is sized from memory: `kv_cache_bytes` or a share of the available host memory on a CPU,
+        `gpu_memory_utilization` of the GPU minus the profiled peak on a GPU; `max_num_seqs` None is
+        derived from the pool. Raises `KVPoolTooSmall` when that pool cannot hold one `max_model_len`
+        sequence, `CompileUnavailable` for `use_compile` without a usable compiler."""
         self.config = config
         self.device = device
         self.dtype = resolve_dtype(dtype, device, config.hidden_size)
         self.block_size = block_size
+        if use_compile:
+            check_compile_available(device)  # before the weights load: fail fast
         self.model: LlamaForCausalLM = load_model(model_path, config, device, self.dtype)
-        if num_blocks is None:
-            per_block = KVCache.bytes_per_block(
-                config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim, self.dtype
+        block_bytes = KVCache.bytes_per_block(
+            config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim, self.dtype
+        )
+        if num_blocks is not None:
+            self.max_num_seqs = max_num_seqs or AUTO_BATCH_CAP["cpu"]
+            self.kv_budget_bytes = num_blocks * block_bytes
+        else:
+            if device.type == "cuda":
+                budget = self._profile_gpu_budget(gpu_memory_utilization, max_num_seqs, max_num_batched_tokens)
+                source = f"--gpu-memory-utilization {gpu_memory_utilization}"
+            else:
+                budget = cpu_kv_bytes(kv_cache_bytes)
+                source = (
+                    f"--kv-cache-memory {format_bytes(kv_cache_bytes)}" if kv_cache_bytes is not None else
+                    f"--kv-cache-memory (default: {CPU_KV_FRACTION:.0%} of the available memory)"
+                )
+            plan = plan_pool(
+                budget_bytes=budget,
+                block_bytes=block_bytes,
+                block_size=block_size,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                device_kind=device.type,
+                source=source,
             )
-            wanted = -(-max_tokens_hint // block_size)
-            cap = max(1, (kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // per_block)
-            num_blocks = int(min(wanted, cap))
+            num_blocks, self.max_num_seqs, self.kv_budget_bytes = plan.num_blocks, plan.max_num_seqs, budget
         self.kv_cache = KVCache(
             num_blocks,
             config.num_hidden_layers,
@@ -65,7 +101,47 @@ class ModelRunner:
             self.dtype,
             device,
         )
-        logger.info("model runner: %s on %s, KV cache %s", dtype_name(self.dtype), device, dtype_name(self.dtype))
+        self.compiled = use_compile
+        if use_compile:
+            compile_model(self.model)
+        logger.info(
+            "model runner: %s on %s, KV cache %d blocks (%s), batch %d%s",
+            dtype_name(self.dtype), device, num_blocks, format_bytes(self.kv_cache.nbytes), self.max_num_seqs,
+            ", compiled" if use_compile else "",
+        )
+
+    @torch.inference_mode()
+    def _profile_gpu_budget(self, utilization: float, max_num_seqs: int | None, max_tokens: int) -> int:
+        """KV bytes left on the GPU after a profiling forward at the largest step this engine runs
+        (`max_tokens` prompt tokens over the largest batch), as vLLM does: activations peak in a prefill
+        of the whole token budget, and the sampler's logits grow with the batch."""
+        seqs_n = max(1, min(max_num_seqs or AUTO_BATCH_CAP["cuda"], max_tokens))
+        per_seq = max(1, max_tokens // seqs_n)
+        params = SamplingParams(max_tokens=1)
+        seqs = []
+        for i in range(seqs_n):
+            seq = Sequence(f"profile-{i}", [0] * per_seq, params, i)
+            seq.block_ids = [0] * (-(-per_seq // self.block_size))  # read only by the write-row maths
+            seqs.append(seq)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        # No KV cache yet: the prefill attends to its own K/V and writes nothing.
+        input_ids, meta = build_metadata(seqs, True, self.block_size, 1, self.dtype, self.device)
+        logits = self.model(input_ids, meta, None)
+        sample(logits, [params] * seqs_n, [0] * seqs_n)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
+        del logits, input_ids, meta
+        torch.cuda.empty_cache()
+        budget = gpu_kv_bytes(total, utilization, peak, non_torch)
+        logger.info(
+            "GPU memory: total %s, utilization %.2f, profiled peak %s, outside torch %s -> KV %s",
+            format_bytes(total), utilization, format_bytes(peak), format_bytes(non_torch),
+            format_bytes(max(0, budget)),
+        )
+        return budget
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, BatchMetadata]:
         """Input ids and metadata for `seqs`, which must be in `order`'s order."""

@@ -3,9 +3,45 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+# vLLM's default share of the GPU (the engine's memory.DEFAULT_GPU_MEMORY_UTILIZATION; not imported
+# from there because the agent imports this module, and importing the engine package loads torch).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """`"2GiB"` → 2147483648; also plain byte counts, decimal units (`"1.5GB"`) and bare letters
+    (`"512M"`, decimal). Raises ValueError for anything else or a size below one byte."""
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a size (examples: 2GiB, 512MiB, 1.5GB, 1073741824)")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise ValueError(f"{text!r} is less than one byte")
+    return value
 
 
 @dataclass
@@ -21,7 +57,7 @@ class ServerArgs:
     kv_port: int
     kv_advertise_host: str | None
     context_length: int | None
-    batch_size: int
+    batch_size: int | None
     max_num_batched_tokens: int | None
     dtype: str
     prefix_caching: bool
@@ -32,12 +68,23 @@ class ServerArgs:
     block_size: int
     num_kv_blocks: int | None
     kv_cache_memory_mb: int | None
+    kv_cache_memory: int | None
+    gpu_memory_utilization: float
+    compile: bool
     kv_lease_timeout: float
     max_queue: int
     max_tokens_limit: int
     served_model_name: str | None
     shared_secret: str
     log_level: str
+
+    @property
+    def kv_cache_bytes(self) -> int | None:
+        """The KV pool size asked for (--kv-cache-memory, or --kv-cache-memory-mb), None when sized
+        from memory."""
+        if self.kv_cache_memory is not None:
+            return self.kv_cache_memory
+        return self.kv_cache_memory_mb * 2**20 if self.kv_cache_memory_mb is not None else None
 
     @classmethod
     def with_defaults(cls, **values: Any) -> ServerArgs:
@@ -88,6 +135,14 @@ def _production() -> bool:
     return value in {"1", "true", "yes", "on"}
 
 
+def _size(text: str) -> int:
+    """argparse type of a byte size (`2GiB`, `512MiB`, `1073741824`); argparse names the flag."""
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The worker's argument parser (flags named as in the deployment guide)."""
     p = argparse.ArgumentParser(
@@ -111,9 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-size",
         type=int,
-        default=32,
+        default=None,
         help="max sequences in one batch: decode runs at most this many at once (the rest queue), "
-        "prefill batches at most this many prompts",
+        "prefill batches at most this many prompts (default: as many as the KV pool holds at 1,024 tokens "
+        "each, at most 32 on a CPU and 256 on a GPU)",
     )
     p.add_argument(
         "--max-num-batched-tokens",
@@ -151,7 +207,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (same on both roles)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks in the pool")
-    p.add_argument("--kv-cache-memory-mb", type=int, default=None, help="KV pool size in MiB")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=_size,
+        default=None,
+        help="CPU: KV pool size, e.g. 2GiB, 512MiB or bytes (default: 40%% of the memory available after "
+        "the weights load, at most 16GiB, and no more than --batch-size sequences of the maximum length use)",
+    )
+    p.add_argument("--kv-cache-memory-mb", type=int, default=None, help="KV pool size in MiB (older spelling)")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        help="GPU: fraction (0-1] of the GPU's total memory for weights, activations and KV cache; the KV "
+        "pool gets what a profiling forward at the largest batch leaves (as in vLLM; default 0.9)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model's norms, projections and MLPs (needs a C++ compiler on a CPU; the "
+        "first requests wait for compilation; off by default)",
+    )
     p.add_argument("--kv-lease-timeout", type=float, default=30.0, help="decode: seconds to wait for KV")
     p.add_argument("--max-queue", type=int, default=256, help="requests queued before answering 429")
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted")
@@ -189,6 +265,10 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
             parser.error(f"{flag} must be >= {minimum}, got {value}")
     if ns.port > 65535 or ns.kv_port > 65535:
         parser.error("--port and --kv-port must be <= 65535")
+    if ns.kv_cache_memory is not None and ns.kv_cache_memory_mb is not None:
+        parser.error("give --kv-cache-memory or --kv-cache-memory-mb, not both")
+    if not 0.0 < ns.gpu_memory_utilization <= 1.0:
+        parser.error(f"--gpu-memory-utilization must be in (0, 1], got {ns.gpu_memory_utilization}")
     if ns.kv_lease_timeout <= 0:
         parser.error("--kv-lease-timeout must be > 0")
     if ns.base_cpu_id is not None:
@@ -236,6 +316,9 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         block_size=ns.block_size,
         num_kv_blocks=ns.num_kv_blocks,
         kv_cache_memory_mb=ns.kv_cache_memory_mb,
+        kv_cache_memory=ns.kv_cache_memory,
+        gpu_memory_utilization=ns.gpu_memory_utilization,
+        compile=ns.compile,
         kv_lease_timeout=ns.kv_lease_timeout,
         max_queue=ns.max_queue,
         max_tokens_limit=ns.max_tokens_limit,

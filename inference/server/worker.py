@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inference.engine import AsyncEngine, LLMEngine, NoFreeBlocks, SamplingParams
+from inference.engine.compile import CompileUnavailable
+from inference.engine.memory import KVPoolTooSmall
 from inference.engine.sampling_params import load_sampling_defaults
 from inference.engine.sequence import SequenceStatus
 from inference.kv_transfer import (
@@ -102,9 +104,13 @@ class Worker:
                 enable_prefix_caching=args.prefix_caching,
                 enable_chunked_prefill=args.chunked_prefill,
                 max_model_len=args.max_sequence_length or args.context_length,
-                kv_cache_bytes=(args.kv_cache_memory_mb * 2**20) if args.kv_cache_memory_mb else None,
+                kv_cache_bytes=args.kv_cache_bytes,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                use_compile=args.compile,
                 device=self.device,
             )
+        except (KVPoolTooSmall, CompileUnavailable) as exc:  # their messages name the flag to change
+            raise StartupError(str(exc)) from exc
         except (OSError, ValueError) as exc:
             raise StartupError(f"cannot load the model from --model-path {args.model_path}: {exc}") from exc
         try:
@@ -226,8 +232,10 @@ class Worker:
             queue_depth=self.engine.num_queued,
             running=self.engine.num_running,
             reserved=self.engine.num_reserved,
-            batch_size=self.args.batch_size,
+            batch_size=self.engine.max_num_seqs,
             kv_usage=round(self.engine.kv_usage(), 4),
+            kv_blocks=self.engine.kv_cache.num_blocks,
+            kv_bytes=self.engine.kv_cache.nbytes,
         )
         body.update(self.signals.snapshot())
         return body
@@ -244,7 +252,7 @@ class Worker:
             "num_kv_blocks": self.engine.kv_cache.num_blocks,
             "kv_transport": self.args.kv_transport,
             "max_tokens_limit": self.args.max_tokens_limit,
-            "batch_size": self.args.batch_size,
+            "batch_size": self.engine.max_num_seqs,
             "max_queue": self.args.max_queue,
             "dtype": self.layout.dtype,
             "prefix_caching": self.args.prefix_caching,

@@ -82,8 +82,9 @@ def test_default_pool_size_and_cap(llama: TinyModel) -> None:
     """num_blocks defaults to max_num_seqs * max_model_len tokens, capped by kv_cache_bytes."""
     engine = LLMEngine(llama.path, block_size=16, max_num_seqs=4, max_model_len=128)
     assert engine.kv_cache.num_blocks == 4 * 128 // 16
-    capped = LLMEngine(llama.path, block_size=16, max_num_seqs=4, max_model_len=128, kv_cache_bytes=10_000)
-    assert capped.kv_cache.num_blocks == 10_000 // capped.kv_cache.block_nbytes
+    budget = 10 * engine.kv_cache.block_nbytes + 100  # 10 blocks and change: one 128-token sequence fits
+    capped = LLMEngine(llama.path, block_size=16, max_num_seqs=4, max_model_len=128, kv_cache_bytes=budget)
+    assert capped.kv_cache.num_blocks == 10
 
 
 def test_kv_cache_layout(llama: TinyModel) -> None:
