@@ -1,9 +1,17 @@
 """Per-request sampling and stopping parameters."""
 from __future__ import annotations
 
+import json
 import math
+import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+# The sampling fields a model's generation_config.json may set as defaults, as vLLM reads them
+# (vLLM also reads repetition_penalty, which this engine does not implement; `do_sample` is
+# ignored by vLLM too: a checkpoint that wants greedy decoding says temperature 0).
+GENERATION_CONFIG_SAMPLING_FIELDS: tuple[str, ...] = ("temperature", "top_p", "top_k", "min_p")
 
 
 @dataclass
@@ -61,14 +69,19 @@ class SamplingParams:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+    def from_dict(cls, data: dict[str, Any], defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """Build from a dictionary; unknown keys raise ValueError naming them, a bare string `stop` is
-        accepted as a one-element list (the OpenAI API allows both). Call `validate()` afterwards."""
+        accepted as a one-element list (the OpenAI API allows both). Call `validate()` afterwards.
+
+        `defaults` (the model's, from `load_sampling_defaults`) fill the fields that `data` leaves out
+        or sets to null; a value in `data` always wins.
+        """
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown sampling field(s): {', '.join(unknown)}")
-        kwargs = {k: v for k, v in data.items() if v is not None or k == "seed"}
+        kwargs = {k: v for k, v in (defaults or {}).items() if k in known}
+        kwargs.update({k: v for k, v in data.items() if v is not None or k == "seed"})
         stop = kwargs.get("stop")
         if isinstance(stop, str):
             kwargs["stop"] = [stop]
@@ -80,6 +93,38 @@ class SamplingParams:
             if key in kwargs and _is_number(kwargs[key]):
                 kwargs[key] = float(kwargs[key])
         return cls(**kwargs)
+
+
+def sampling_defaults_from_generation_config(generation_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling defaults a parsed generation_config.json sets (only the fields it holds).
+
+    Raises ValueError naming the field when one is not a valid sampling value, so that a worker
+    fails at start rather than on every request that relies on the default.
+    """
+    found = {
+        k: generation_config[k] for k in GENERATION_CONFIG_SAMPLING_FIELDS if generation_config.get(k) is not None
+    }
+    # Validate by building the parameters these defaults give an empty request.
+    SamplingParams.from_dict({}, found).validate()
+    return {k: float(v) if k != "top_k" and _is_number(v) else v for k, v in found.items()}
+
+
+def load_sampling_defaults(model_path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The sampling defaults of the checkpoint folder's generation_config.json ({} without one).
+
+    Raises ValueError naming the file when it is not JSON or holds an invalid sampling value.
+    """
+    path = os.path.join(os.fspath(model_path), "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        return sampling_defaults_from_generation_config(data)
+    except ValueError as exc:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"{path}: {exc}") from exc
 
 
 def _is_number(value: Any) -> bool:

@@ -538,7 +538,9 @@ class DisaggregatedClient:
         body = orjson.dumps({
             "request_id": attempt.request_id,
             "prompt_token_ids": descriptor_line["prompt_token_ids"],
-            "sampling": req.sampling,
+            # The decode worker's resolved parameters (its model's generation_config.json defaults
+            # filled in), so that prefill samples the first token with the same values as decode.
+            "sampling": resolved if isinstance(resolved := descriptor_line.get("sampling"), dict) else req.sampling,
             "descriptor": descriptor_line["descriptor"],  # reused as is by every retry
         })
         tried: list[Endpoint] = list(failed_prefill)

@@ -107,35 +107,42 @@ def _get_token_ids(data: dict[str, Any], name: str) -> list[int] | None:
 
 
 def parse_sampling(data: dict[str, Any], max_tokens_field: str = "max_tokens") -> dict[str, Any]:
-    """The workers' `sampling` object from a request body; 400 naming the first bad field."""
-    temperature = _get_float(data, "temperature", 1.0)
-    if temperature < 0:
-        raise bad_request(f"'temperature' must be >= 0, got {temperature!r}")
-    top_p = _get_float(data, "top_p", 1.0)
-    if not 0.0 < top_p <= 1.0:
-        raise bad_request(f"'top_p' must be in (0, 1], got {top_p!r}")
-    min_p = _get_float(data, "min_p", 0.0)
-    if not 0.0 <= min_p <= 1.0:
-        raise bad_request(f"'min_p' must be in [0, 1], got {min_p!r}")
+    """The workers' `sampling` object from a request body; 400 naming the first bad field.
+
+    temperature, top_p, top_k and min_p are passed on only when the client set them: the workers fill
+    the others from the model's generation_config.json (as vLLM does), then their own defaults.
+    """
+    sampling: dict[str, Any] = {"max_tokens": _get_int(data, max_tokens_field, DEFAULT_MAX_TOKENS, 1)}
+    if data.get("temperature") is not None:
+        temperature = _get_float(data, "temperature", 1.0)
+        if temperature < 0:
+            raise bad_request(f"'temperature' must be >= 0, got {temperature!r}")
+        sampling["temperature"] = temperature
+    if data.get("top_p") is not None:
+        top_p = _get_float(data, "top_p", 1.0)
+        if not 0.0 < top_p <= 1.0:
+            raise bad_request(f"'top_p' must be in (0, 1], got {top_p!r}")
+        sampling["top_p"] = top_p
+    if data.get("min_p") is not None:
+        min_p = _get_float(data, "min_p", 0.0)
+        if not 0.0 <= min_p <= 1.0:
+            raise bad_request(f"'min_p' must be in [0, 1], got {min_p!r}")
+        sampling["min_p"] = min_p
     top_k = data.get("top_k")
-    if top_k is None:
-        top_k = -1
-    if not _is_int(top_k) or top_k < -1:
-        raise bad_request(f"'top_k' must be an integer >= 1, or -1/0 to disable, got {top_k!r}")
+    if top_k is not None:
+        if not _is_int(top_k) or top_k < -1:
+            raise bad_request(f"'top_k' must be an integer >= 1, or -1/0 to disable, got {top_k!r}")
+        sampling["top_k"] = top_k
     seed = data.get("seed")
     if seed is not None and not _is_int(seed):
         raise bad_request(f"'seed' must be an integer or null, got {seed!r}")
-    return {
-        "max_tokens": _get_int(data, max_tokens_field, DEFAULT_MAX_TOKENS, 1),
-        "temperature": temperature,
-        "top_k": top_k,
-        "top_p": top_p,
-        "min_p": min_p,
-        "seed": seed,
-        "stop": _get_stop(data),
-        "stop_token_ids": _get_token_ids(data, "stop_token_ids") or [],
-        "ignore_eos": _get_bool(data, "ignore_eos"),
-    }
+    sampling.update(
+        seed=seed,
+        stop=_get_stop(data),
+        stop_token_ids=_get_token_ids(data, "stop_token_ids") or [],
+        ignore_eos=_get_bool(data, "ignore_eos"),
+    )
+    return sampling
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Parsing of the worker's internal request bodies into prompt tokens and sampling parameters."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from inference.engine import SamplingParams
@@ -8,14 +9,18 @@ from inference.engine.tokenizer import Tokenizer
 from inference.server.errors import bad_request
 
 
-def parse_sampling(data: Any, max_tokens_limit: int) -> SamplingParams:
-    """SamplingParams from the JSON `sampling` object; 400 naming the field on bad input."""
+def parse_sampling(data: Any, max_tokens_limit: int, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    """SamplingParams from the JSON `sampling` object; 400 naming the field on bad input.
+
+    Fields the request leaves out (or null) take the model's `defaults` (its generation_config.json,
+    see `load_sampling_defaults`), then SamplingParams' own.
+    """
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise bad_request("'sampling' must be a JSON object")
     try:
-        params = SamplingParams.from_dict(data)
+        params = SamplingParams.from_dict(data, defaults)
         params.validate()
     except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: float() of a huge JSON integer
         raise bad_request(f"invalid sampling parameters: {exc}") from exc

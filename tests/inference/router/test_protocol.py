@@ -23,9 +23,13 @@ def test_generate_defaults_and_sampling() -> None:
     parsed = parse_generate({"prompt": "hi", "max_tokens": 5, "temperature": 0, "stop": "\n", "seed": 3})
     assert parsed.kind == "generate" and not parsed.stream
     assert parsed.request.prompt == "hi"
+    # top_k, top_p and min_p are left out: the workers fill them from the model's generation_config.json.
     assert parsed.request.sampling == {
-        "max_tokens": 5, "temperature": 0.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0, "seed": 3,
-        "stop": ["\n"], "stop_token_ids": [], "ignore_eos": False,
+        "max_tokens": 5, "temperature": 0.0, "seed": 3, "stop": ["\n"], "stop_token_ids": [], "ignore_eos": False,
+    }
+    explicit = parse_generate({"prompt": "hi", "temperature": 1, "top_p": 0.5, "top_k": 0, "min_p": 0}).request
+    assert {k: explicit.sampling[k] for k in ("temperature", "top_p", "top_k", "min_p")} == {
+        "temperature": 1.0, "top_p": 0.5, "top_k": 0, "min_p": 0.0,
     }
     assert parse_generate({"prompt": "hi", "stream": True}).stream
     assert parse_generate({"prompt": "hi", "min_p": 0.05}).request.sampling["min_p"] == 0.05
