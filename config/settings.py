@@ -252,11 +252,11 @@ CONTROLLER_FAILURE_COOLDOWN_S = env_float("CONTROLLER_FAILURE_COOLDOWN_S", 300.0
 METRICS_SCRAPE_TIMEOUT_S = env_float("METRICS_SCRAPE_TIMEOUT_S", 2.0)
 # Scaling ignores a worker's load when its last health report is older than this.
 SCALING_HEALTH_MAX_AGE_S = env_float("SCALING_HEALTH_MAX_AGE_S", 30.0)
-# Rules judge a window of readings (their duration_s): this share of the window's readings must breach
-# (the rest may be missing or dissent), and the window may lack readings for at most SCALING_WINDOW_GAP_S
-# at its start and its end (rules are evaluated every 10 s).
+# Rules judge a window of readings (their duration_s, one reading per evaluation, every 10 s): this
+# share of the window's readings must breach (the rest may be missing or dissent), and the window's
+# first reading may come at most SCALING_WINDOW_GAP_S after its start (evaluation jitter).
 SCALING_WINDOW_SHARE = env_float("SCALING_WINDOW_SHARE", 0.8)
-SCALING_WINDOW_GAP_S = env_float("SCALING_WINDOW_GAP_S", 25.0)
+SCALING_WINDOW_GAP_S = env_float("SCALING_WINDOW_GAP_S", 5.0)
 # The prefill queueing wait (pending prompt tokens over the tokens/s prefill sustains) at which prefill
 # load reads 1.0.
 SCALING_PREFILL_WAIT_TARGET_S = env_float("SCALING_PREFILL_WAIT_TARGET_S", 1.0)
