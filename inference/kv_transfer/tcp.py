@@ -3,7 +3,8 @@
 The decode worker listens on a KV port. A prefill worker connects, passes the port's handshake
 (`auth.py`: an HMAC proof of the shared secret), sends a JSON header naming the request, its
 per-request token and the destination block runs, then the raw block bytes, which the decode side
-receives straight into its KV tensor (no intermediate copy, no pickle).
+receives straight into its KV tensor (no intermediate copy, no pickle; a GPU cache goes through pinned
+host buffers, see staging.py).
 """
 from __future__ import annotations
 
@@ -26,34 +27,20 @@ from inference.kv_transfer.base import (
 )
 from inference.kv_transfer.lease import same_secret
 from inference.kv_transfer.receiver import GatedReceiver
+from inference.kv_transfer.staging import HostStaging
 from inference.kv_transfer.wire import recv_exact_into, recv_frame, send_frame
 
 logger = logging.getLogger(__name__)
 
 
-def _block_bytes(kv_data: torch.Tensor, first: int, count: int) -> memoryview:
-    """A byte view of `count` consecutive blocks starting at `first` (a host copy for a GPU cache)."""
-    region = kv_data[first : first + count]
-    if not region.is_contiguous():
-        raise KVTransferError("KV tensor blocks are not contiguous")
-    if region.device.type != "cpu":
-        region = region.cpu()  # sockets need host memory; RDMA is the zero-copy path for GPUs
-    # As bytes: numpy has no bfloat16, and the wire carries raw bytes whatever the KV dtype.
-    array = region.reshape(-1).view(torch.uint8).numpy()
-    return memoryview(array).cast("B")  # type: ignore[arg-type]  # ndarray supports the buffer protocol
+# Host buffers of the transport (pinned where CUDA is available); a CPU cache is used in place.
+_STAGING = HostStaging()
 
 
 def _receive_blocks(sock: socket.socket, kv_data: torch.Tensor, first: int, count: int) -> int:
-    """Receive `count` blocks straight into the KV tensor (through a host buffer for a GPU cache)."""
-    if kv_data.device.type == "cpu":
-        view = _block_bytes(kv_data, first, count)
-        recv_exact_into(sock, view)
-        return len(view)
-    staging = torch.empty_like(kv_data[first : first + count], device="cpu")
-    view = memoryview(staging.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
-    recv_exact_into(sock, view)
-    kv_data[first : first + count].copy_(staging)
-    return len(view)
+    """Receive `count` blocks straight into the KV tensor (through pinned host buffers, chunk by chunk,
+    for a GPU cache)."""
+    return _STAGING.receive(kv_data[first : first + count], lambda view: recv_exact_into(sock, view))
 
 
 def _same(given: object, expected: str) -> bool:
@@ -151,9 +138,9 @@ class TcpKVSender(KVSender):
             send_frame(sock, header)
             # Source blocks are sent run by run of consecutive ids: one sendall per contiguous range.
             for first, count in block_runs(list(src_block_ids[: len(dst)])):
-                view = _block_bytes(self._kv, first, count)
-                sock.sendall(view)
-                nbytes += len(view)
+                for view in _STAGING.host_chunks(self._kv[first : first + count]):
+                    sock.sendall(view)
+                    nbytes += len(view)
             sock.settimeout(max(deadline - time.monotonic(), 0.01))
             ack = recv_frame(sock)
         except TimeoutError as exc:
