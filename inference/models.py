@@ -151,7 +151,7 @@ class ScalingRule(models.Model):
     last_triggered_at = models.DateTimeField(null=True, blank=True)
     observations = models.JSONField(
         default=list, blank=True,
-        help_text="an SLO rule's window: [epoch seconds, p90 or null] seen at its recent evaluations",
+        help_text="the rule's window: [epoch seconds, reading or null] at its recent evaluations (load, or p90)",
     )
 
     class Meta:
@@ -203,6 +203,7 @@ class ScaleSource(models.TextChoices):
     API = "api", "REST API"
     THRESHOLD = "threshold", "Threshold rule"
     SCHEDULE = "schedule", "Schedule rule"
+    SLO = "slo", "SLO rule"
     RECOVERY = "recovery", "Recovery"
 
 

@@ -1,24 +1,25 @@
-"""Scaling rules: threshold rules react to load, schedule rules hold replicas in a time window.
+"""Scaling rules: threshold and SLO rules react to readings over a window, schedule rules hold replicas.
 
-Load of a role (`role_load`)
-    For each RUNNING worker of the deployment and role whose last health report (`Worker.last_health`,
-    written by its agent every few seconds and by `collect_metrics`) is younger than
-    SCALING_HEALTH_MAX_AGE_S: `(running + queue_depth) / batch_size`, capped at LOAD_CAP = 1.0; the
-    role's load is the mean over those workers. So load is the fraction of the role's batch capacity in
-    demand: 0.0 idle, 1.0 every batch full (requests queued beyond a full batch also read 1.0, so one
-    worker with a long queue cannot outweigh the others). The guide's rules "prefill load > 0.8 → add
-    prefill", "decode load > 0.7 → add decode" are threshold rules on this number. None (no rule fires)
-    when no RUNNING worker has a recent report.
+Readings (inference.scaling_signals)
+    Threshold rules read the role's load: decode `(running + queue_depth) / batch_size`; prefill the
+    largest of its batch fill, its busy ratio and its queueing wait (pending prompt tokens over the
+    tokens/s it sustains, against SCALING_PREFILL_WAIT_TARGET_S), each capped at 1.0 and averaged over
+    the role's workers. The guide's rules "prefill load > 0.8 → add prefill", "decode load > 0.7 → add
+    decode" are threshold rules on this number. SLO rules read the p90 of TTFT (seconds; the rule adds
+    prefill workers) or ITL (milliseconds; it adds decode workers) over the decode workers' last 30 s.
 
-Threshold rules (`evaluate_threshold_rule`)
-    The breach (`load > threshold` for comparison "above", `<` for "below") must persist: its start is
-    kept in `breach_started_at` and the rule fires once `duration_s` has passed since then (0: at once).
-    Firing adds `step` (negative removes) to the desired replicas via `inference.actions.scale_deployment`
-    (source "threshold"), which clamps to the deployment's min/max; at the bound nothing changes and no
-    event is recorded (the breach stays, so the rule fires as soon as the bound moves). After firing the
-    rule waits `cooldown_s` (from `last_triggered_at`) and the breach timer restarts, so the next step
-    needs a fresh `duration_s` of breach measured with the new workers. Any return inside the threshold
-    resets the breach timer.
+Threshold and SLO rules (`evaluate_windowed_rule`)
+    Each evaluation appends the rule's reading (None when no worker reported) to its window
+    (`ScalingRule.observations`) and judges the window of `duration_s` as a whole
+    (inference.scaling_window: at least SCALING_WINDOW_SHARE of the readings breach, and the readings
+    cover the window), so one missing or dissenting reading does not reset a sustained breach.
+    `breach_started_at` shows the first breaching reading of a window that breaches but is not full
+    yet. Firing adds `step` (negative removes) to the desired replicas via
+    `inference.actions.scale_deployment` (source "threshold" or "slo"), which clamps to the
+    deployment's min/max; at the bound nothing changes and no event is recorded. After firing the
+    rule waits `cooldown_s` (from `last_triggered_at`), and its window restarts: the next step needs a
+    fresh `duration_s` of readings with the new workers (so does every rule of a role after any change
+    of its replicas, whoever made it).
 
 Schedule rules (`evaluate_schedule_rules`)
     Inside `[start_time, end_time)` in settings.TIME_ZONE (the window wraps midnight when end < start,
@@ -45,8 +46,8 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
-from datetime import datetime, timedelta
+from collections.abc import Sequence
+from datetime import datetime
 
 from django.conf import settings
 from django.db import transaction
@@ -54,6 +55,7 @@ from django.utils import timezone
 
 from inference import actions
 from inference.models import (
+    SLO_ROLES,
     Comparison,
     Deployment,
     DeploymentStatus,
@@ -63,6 +65,8 @@ from inference.models import (
     ScaleSource,
     ScalingRule,
 )
+from inference.scaling_signals import LOAD_CAP, role_latency_p90, role_load, worker_load  # noqa: F401  (API)
+from inference.scaling_window import dump_readings, judge, keep_recent, load_readings
 from inference.selectors import (  # noqa: F401  (in_window, local_time, minutes_since_start: this module's API)
     active_override,
     active_schedule_rule,
@@ -71,34 +75,12 @@ from inference.selectors import (  # noqa: F401  (in_window, local_time, minutes
     minutes_since_start,
     window_text,
 )
-from nodes.models import Worker, WorkerStatus
 
 logger = logging.getLogger(__name__)
 
-LOAD_CAP = 1.0
-
-
-# ----------------------------------------------------------------------------------------------- load
-def worker_load(health: Mapping[str, object], batch_size: int) -> float | None:
-    """One worker's load from its /health answer: (running + queue_depth) / batch_size, capped at LOAD_CAP."""
-    try:
-        demand = float(health.get("running", 0) or 0) + float(health.get("queue_depth", 0) or 0)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
-    return min(LOAD_CAP, max(0.0, demand / max(1, batch_size)))
-
-
-def role_load(deployment: Deployment, role: str, *, now: datetime | None = None) -> float | None:
-    """Mean load of the role's RUNNING workers with a recent health report; None when there is none."""
-    now = now or timezone.now()
-    fresh_after = now - timedelta(seconds=float(settings.SCALING_HEALTH_MAX_AGE_S))
-    healths = Worker.objects.filter(
-        deployment=deployment, role=role, status=WorkerStatus.RUNNING, last_seen__gte=fresh_after
-    ).values_list("last_health", flat=True)
-    loads = [x for x in (worker_load(h or {}, deployment.batch_size) for h in healths) if x is not None]
-    if not loads:
-        return None
-    return sum(loads) / len(loads)
+WINDOWED_KINDS = (RuleKind.THRESHOLD, RuleKind.TTFT_SLO, RuleKind.ITL_SLO)
+# Sources that change a role's desired replicas: after one, every rule of the role starts a fresh window.
+CHANGE_SOURCES = (ScaleSource.MANUAL, ScaleSource.API, ScaleSource.THRESHOLD, ScaleSource.SCHEDULE, ScaleSource.SLO)
 
 
 # ------------------------------------------------------------------------------------------- schedules
@@ -135,51 +117,94 @@ def hold_override(deployment: Deployment, role: str, override: ScaleOverride) ->
     return actions.scale_deployment(deployment, role, override.replicas, source=override.source, reason=reason)
 
 
-# ------------------------------------------------------------------------------------------ thresholds
-def breached(rule: ScalingRule, load: float) -> bool:
-    """Whether `load` is on the rule's wrong side of its threshold."""
+# ------------------------------------------------------------------------------------------ windows
+def breached(rule: ScalingRule, value: float) -> bool:
+    """Whether a reading is on the rule's wrong side of its threshold (SLO rules: above the target)."""
     if rule.threshold is None:
         return False
-    if rule.comparison == Comparison.BELOW:
-        return load < rule.threshold
-    return load > rule.threshold
+    if rule.kind == RuleKind.THRESHOLD and rule.comparison == Comparison.BELOW:
+        return value < rule.threshold
+    return value > rule.threshold
 
 
-def evaluate_threshold_rule(rule: ScalingRule, load: float | None, now: datetime) -> ScaleEvent | None:
-    """Advance one threshold rule's breach timer with the current load; fire it when due (see module doc)."""
-    deployment = rule.deployment
-    if load is None or not breached(rule, load):
-        if rule.breach_started_at is not None:
-            ScalingRule.objects.filter(pk=rule.pk).update(breach_started_at=None)
-            rule.breach_started_at = None
-        return None
-    if rule.breach_started_at is None:
-        ScalingRule.objects.filter(pk=rule.pk).update(breach_started_at=now)
-        rule.breach_started_at = now
-    lasted = (now - rule.breach_started_at).total_seconds()
-    if lasted < rule.duration_s:
+def reading(rule: ScalingRule, deployment: Deployment, now: datetime) -> float | None:
+    """The rule's current reading in its own unit: load, TTFT p90 in s, ITL p90 in ms (None: no data)."""
+    if rule.kind == RuleKind.TTFT_SLO:
+        return role_latency_p90(deployment, "ttft", now=now)
+    if rule.kind == RuleKind.ITL_SLO:
+        itl = role_latency_p90(deployment, "itl", now=now)
+        return itl * 1000.0 if itl is not None else None
+    return role_load(deployment, rule.role, now=now)
+
+
+def _save_window(rule: ScalingRule, **fields: object) -> None:
+    ScalingRule.objects.filter(pk=rule.pk).update(**fields)
+    for name, value in fields.items():
+        setattr(rule, name, value)
+
+
+def pause_rule(rule: ScalingRule) -> None:
+    """A schedule or override holds the role: forget the window (it restarts when the hold ends)."""
+    if rule.observations or rule.breach_started_at is not None:
+        _save_window(rule, observations=[], breach_started_at=None)
+
+
+def _describe(rule: ScalingRule, value: float | None) -> str:
+    shown = "none" if value is None else f"{value:.2f}"
+    if rule.kind == RuleKind.TTFT_SLO:
+        return f"SLO rule '{rule.name}': TTFT p90 {shown}s above the {rule.threshold:g}s target"
+    if rule.kind == RuleKind.ITL_SLO:
+        return f"SLO rule '{rule.name}': ITL p90 {shown}ms above the {rule.threshold:g}ms target"
+    word = "below" if rule.comparison == Comparison.BELOW else "above"
+    return f"threshold rule '{rule.name}': {rule.role} load {shown} {word} {rule.threshold:g}"
+
+
+def evaluate_windowed_rule(
+    rule: ScalingRule, value: float | None, now: datetime, *, since: datetime | None = None
+) -> ScaleEvent | None:
+    """Add the reading to the rule's window, judge the window, fire when due (see module doc).
+
+    `since`: the role's last replica change; readings before it do not count.
+    """
+    gap_s = float(settings.SCALING_WINDOW_GAP_S)
+    readings = keep_recent(load_readings(rule.observations) + [(now, value)], now=now, keep_s=rule.duration_s)
+    bounds = [b for b in (since, rule.last_triggered_at) if b is not None]
+    verdict = judge(
+        readings, now=now, duration_s=rule.duration_s, after=max(bounds) if bounds else None,
+        breached=lambda v: breached(rule, v), share=float(settings.SCALING_WINDOW_SHARE), gap_s=gap_s,
+    )
+    _save_window(rule, observations=dump_readings(readings),
+                 breach_started_at=verdict.first_breach_at if verdict.breaches else None)
+    if not verdict.fires:
         return None
     if rule.last_triggered_at is not None and (now - rule.last_triggered_at).total_seconds() < rule.cooldown_s:
         return None
-    current = deployment.replicas(rule.role)
-    word = "below" if rule.comparison == Comparison.BELOW else "above"
+    deployment = rule.deployment
     reason = (
-        f"threshold rule '{rule.name}': {rule.role} load {load:.2f} {word} {rule.threshold:g} "
-        f"for {lasted:.0f}s (duration {rule.duration_s}s); step {rule.step:+d}"
+        f"{_describe(rule, value)} over {rule.duration_s}s ({verdict.describe()} breaching); step {rule.step:+d}"
     )
+    source = ScaleSource.SLO if rule.kind in SLO_ROLES else ScaleSource.THRESHOLD
     event = actions.scale_deployment(
-        deployment, rule.role, current + rule.step, source=str(ScaleSource.THRESHOLD), reason=reason, rule=rule
+        deployment, rule.role, deployment.replicas(rule.role) + rule.step, source=str(source), reason=reason,
+        rule=rule,
     )
     if event is not None:
-        # The next step needs a fresh breach of `duration_s`, after the cooldown.
-        ScalingRule.objects.filter(pk=rule.pk).update(last_triggered_at=now, breach_started_at=None)
-        rule.last_triggered_at, rule.breach_started_at = now, None
+        # The next step needs a fresh window of readings with the new workers, after the cooldown.
+        _save_window(rule, last_triggered_at=now, breach_started_at=None)
     return event
+
+
+def last_change(deployment: Deployment, role: str, now: datetime) -> datetime | None:
+    """When the role's desired replicas last changed before `now` (its latest ScaleEvent from a scaler)."""
+    return (
+        ScaleEvent.objects.filter(deployment=deployment, role=role, source__in=CHANGE_SOURCES, created_at__lte=now)
+        .order_by("-created_at").values_list("created_at", flat=True).first()
+    )
 
 
 # ---------------------------------------------------------------------------------------------- driver
 def evaluate_deployment(deployment: Deployment, rules: Sequence[ScalingRule], now: datetime) -> list[ScaleEvent]:
-    """Evaluate one deployment's enabled rules, role by role (schedules first: they pause thresholds)."""
+    """Evaluate one deployment's enabled rules, role by role (schedules first: they pause the others)."""
     events: list[ScaleEvent] = []
     by_role: dict[str, list[ScalingRule]] = defaultdict(list)
     for rule in rules:
@@ -194,7 +219,7 @@ def evaluate_deployment(deployment: Deployment, rules: Sequence[ScalingRule], no
             deployment.refresh_from_db()
             for rule in locked:
                 rule.deployment = deployment  # one instance, so a change by one rule is seen by the next
-            thresholds = [r for r in locked if r.kind == RuleKind.THRESHOLD]
+            windowed = [r for r in locked if r.kind in WINDOWED_KINDS]
             override = active_override(deployment, role, now)
             if override is not None:
                 # The operator's explicit count wins over every rule of the role until it ends.
@@ -207,16 +232,15 @@ def evaluate_deployment(deployment: Deployment, rules: Sequence[ScalingRule], no
             if event is not None:
                 events.append(event)
             if holder is not None:
-                for rule in thresholds:  # paused while the schedule holds the role
-                    evaluate_threshold_rule(rule, None, now)
+                for rule in windowed:  # paused while the schedule or override holds the role
+                    pause_rule(rule)
                 continue
-            if not thresholds:
-                continue
-            load = role_load(deployment, role, now=now)
-            for rule in thresholds:
-                event = evaluate_threshold_rule(rule, load, now)
+            since = last_change(deployment, role, now) if windowed else None
+            for rule in windowed:
+                event = evaluate_windowed_rule(rule, reading(rule, deployment, now), now, since=since)
                 if event is not None:
                     events.append(event)
+                    since = now  # the next rule of the role judges readings with the new count only
     return events
 
 

@@ -11,7 +11,8 @@ over a sliding window (WINDOW_S):
   seconds it had at least one prompt in flight, within the window; the whole lifetime until the
   window holds a finished prompt). `prompt_tokens_pending / prefill_tokens_per_s` is how long a new
   prompt would wait: the part of TTFT that more prefill workers remove;
-- `busy_ratio`: the share of the window during which the prefill engine had work (0..1);
+- `busy_ratio`: the share of the last BUSY_WINDOW_S (10 s) during which the prefill engine had work
+  (0..1; a shorter window than the others so that it follows a burst within one or two samples);
 - `ttft_p90_s`, `itl_p90_s` and their sample counts: the 90th percentile of the latencies the worker
   observed within the window (a decode worker's TTFT runs from receipt to the first token streamed,
   so it covers prefill queueing, compute and the KV transfer; a prefill worker's covers its own part).
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 WINDOW_S = 30.0
+BUSY_WINDOW_S = 10.0
 # Latency observations kept per kind (bounded memory on a busy decode worker: ITL is per token).
 MAX_LATENCIES = 4096
 # A token rate measured over less busy time than this is too noisy to report.
@@ -47,8 +49,12 @@ def percentile(values: list[float], q: float) -> float | None:
 class LoadSignals:
     """A worker's pending prompt tokens, prefill busy time, sustained token rate and latency percentiles."""
 
-    def __init__(self, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, window_s: float = WINDOW_S, busy_window_s: float = BUSY_WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.window_s = window_s
+        self.busy_window_s = min(busy_window_s, window_s)
         self._clock = clock
         self._lock = threading.Lock()
         self._pending_tokens = 0
@@ -100,9 +106,9 @@ class LoadSignals:
         while self._done and self._done[0][0] < start:
             self._done.popleft()
 
-    def _busy_seconds(self, now: float) -> float:
-        """Seconds of the window [now - window_s, now] with at least one prompt in flight."""
-        start = now - self.window_s
+    def _busy_seconds(self, now: float, window_s: float) -> float:
+        """Seconds of [now - window_s, now] with at least one prompt in flight."""
+        start = now - window_s
         busy = sum(max(0.0, end - max(begin, start)) for begin, end in self._busy)
         if self._busy_since is not None:
             busy += now - max(self._busy_since, start)
@@ -113,7 +119,7 @@ class LoadSignals:
         with self._lock:
             now = self._clock()
             self._trim(now)
-            busy_s = self._busy_seconds(now)
+            busy_s = self._busy_seconds(now, self.window_s)
             window_tokens = sum(tokens for _, tokens in self._done)
             rate: float | None = None
             if window_tokens and busy_s >= MIN_BUSY_S_FOR_RATE:
@@ -123,7 +129,7 @@ class LoadSignals:
             body: dict[str, Any] = {
                 "prompt_tokens_pending": self._pending_tokens,
                 "prefill_tokens_per_s": round(rate, 1) if rate is not None else None,
-                "busy_ratio": round(min(1.0, busy_s / self.window_s), 4),
+                "busy_ratio": round(min(1.0, self._busy_seconds(now, self.busy_window_s) / self.busy_window_s), 4),
             }
             start = now - self.window_s
             for kind, observed in self._latencies.items():

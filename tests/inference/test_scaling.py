@@ -6,6 +6,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 from django.test import override_settings
+from django.utils import timezone
 
 from inference import scaling
 from inference.models import Deployment, ScaleEvent, ScalingRule
@@ -51,67 +52,118 @@ def test_load_is_the_mean_capped_batch_fill_of_recent_running_workers() -> None:
     assert scaling.worker_load({"running": "?"}, 8) is None
 
 
-def test_threshold_needs_the_breach_to_last_then_cools_down(sent_tasks: SentTasks) -> None:  # noqa: F811
+def test_prefill_load_reads_busy_time_and_the_queued_prompt_tokens() -> None:
+    """A prefill worker whose batch is empty at the sample can still be loaded: busy or with a queue."""
+    idle = {"running": 0, "queue_depth": 0, "batch_size": 8}
+    assert scaling.worker_load(idle, 8, "prefill") == 0.0
+    assert scaling.worker_load({**idle, "busy_ratio": 0.9}, 8, "prefill") == pytest.approx(0.9)
+    # 1200 prompt tokens queued at 2000 tokens/s: a new prompt waits 0.6 s of the 1 s target.
+    queued = {**idle, "busy_ratio": 0.1, "prompt_tokens_pending": 1200, "prefill_tokens_per_s": 2000.0}
+    assert scaling.worker_load(queued, 8, "prefill") == pytest.approx(0.6)
+    with override_settings(SCALING_PREFILL_WAIT_TARGET_S=0.3):
+        assert scaling.worker_load(queued, 8, "prefill") == 1.0  # capped
+    # Decode ignores the prefill readings; the worker's own batch size wins over the deployment's.
+    assert scaling.worker_load({**queued, "running": 2}, 16, "decode") == pytest.approx(0.25)
+
+
+def readings_every_10s(dep: Deployment, role: str, loads: list[tuple[int, int] | None],
+                       start: datetime = T0) -> list[list[ScaleEvent]]:
+    """Evaluate the rules every 10 s with the role's single worker reporting (running, queue_depth) each
+    time (None: no fresh report); returns the events of each evaluation."""
+    fired = []
+    for i, load in enumerate(loads):
+        at = start + timedelta(seconds=10 * i)
+        if load is None:
+            Worker.objects.filter(deployment=dep, role=role).update(last_seen=at - timedelta(minutes=5))
+        else:
+            set_load(dep, role, [load], at)
+        fired.append(scaling.evaluate_all(now=at))
+    return fired
+
+
+def test_threshold_needs_a_full_window_then_cools_down(sent_tasks: SentTasks) -> None:  # noqa: F811
     dep = make_deployment(prefill_replicas=1, prefill_min=1, prefill_max=3, batch_size=4)
-    rule = threshold_rule(dep)
-    set_load(dep, "prefill", [(4, 0)], T0)  # load 1.0 > 0.8
-
-    assert scaling.evaluate_all(now=T0) == []  # breach starts
+    rule = threshold_rule(dep)  # 0.8 for 30 s, cooldown 120 s
+    fired = readings_every_10s(dep, "prefill", [(4, 0)] * 4)  # load 1.0 at 0, 10, 20, 30 s
+    assert fired[:3] == [[], [], []]
     rule.refresh_from_db()
-    assert rule.breach_started_at == T0
-    set_load(dep, "prefill", [(4, 0)], T0 + timedelta(seconds=20))
-    assert scaling.evaluate_all(now=T0 + timedelta(seconds=20)) == []  # 20 s < 30 s
-
-    set_load(dep, "prefill", [(4, 0)], T0 + timedelta(seconds=31))
-    [event] = scaling.evaluate_all(now=T0 + timedelta(seconds=31))
+    assert rule.last_triggered_at == T0 + timedelta(seconds=30) and rule.breach_started_at is None
+    [event] = fired[3]
     assert (event.role, event.from_replicas, event.to_replicas, event.source) == ("prefill", 1, 2, "threshold")
     assert event.rule_id == rule.pk
-    assert "busy prefill" in event.reason and "load 1.00 above 0.8" in event.reason and "31s" in event.reason
-    rule.refresh_from_db()
-    assert rule.last_triggered_at == T0 + timedelta(seconds=31) and rule.breach_started_at is None
+    assert "busy prefill" in event.reason and "load 1.00 above 0.8 over 30s" in event.reason
+    assert "4 of 4 readings" in event.reason
 
-    # Still busy: a new breach must last 30 s again and the 120 s cooldown must pass.
-    for seconds in (40, 80, 140):
-        set_load(dep, "prefill", [(4, 0), (4, 0)], T0 + timedelta(seconds=seconds))
-        assert scaling.evaluate_all(now=T0 + timedelta(seconds=seconds)) == [], seconds
-    set_load(dep, "prefill", [(4, 0), (4, 0)], T0 + timedelta(seconds=152))
-    [second] = scaling.evaluate_all(now=T0 + timedelta(seconds=152))
-    assert (second.from_replicas, second.to_replicas) == (2, 3)
+    # Still busy: a fresh 30 s window after the change, and the 120 s cooldown, before the next step.
+    later = readings_every_10s(dep, "prefill", [(4, 0)] * 12, start=T0 + timedelta(seconds=40))
+    assert [len(e) for e in later] == [0] * 11 + [1]  # at 150 s: cooldown over, window full
+    assert (later[-1][0].from_replicas, later[-1][0].to_replicas) == (2, 3)
 
     # At the maximum nothing changes and no event is recorded.
-    for seconds in (300, 400, 500):
-        set_load(dep, "prefill", [(4, 0)] * 3, T0 + timedelta(seconds=seconds))
-        assert scaling.evaluate_all(now=T0 + timedelta(seconds=seconds)) == []
+    assert readings_every_10s(dep, "prefill", [(4, 0)] * 30, start=T0 + timedelta(seconds=160)) == [[]] * 30
     dep.refresh_from_db()
-    assert dep.prefill_replicas == 3
-    assert len(events(dep)) == 2
+    assert dep.prefill_replicas == 3 and len(events(dep)) == 2
     assert [kw for kw, _ in sent_tasks.named("reconcile_deployment")] == []  # on commit only: not in this txn
 
 
-def test_a_dip_resets_the_breach_timer() -> None:
+def test_a_zero_and_a_missing_reading_do_not_reset_a_sustained_breach() -> None:
+    """The issue's overload: decode load read 0.00 in the middle of the burst (and a report came late).
+    Both are tolerated within the share; a breach timer would have restarted at each."""
+    dep = make_deployment(decode_replicas=1, batch_size=10)
+    rule = threshold_rule(dep, name="busy decode", role="decode", threshold=0.7, duration_s=90)
+    loads: list[tuple[int, int] | None] = [(9, 0), (10, 3), (9, 1), (0, 0), (10, 0), None, (9, 2), (10, 0),
+                                           (9, 0), (10, 5)]  # 0..90 s: 8 of 10 readings above 0.7
+    fired = readings_every_10s(dep, "decode", loads)
+    assert [len(e) for e in fired] == [0] * 9 + [1]
+    assert "8 of 10 readings" in fired[-1][0].reason
+    rule.refresh_from_db()
+    assert rule.last_triggered_at == T0 + timedelta(seconds=90)
+
+
+def test_a_real_dip_prevents_firing_and_a_short_window_waits() -> None:
     dep = make_deployment(decode_replicas=1, batch_size=10)
     rule = threshold_rule(dep, name="busy decode", role="decode", threshold=0.7, duration_s=30)
-    set_load(dep, "decode", [(9, 0)], T0)
-    scaling.evaluate_all(now=T0)
-    set_load(dep, "decode", [(5, 0)], T0 + timedelta(seconds=20))  # 0.5: back under
-    scaling.evaluate_all(now=T0 + timedelta(seconds=20))
+    fired = readings_every_10s(dep, "decode", [(9, 0), (5, 0), (5, 0), (9, 0)])  # half the window under
+    assert fired == [[], [], [], []]
     rule.refresh_from_db()
-    assert rule.breach_started_at is None
-    set_load(dep, "decode", [(9, 0)], T0 + timedelta(seconds=35))
-    assert scaling.evaluate_all(now=T0 + timedelta(seconds=35)) == []  # new breach, not 35 s old
+    assert rule.breach_started_at is None and len(rule.observations) == 4
+    # A window missing its first readings (evaluations stopped) is not full yet.
+    ScalingRule.objects.filter(pk=rule.pk).update(observations=[])
+    late = readings_every_10s(dep, "decode", [(9, 0), (9, 0)], start=T0 + timedelta(seconds=100))
+    assert late == [[], []]
+    rule.refresh_from_db()
+    assert rule.breach_started_at == T0 + timedelta(seconds=100)  # breaching, window not yet covered
 
 
-def test_scale_down_rule_respects_the_minimum() -> None:
+def test_scale_in_rules_judge_the_window_the_same_way() -> None:
+    """A busy moment inside an idle window is tolerated as one dissent, but a scale-in rule does not
+    fire while the load is still on (the issue's scale-in rule started its breach during the load)."""
     dep = make_deployment(decode_replicas=2, decode_min=1, decode_max=4, batch_size=10)
     threshold_rule(dep, name="idle decode", role="decode", threshold=0.2, comparison="below", step=-1,
-                   duration_s=0, cooldown_s=0)
-    set_load(dep, "decode", [(0, 0), (1, 0)], T0)
-    [event] = scaling.evaluate_all(now=T0)
+                   duration_s=40, cooldown_s=0)
+    busy_then_idle: list[tuple[int, int] | None] = [(9, 0), (8, 0), (0, 0), (9, 0), (9, 0), (9, 0)]
+    assert [len(e) for e in readings_every_10s(dep, "decode", busy_then_idle)] == [0] * 6
+    idle: list[tuple[int, int] | None] = [(1, 0), (0, 0), (10, 0), (0, 0), (1, 0)]  # 1 busy reading of 5
+    fired = readings_every_10s(dep, "decode", idle, start=T0 + timedelta(seconds=60))
+    assert [len(e) for e in fired] == [0, 0, 0, 0, 1]
+    event = fired[-1][0]
     assert (event.from_replicas, event.to_replicas) == (2, 1) and "below 0.2" in event.reason
-    set_load(dep, "decode", [(0, 0)], T0 + timedelta(seconds=10))
-    assert scaling.evaluate_all(now=T0 + timedelta(seconds=10)) == []  # at min
+    # At the minimum nothing more changes.
+    assert readings_every_10s(dep, "decode", [(0, 0)] * 6, start=T0 + timedelta(seconds=110)) == [[]] * 6
     dep.refresh_from_db()
     assert dep.decode_replicas == 1
+
+
+def test_a_change_by_another_scaler_restarts_the_window(sent_tasks: SentTasks) -> None:  # noqa: F811
+    from inference import actions
+
+    dep = make_deployment(decode_replicas=1, decode_max=4, batch_size=10)
+    threshold_rule(dep, name="busy decode", role="decode", threshold=0.7, duration_s=30)
+    start = timezone.now() - timedelta(seconds=40)
+    assert readings_every_10s(dep, "decode", [(9, 0)] * 3, start=start) == [[], [], []]
+    actions.scale_deployment(dep, "decode", 2, source="api", reason="operator")  # created_at: now
+    fired = readings_every_10s(dep, "decode", [(9, 0)] * 5, start=timezone.now() + timedelta(seconds=1))
+    assert [len(e) for e in fired] == [0, 0, 0, 1, 0]  # a fresh 30 s window after the API scale
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ class Clock:
 
 def test_pending_tokens_busy_ratio_and_sustained_rate() -> None:
     clock = Clock()
-    signals = LoadSignals(window_s=10.0, clock=clock)
+    signals = LoadSignals(window_s=10.0, busy_window_s=10.0, clock=clock)
     first = signals.snapshot()
     assert (first["prompt_tokens_pending"], first["prefill_tokens_per_s"], first["busy_ratio"]) == (0, None, 0.0)
 
@@ -37,6 +37,7 @@ def test_pending_tokens_busy_ratio_and_sustained_rate() -> None:
     assert done["prompt_tokens_pending"] == 0
     assert done["prefill_tokens_per_s"] == pytest.approx(100.0)
     assert done["busy_ratio"] == pytest.approx(0.4)
+    assert LoadSignals(window_s=30.0, busy_window_s=60.0).busy_window_s == 30.0  # never longer than the window
 
     # A failed prompt leaves the queue without counting as computed work.
     signals.prefill_started(50)
