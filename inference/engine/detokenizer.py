@@ -1,6 +1,8 @@
 """Incremental detokenization with stop-string handling."""
 from __future__ import annotations
 
+import codecs
+
 from .tokenizer import Tokenizer
 
 # Prompt tokens kept as decoding context: tokenizers that drop a word's leading space at the start of a
@@ -15,6 +17,11 @@ class IncrementalDetokenizer:
     and vLLM), holds back text that ends in an incomplete UTF-8 character ("\\ufffd"), finds stop
     strings (truncating the text before them) and holds back a suffix that might still grow into a
     stop string. Without a tokenizer it produces no text and stop strings never match.
+
+    Byte-level BPE tokenizers (`Tokenizer.byte_table`) take a faster path: each token's bytes from a
+    table into an incremental UTF-8 decoder, which holds back an incomplete character by itself. The
+    text is the same as `tokenizer.decode` of all the ids (tests/inference/engine/test_text.py), at a
+    fraction of the cost of two `decode` calls per token (a tenth of a tiny model's decode step).
     """
 
     def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: list[int], stop: list[str]) -> None:
@@ -28,12 +35,23 @@ class IncrementalDetokenizer:
         self.text = ""  # output text so far (cut before the stop string once one matched)
         self.emitted = 0  # characters of `text` already handed out
         self.stopped = False
+        self._table = tokenizer.byte_table if tokenizer is not None else None
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self._table is not None else None
 
     def append(self, token_id: int) -> bool:
         """Add one generated token; return True when the text now contains a stop string."""
         self.ids.append(token_id)
+        if self.stopped:
+            return False
+        table, utf8 = self._table, self._utf8
+        if table is not None and utf8 is not None:
+            # Ids outside the tokenizer's vocabulary decode to nothing, as in `decode`.
+            delta = utf8.decode(table[token_id] if 0 <= token_id < len(table) else b"")
+            if delta:
+                self._add_text(delta)
+            return self.stopped
         tok = self.tokenizer
-        if tok is None or self.stopped:
+        if tok is None:
             return False
         prefix_text = tok.decode(self.ids[self.prefix_offset : self.read_offset])
         new_text = tok.decode(self.ids[self.prefix_offset :])
@@ -63,6 +81,12 @@ class IncrementalDetokenizer:
     def flush(self) -> None:
         """At the end of generation: decode any still-undecoded tail (even if it is an incomplete
         character, the stream ends here) unless a stop string already ended the text."""
+        if self._utf8 is not None:
+            if not self.stopped:
+                tail = self._utf8.decode(b"", final=True)  # an incomplete character becomes U+FFFD
+                if tail:
+                    self._add_text(tail)
+            return
         tok = self.tokenizer
         if tok is None or self.stopped or self.read_offset >= len(self.ids):
             return

@@ -1,6 +1,8 @@
 """A thin wrapper over a Hugging Face tokenizer (optional: the engine also works on token ids only)."""
 from __future__ import annotations
 
+import functools
+import json
 import os
 from typing import Any
 
@@ -20,6 +22,32 @@ class Tokenizer:
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         cleanup = getattr(hf_tokenizer, "clean_up_tokenization_spaces", True)
         self._fast_decode = backend.decode if backend is not None and not cleanup else None
+
+    @functools.cached_property
+    def byte_table(self) -> list[bytes] | None:
+        """For a byte-level BPE tokenizer (GPT-2 style: Llama 3, SmolLM, Qwen2), the bytes each id decodes
+        to (b"" for special tokens, which `decode` skips), so that detokenization can be a table lookup
+        plus an incremental UTF-8 decoder; None for other tokenizers. Built as the `tokenizers` ByteLevel
+        decoder does: every character maps back to its byte, and a token with a character outside that
+        map (an added token's literal text) is its own UTF-8 bytes."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None or self._fast_decode is None:
+            return None
+        spec = json.loads(backend.to_str())
+        if (spec.get("decoder") or {}).get("type") != "ByteLevel" or spec.get("normalizer") is not None:
+            return None
+        char_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+        special = {int(t["id"]) for t in spec.get("added_tokens", []) if t.get("special")}
+        vocab: dict[str, int] = backend.get_vocab(with_added_tokens=True)
+        table = [b""] * (max(vocab.values(), default=-1) + 1)
+        for token, idx in vocab.items():
+            if idx in special:
+                continue
+            if all(c in char_to_byte for c in token):
+                table[idx] = bytes(char_to_byte[c] for c in token)
+            else:
+                table[idx] = token.encode("utf-8")
+        return table
 
     @staticmethod
     def available(path: str) -> bool:
@@ -79,3 +107,18 @@ class Tokenizer:
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
         return self.encode(str(text), add_special_tokens=False)
+
+
+@functools.lru_cache(maxsize=1)
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte → printable character map used by byte-level BPE vocabularies."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}

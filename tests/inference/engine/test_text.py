@@ -104,3 +104,40 @@ def test_fast_decode_equals_transformers_decode(tok_model: TinyModel) -> None:
         ids = [rng.randrange(len(tok.hf)) for _ in range(rng.randrange(1, 12))]
         for skip in (True, False):
             assert tok.decode(ids, skip) == tok.hf.decode(ids, skip_special_tokens=skip)
+
+
+def _windowed(tok_model: TinyModel) -> Tokenizer:
+    """The same tokenizer with transformers' space clean-up on: no backend fast path, so no byte table,
+    and the detokenizer takes its general (windowed re-decode) path."""
+    from transformers import AutoTokenizer
+
+    tok = Tokenizer(AutoTokenizer.from_pretrained(tok_model.path, clean_up_tokenization_spaces=True))
+    assert tok.byte_table is None
+    return tok
+
+
+@pytest.mark.parametrize("path", ["byte_table", "windowed"])
+def test_incremental_text_equals_decode_of_all_ids(tok_model: TinyModel, path: str) -> None:
+    """Random ids (invalid UTF-8, partial characters, special and out-of-vocabulary ids included): the
+    deltas add up to `decode` of all the ids on both detokenizer paths."""
+    import random
+
+    tok = Tokenizer.from_pretrained(tok_model.path) if path == "byte_table" else _windowed(tok_model)
+    assert (tok.byte_table is not None) == (path == "byte_table")
+    reference = Tokenizer.from_pretrained(tok_model.path)
+    rng = random.Random(3)
+    for _ in range(150):
+        ids = [rng.randrange(len(tok.hf) + 3) for _ in range(rng.randrange(1, 30))]
+        deltas, stopped = feed(IncrementalDetokenizer(tok, [5, 6], []), ids)
+        assert not stopped
+        known = [i for i in ids if i < len(tok.hf)]
+        assert "".join(deltas) == reference.decode(known)
+
+
+def test_byte_table_matches_decode_token_by_token(tok_model: TinyModel) -> None:
+    """Every id's table entry is what decode makes of it (special tokens: nothing)."""
+    tok = Tokenizer.from_pretrained(tok_model.path)
+    table = tok.byte_table
+    assert table is not None and len(table) == len(tok.hf)
+    for i, raw in enumerate(table):
+        assert raw.decode("utf-8", errors="replace") == tok.decode([i])
