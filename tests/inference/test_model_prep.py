@@ -530,7 +530,9 @@ def test_smollm2_conversion_answers_paris(tmp_path: Path) -> None:
     assert cfg["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in cfg
     assert cfg["num_hidden_layers"] == 30 and cfg["vocab_size"] == 49152
     assert "chat_template" in json.loads((dest / "tokenizer_config.json").read_text())
-    assert json.loads((dest / "generation_config.json").read_text())["eos_token_id"] == 2
+    gen = json.loads((dest / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == 2
+    assert (gen["temperature"], gen["top_p"]) == (0.2, 0.9)  # the model card's recommended sampling
 
     # Reload from the saved safetensors (not the GGUF) and ask the question greedily.
     tokenizer = AutoTokenizer.from_pretrained(dest)
