@@ -29,6 +29,14 @@ most free CPUs. Prefill ranges grow from CPU 0 upwards and decode ranges from th
 on a shared host the two roles end up on different cores. GPUs: a prefill worker gets one free GPU of its
 node if there is one; decode workers run on CPU (CUDA_VISIBLE_DEVICES="").
 
+Scale events (`placement_cause`): each worker placed is linked to the ScaleEvent it carries out
+(`ScaleEvent.placed_workers`): the role's latest event after its previous placement that asked for
+more workers (a scale-out, or a failover that gave workers up). When there is none, the workers are
+re-placements of workers lost some other way (a node set OFFLINE by hand, a worker FAILED after a crash
+loop, a drained node, a worker stopped by hand): a ScaleEvent with source "recovery" says so. The
+event's `time_to_run_s` is filled in when the last of its workers reports RUNNING
+(nodes.actions.report_healthy), which is how long the scale-out or failover took to serve.
+
 A replica that no node fits stays missing (the next reconcile tries again) and is recorded as a
 ScaleEvent (source "recovery": the controller restoring the desired count) whose reason names each node
 considered and why it was refused ("no free CPUs ...", "no free port ...", "role not accepted ...",
@@ -66,6 +74,8 @@ PLACEMENT_ATTEMPTS = 3
 PLACEMENT_LOCK_ID = 0x706C6163  # "plac"
 # Threads probing the workers of silent nodes at once; each probe is bounded by AGENT_HEALTH_TIMEOUT_S.
 PROBE_THREADS = 16
+# How the reasons of "no node fits" events start (placements never carry those events out).
+REFUSED_PREFIX = "placement refused"
 # Order in which surplus workers are removed (lower first).
 _REMOVAL_RANK = {
     WorkerStatus.UNHEALTHY: 0,
@@ -335,7 +345,7 @@ def record_unplaced(
     placed since (the reconcile loop would otherwise write one per round). Call with `deployment` locked.
     """
     reason = (
-        f"placement refused: {desired - active} {role} worker(s) not placed ({active} of {desired} running "
+        f"{REFUSED_PREFIX}: {desired - active} {role} worker(s) not placed ({active} of {desired} running "
         f"or starting); nodes considered: {plan.explain()}"
     )
     last = ScaleEvent.objects.filter(deployment=deployment, role=role).order_by("-created_at", "-pk").first()
@@ -356,6 +366,53 @@ def record_unplaced(
     )
     logger.warning("%s: %s", deployment.name, reason)
     return event
+
+
+# ------------------------------------------------------------------------------------------ scale events
+def placement_cause(deployment: Deployment, role: str) -> ScaleEvent | None:
+    """The ScaleEvent that new workers of the role carry out (module docstring); None when none asked."""
+    last_placed = (
+        Worker.objects.filter(deployment=deployment, role=role)
+        .order_by("-created_at").values_list("created_at", flat=True).first()
+    )
+    events = ScaleEvent.objects.filter(deployment=deployment, role=role).exclude(reason__startswith=REFUSED_PREFIX)
+    if last_placed is not None:
+        events = events.filter(created_at__gt=last_placed)
+    for event in events.order_by("-created_at", "-pk")[:20]:
+        if event.source == ScaleSource.RECOVERY:
+            if event.from_replicas > event.to_replicas:  # a failover gave workers up
+                return event
+        elif event.to_replicas > event.from_replicas:  # a scale-out
+            return event
+    return None
+
+
+def record_replacement(
+    deployment: Deployment, role: str, worker: Worker, *, active: int, desired: int
+) -> ScaleEvent | None:
+    """A "recovery" ScaleEvent for a worker placed where no event asked for one (a re-placement).
+
+    Only when a worker of the role ended (STOPPED, FAILED, or on its way there) since the role's previous
+    placement, other than by a scale-down: the first start of a deployment, or replicas raised without
+    an event, are no recovery. None otherwise.
+    """
+    previous = (
+        Worker.objects.filter(deployment=deployment, role=role).exclude(pk=worker.pk)
+        .order_by("-created_at").values_list("created_at", flat=True).first()
+    )
+    if previous is None:
+        return None
+    ended = Worker.objects.filter(
+        deployment=deployment, role=role, updated_at__gte=previous,
+        status__in=[WorkerStatus.STOPPED, WorkerStatus.FAILED, WorkerStatus.STOPPING, WorkerStatus.DRAINING],
+    ).exclude(last_error__startswith="scale-down")
+    if not ended.exists():
+        return None
+    return ScaleEvent.objects.create(
+        deployment=deployment, role=role, from_replicas=active, to_replicas=desired, source=ScaleSource.RECOVERY,
+        reason=f"re-placement: {role} worker(s) placed on {worker.node.name} to restore {desired} replicas "
+               f"({active} active): workers lost without a failover event (failed, stopped or drained)",
+    )
 
 
 # ------------------------------------------------------------------------------------------ reconcile
@@ -395,8 +452,15 @@ def reconcile(deployment: Deployment | int, *, now: datetime | None = None) -> R
                 )
                 result.stopped += [w.pk for w in lost]
                 workers = [w for w in workers if w not in lost]
+                nodes = ", ".join(sorted({w.node.name for w in lost}))
+                node_actions.record_recovery(
+                    locked.pk, role, removed=len(lost),
+                    reason=f"failover: node {nodes} offline; {len(lost)} {role} worker(s) "
+                           f"({', '.join(f'#{w.pk}' for w in lost)}) stopped, replacements placed on other nodes",
+                )
             if len(workers) < desired:
                 placed = 0
+                cause = placement_cause(locked, role)
                 for _ in range(desired - len(workers)):
                     worker, plan = place_worker_explained(locked, role, now=now)
                     if worker is None:
@@ -410,6 +474,10 @@ def reconcile(deployment: Deployment | int, *, now: datetime | None = None) -> R
                     node_actions.request_start(worker)
                     result.started.append(worker.pk)
                     placed += 1
+                    if cause is None:
+                        cause = record_replacement(locked, role, worker, active=len(workers), desired=desired)
+                    if cause is not None:
+                        cause.placed_workers.add(worker)
             elif len(workers) > desired:
                 for worker in sorted(workers, key=_removal_key)[: len(workers) - desired]:
                     drain = worker.status == WorkerStatus.RUNNING

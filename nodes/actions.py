@@ -12,9 +12,11 @@ Two kinds of callers:
   `report_probe` for its own /health probes of that node's workers (they serve on without their agent,
   and are failed over only when they stop answering).
 
-Every failover (a worker given up and re-placed), adoption (a restarted agent takes over a running
-worker) and reap (an orphaned process of a replaced worker drained and stopped) is recorded as a
-ScaleEvent with source "recovery" and its reason (`record_recovery`).
+Every failover (a worker given up and re-placed: its node offline or unreachable and silent, a crash
+loop that FAILED it, a drained node), adoption (a restarted agent takes over a running worker) and reap
+(an orphaned process of a replaced worker drained and stopped) is recorded as a ScaleEvent with source
+"recovery" and its reason (`record_recovery`). When a worker placed for a ScaleEvent reports RUNNING,
+the event's time-to-run is filled in (`report_healthy`).
 """
 from __future__ import annotations
 
@@ -237,6 +239,12 @@ def drain_node(node: Node) -> Node:
         workers = list(Worker.objects.select_related("node").filter(node=node, status__in=ACTIVE_WORKER_STATUSES))
         for worker in workers:
             request_stop(worker, drain=worker.status == WorkerStatus.RUNNING, reason=f"node {node.name} drained")
+        for (deployment_id, role), group in _by_role(workers).items():
+            record_recovery(
+                deployment_id, role, removed=len(group),
+                reason=f"re-placement: node {node.name} drained; {_ids(group)} stopping, replacements placed "
+                       "on other nodes",
+            )
         _reconcile_on_commit(w.deployment_id for w in workers)
     logger.info("node %s draining; %d worker(s) stopping", node.name, len(workers))
     return node
@@ -372,8 +380,29 @@ def report_healthy(worker_id: int, *, health: dict[str, Any], kv_port: int | Non
     ).update(**fields)
     if promoted:
         logger.info("worker #%s is running", worker_id)
+        fill_time_to_run(worker_id, now=now)
         return True
     return Worker.objects.filter(pk=worker_id, status=WorkerStatus.RUNNING).exists()
+
+
+def fill_time_to_run(worker_id: int, *, now: datetime | None = None) -> list[ScaleEvent]:
+    """The worker runs: fill in `time_to_run_s` of its ScaleEvents whose placed workers all run now.
+
+    Workers of the event still PENDING, STARTING or UNHEALTHY keep it open; ones given up on
+    (STOPPED, FAILED, ...) do not. Returns the events filled in.
+    """
+    now = now or _now()
+    filled: list[ScaleEvent] = []
+    waiting = [WorkerStatus.PENDING, WorkerStatus.STARTING, WorkerStatus.UNHEALTHY]
+    for event in ScaleEvent.objects.filter(placed_workers=worker_id, time_to_run_s__isnull=True):
+        if event.placed_workers.filter(status__in=waiting).exists():
+            continue
+        seconds = max(0.0, (now - event.created_at).total_seconds())
+        if ScaleEvent.objects.filter(pk=event.pk, time_to_run_s__isnull=True).update(time_to_run_s=seconds):
+            event.time_to_run_s = seconds
+            filled.append(event)
+            logger.info("scale event #%s: its workers run %.1fs after it", event.pk, seconds)
+    return filled
 
 
 def report_unhealthy(worker_id: int, *, error: str, health: dict[str, Any] | None = None) -> bool:
@@ -434,6 +463,13 @@ def report_failed(worker_id: int, *, error: str) -> bool:
         Worker.objects.filter(pk=worker_id).update(
             status=WorkerStatus.FAILED, pid=None, last_error=_clip(error), updated_at=_now()
         )
+        if worker.status in ACTIVE_WORKER_STATUSES:
+            first_line = error.splitlines()[0] if error else "no error text"
+            record_recovery(
+                worker.deployment_id, worker.role, removed=1,
+                reason=f"failover: {worker.role} worker #{worker_id} failed after repeated crashes "
+                       f"({first_line}); a replacement is placed, avoiding its node for a while",
+            )
         _reconcile_on_commit([worker.deployment_id])
     logger.error("worker #%s failed: %s", worker_id, error.splitlines()[0] if error else "")
     return True

@@ -9,6 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from django.test import override_settings
 from django.utils import timezone
 
 from inference import collector, controller
@@ -318,7 +319,7 @@ def test_a_refusal_is_recorded_again_after_a_placement_or_a_scale_change(
     Worker.objects.filter(pk=result.started[0]).update(status=WorkerStatus.STOPPED)
     replaced = controller.reconcile(dep)
     assert len(replaced.started) == 1 and len(replaced.refused_events) == 1
-    first, second = refusals(dep)
+    first, second = [e for e in refusals(dep) if e.reason.startswith("placement refused")]
     assert (first.reason, first.from_replicas, first.to_replicas) == (
         second.reason, second.from_replicas, second.to_replicas)
     # A scale change in between (here a threshold-like step) makes the next refusal news too.
@@ -328,8 +329,9 @@ def test_a_refusal_is_recorded_again_after_a_placement_or_a_scale_change(
     controller.reconcile(dep)
     events = list(ScaleEvent.objects.filter(deployment=dep, role="decode").order_by("created_at", "pk"))
     assert [(e.source, e.from_replicas, e.to_replicas) for e in events] == [
-        ("recovery", 1, 2), ("recovery", 1, 2), ("api", 2, 3), ("recovery", 1, 3),
-    ]
+        ("recovery", 1, 2), ("recovery", 0, 2), ("recovery", 1, 2), ("api", 2, 3), ("recovery", 1, 3),
+    ]  # the second: the stopped worker's re-placement
+    assert events[1].reason.startswith("re-placement") and events[1].placed_workers.count() == 1
     assert "2 decode worker(s) not placed" in events[-1].reason
 
 
@@ -506,6 +508,90 @@ def test_workers_left_on_a_node_set_offline_by_hand_are_replaced() -> None:
     result = controller.reconcile(dep)
     assert result.stopped == [lost.pk]
     assert [w.node_id for w in live(dep, "decode")] == [fine.pk]
+
+
+def test_a_worker_left_on_a_node_set_offline_by_hand_is_a_recorded_failover_with_its_time_to_run() -> None:
+    from nodes import actions as node_actions
+
+    dep = make_deployment(decode_replicas=1, prefill_replicas=0, prefill_min=0)
+    dead = online_node(name="dead", status=NodeStatus.OFFLINE)
+    online_node(name="fine")
+    lost = make_worker(dep, dead, role="decode", status="running")
+    [new] = controller.reconcile(dep).started
+    [event] = refusals(dep)
+    assert event.reason.startswith("failover: node dead offline") and f"#{lost.pk}" in event.reason
+    assert (event.from_replicas, event.to_replicas) == (1, 0)
+    assert list(event.placed_workers.values_list("pk", flat=True)) == [new]
+    assert event.time_to_run_s is None
+    node_actions.report_launched(new, pid=4242, restart=False)
+    assert node_actions.report_healthy(new, health={"status": "healthy"})
+    event.refresh_from_db()
+    assert event.time_to_run_s is not None and 0 <= event.time_to_run_s < 60
+
+
+def test_a_scale_out_records_how_long_its_workers_took_to_run() -> None:
+    from inference import actions
+    from nodes import actions as node_actions
+
+    online_node()
+    dep = make_deployment(decode_replicas=1, decode_max=4, prefill_replicas=0, prefill_min=0)
+    controller.reconcile(dep)
+    Worker.objects.filter(deployment=dep).update(created_at=timezone.now() - timedelta(seconds=60))
+    event = actions.scale_deployment(dep, "decode", 3, source="api", reason="traffic")
+    assert event is not None
+    ScaleEvent.objects.filter(pk=event.pk).update(created_at=timezone.now() - timedelta(seconds=42))
+    started = controller.reconcile(dep).started
+    assert sorted(event.placed_workers.values_list("pk", flat=True)) == sorted(started) and len(started) == 2
+    node_actions.report_healthy(started[0], health={"status": "healthy"})
+    event.refresh_from_db()
+    assert event.time_to_run_s is None  # one of its two workers still starts
+    node_actions.report_healthy(started[1], health={"status": "healthy"})
+    event.refresh_from_db()
+    assert event.time_to_run_s == pytest.approx(42, abs=5)
+    # A health answer later (already RUNNING) changes nothing.
+    node_actions.report_healthy(started[1], health={"status": "healthy"})
+    assert ScaleEvent.objects.get(pk=event.pk).time_to_run_s == event.time_to_run_s
+
+
+def test_failed_and_drained_workers_are_recorded_as_recovery_and_re_placed() -> None:
+    from nodes import actions as node_actions
+
+    first = online_node(name="first")
+    online_node(name="second")
+    dep = make_deployment(decode_replicas=1, prefill_replicas=0, prefill_min=0)
+    [crashing] = controller.reconcile(dep).started
+    node_actions.report_failed(crashing, error="Traceback ...\nRuntimeError: boom")
+    [failed] = refusals(dep)
+    assert failed.reason.startswith(f"failover: decode worker #{crashing} failed after repeated crashes")
+    assert (failed.from_replicas, failed.to_replicas) == (1, 0)
+    [replacement] = controller.reconcile(dep).started
+    assert list(failed.placed_workers.values_list("pk", flat=True)) == [replacement]
+    assert Worker.objects.get(pk=replacement).node.name == "second"  # the failed node is avoided
+
+    Worker.objects.filter(pk=replacement).update(status="running")
+    node_actions.drain_node(Node.objects.get(name="second"))
+    drained = refusals(dep)[-1]
+    assert drained.reason.startswith("re-placement: node second drained") and f"#{replacement}" in drained.reason
+    with override_settings(CONTROLLER_FAILURE_COOLDOWN_S=0):
+        [again] = controller.reconcile(dep).started
+    assert list(drained.placed_workers.values_list("pk", flat=True)) == [again]
+    assert Worker.objects.get(pk=again).node_id == first.pk
+
+
+def test_a_worker_stopped_by_hand_is_re_placed_with_a_recovery_event_but_a_first_start_is_not() -> None:
+    online_node()
+    dep = make_deployment(decode_replicas=1, prefill_replicas=0, prefill_min=0)
+    ScaleEvent.objects.filter(deployment=dep).delete()  # no creation event: the first start records none
+    controller.reconcile(dep)
+    assert refusals(dep) == []
+    Deployment.objects.filter(pk=dep.pk).update(decode_replicas=2)  # raised without an event: no recovery
+    [extra] = controller.reconcile(dep).started
+    assert refusals(dep) == []
+    Worker.objects.filter(pk=extra).update(status="stopped", updated_at=timezone.now())  # stopped by hand
+    [second] = controller.reconcile(dep).started
+    [event] = refusals(dep)
+    assert event.reason.startswith("re-placement: decode worker(s) placed") and event.to_replicas == 2
+    assert list(event.placed_workers.values_list("pk", flat=True)) == [second]
 
 
 def test_pending_start_requests_are_sent_again(
