@@ -2,7 +2,8 @@
 
 The admin, the REST API, Celery tasks and consumers call these functions instead of saving models
 themselves, so that every replica change is locked, bounded, recorded as a ScaleEvent and followed
-by a reconcile of the deployment, whoever asked for it.
+by a reconcile of the deployment, whoever asked for it. Reads (metric series, who holds a role's
+replicas) are in inference.selectors.
 """
 from __future__ import annotations
 
@@ -15,26 +16,21 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from inference.models import Deployment, MetricSample, ScaleEvent, ScaleOverride, ScaleSource, ScalingRule
+from inference.models import (
+    Deployment,
+    MetricSample,
+    RouterSample,
+    ScaleEvent,
+    ScaleOverride,
+    ScaleSource,
+    ScalingRule,
+    WorkerSample,
+)
 from nodes.models import WorkerRole
 
 logger = logging.getLogger(__name__)
 
 ROLES: tuple[str, ...] = tuple(WorkerRole.values)
-
-# Metric fields of MetricSample the charts and the API return, with a label and a unit for each.
-SERIES_FIELDS: dict[str, dict[str, str]] = {
-    "ttft_s": {"label": "Time to first token", "unit": "s"},
-    "itl_s": {"label": "Inter-token latency", "unit": "s"},
-    "throughput_tps": {"label": "Throughput", "unit": "tokens/s"},
-    "queue_depth": {"label": "Queue depth", "unit": "requests"},
-    "load": {"label": "Load", "unit": "ratio"},
-    "cpu_utilization": {"label": "CPU utilisation", "unit": "ratio"},
-    "gpu_utilization": {"label": "GPU utilisation", "unit": "ratio"},
-    "running": {"label": "Running requests", "unit": "requests"},
-    "kv_usage": {"label": "KV cache usage", "unit": "ratio"},
-    "workers": {"label": "Workers", "unit": "workers"},
-}
 
 # Deployment fields that a save must not silently revert when the caller did not change them:
 # the autoscaler may have moved them between the caller's read and its save.
@@ -352,6 +348,7 @@ def save_rule(rule: ScalingRule, *, changed_fields: Iterable[str] | None = None)
     changed = None if changed_fields is None else set(changed_fields)
     if rule.pk is not None and (changed is None or changed & _RULE_CONDITION_FIELDS):
         rule.breach_started_at = None
+        rule.observations = []  # its window too (a changed kind reads another unit)
     rule.save()
     return rule
 
@@ -394,6 +391,11 @@ def record_metric_sample(
     cpu_utilization: float | None = None,
     gpu_utilization: float | None = None,
 ) -> MetricSample:
+    rss_bytes: int | None = None,
+    gpu_memory_bytes: int | None = None,
+    kv_transfer_bytes_per_s: float | None = None,
+    kv_transfer_s: float | None = None,
+    prefix_cache_hit_ratio: float | None = None,
     """Store one role-level metrics sample of a deployment (timestamped now unless `at` is given)."""
     validate_role(role)
     deployment_id = deployment if isinstance(deployment, int) else deployment.pk
@@ -412,105 +414,39 @@ def record_metric_sample(
         cpu_utilization=cpu_utilization,
         gpu_utilization=gpu_utilization,
     )
+        rss_bytes=rss_bytes,
+        gpu_memory_bytes=gpu_memory_bytes,
+        kv_transfer_bytes_per_s=kv_transfer_bytes_per_s,
+        kv_transfer_s=kv_transfer_s,
+        prefix_cache_hit_ratio=prefix_cache_hit_ratio,
 
 
-def _downsample(rows: list[tuple[Any, ...]], since: datetime, until: datetime, max_points: int) -> list[list[Any]]:
-    """Average rows (timestamp first) into at most `max_points` equal time buckets, ignoring Nones."""
-    if len(rows) <= max_points:
-        return [list(row) for row in rows]
-    span = max((until - since).total_seconds(), 1e-6)
-    width = span / max_points
-    buckets: dict[int, list[tuple[Any, ...]]] = {}
+def record_worker_samples(samples: Iterable[WorkerSample]) -> int:
+    """Store per-worker samples (built by the collector) in one statement; returns how many."""
+    rows = list(samples)
     for row in rows:
-        index = min(int((row[0] - since).total_seconds() / width), max_points - 1)
-        buckets.setdefault(max(index, 0), []).append(row)
-    out: list[list[Any]] = []
-    for index in sorted(buckets):
-        group = buckets[index]
-        point: list[Any] = [group[-1][0]]  # the bucket's last timestamp keeps "now" at the right edge
-        for column in range(1, len(group[0])):
-            values = [r[column] for r in group if r[column] is not None]
-            point.append(sum(values) / len(values) if values else None)
-        out.append(point)
-    return out
+        validate_role(row.role)
+    WorkerSample.objects.bulk_create(rows)
+    return len(rows)
 
 
-def deployment_metric_series(
-    deployment: Deployment,
-    since: datetime | timedelta,
-    role: str | None = None,
-    *,
-    max_points: int = 600,
-) -> dict[str, Any]:
-    """Time series of a deployment's metrics since `since` (a datetime, or a timedelta back from now).
-
-    Shape (JSON-safe)::
-
-        {"deployment": {id, name, status, replicas: {role: {desired, min, max}}},
-         "since": iso, "now": iso, "metrics": {field: {label, unit}},
-         "series": {role: {"t": [epoch ms, ...], field: [value or null, ...], ...}},
-         "events": [{t, role, from, to, source, reason}, ...]}
-
-    Each role has at most `max_points` points: longer windows are averaged into time buckets.
-    """
-    now = timezone.now()
-    start = now - since if isinstance(since, timedelta) else since
-    roles = [validate_role(role)] if role else list(ROLES)
-    fields = list(SERIES_FIELDS)
-    series: dict[str, dict[str, list[Any]]] = {}
-    for name in roles:
-        rows = list(
-            MetricSample.objects.filter(deployment=deployment, role=name, at__gte=start)
-            .order_by("at")
-            .values_list("at", *fields)
-        )
-        points = _downsample(rows, start, now, max(int(max_points), 1))
-        data: dict[str, list[Any]] = {"t": [int(p[0].timestamp() * 1000) for p in points]}
-        for column, field in enumerate(fields, start=1):
-            data[field] = [p[column] for p in points]
-        series[name] = data
-    events = [
-        {
-            "t": int(e.created_at.timestamp() * 1000),
-            "role": e.role,
-            "from": e.from_replicas,
-            "to": e.to_replicas,
-            "source": e.source,
-            "reason": e.reason,
-        }
-        for e in ScaleEvent.objects.filter(deployment=deployment, created_at__gte=start, role__in=roles).order_by(
-            "created_at"
-        )[:500]
-    ]
-    return {
-        "deployment": {
-            "id": deployment.pk,
-            "name": deployment.name,
-            "status": deployment.status,
-            "replicas": {
-                name: {
-                    "desired": deployment.replicas(name),
-                    "min": deployment.bounds(name)[0],
-                    "max": deployment.bounds(name)[1],
-                }
-                for name in ROLES
-            },
-        },
-        "since": start.isoformat(),
-        "now": now.isoformat(),
-        "metrics": SERIES_FIELDS,
-        "series": series,
-        "events": events,
-    }
+def record_router_sample(sample: RouterSample) -> RouterSample:
+    """Store one router sample (built by the collector)."""
+    sample.save()
+    return sample
 
 
 def prune_metric_samples(older_than: timedelta | None = None) -> int:
-    """Delete metric samples older than `older_than` (default: settings.METRICS_RETENTION_HOURS).
+    """Delete metric samples (per role, per worker, router) older than `older_than` (default:
+    settings.METRICS_RETENTION_HOURS).
 
-    Returns how many were deleted. MetricSample has no dependants, so this is one DELETE statement.
+    Returns how many were deleted. The sample models have no dependants: one DELETE statement each.
     """
     if older_than is None:
         older_than = timedelta(hours=settings.METRICS_RETENTION_HOURS)
     cutoff = timezone.now() - older_than
-    deleted, _ = MetricSample.objects.filter(at__lt=cutoff).delete()
-    return int(deleted)
+    deleted = 0
+    for model in (MetricSample, WorkerSample, RouterSample):
+        count, _ = model.objects.filter(at__lt=cutoff).delete()
+        deleted += int(count)
+    return deleted

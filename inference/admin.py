@@ -5,6 +5,7 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
+from django.db import models
 from django.db.models import Count, Q, QuerySet
 from django.forms.models import BaseInlineFormSet
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -15,8 +16,17 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from inference import actions
-from inference.models import Deployment, MetricSample, ScaleEvent, ScaleOverride, ScalingRule
+from inference import actions, selectors
+from inference.models import (
+    Deployment,
+    MetricSample,
+    RouterEndpoint,
+    RouterSample,
+    ScaleEvent,
+    ScaleOverride,
+    ScalingRule,
+    WorkerSample,
+)
 from inference.models import Model as ServedModel
 from nodes.admin import age_text, health_summary, status_badge
 from nodes.models import ACTIVE_WORKER_STATUSES, Worker, WorkerRole, WorkerStatus
@@ -65,6 +75,17 @@ class ScalingRuleInline(admin.TabularInline):
     readonly_fields = ["last_triggered_at"]
 
 
+class RouterEndpointInline(admin.TabularInline):
+    """The deployment's routers: the metrics collector scrapes each one's /metrics (router series)."""
+
+    model = RouterEndpoint
+    extra = 0
+    verbose_name_plural = "routers (scraped for the metrics page: overhead, errors, 429s, client latency)"
+    fields = ["url", "enabled", "last_scraped_at", "last_error"]
+    readonly_fields = ["last_scraped_at", "last_error"]
+    formfield_overrides = {models.URLField: {"assume_scheme": "http"}}  # routers are plain http here
+
+
 class RecentEventsFormSet(BaseInlineFormSet):
     """The newest events only; a submitted page binds no forms, so events that arrived after the
     page was rendered (autoscaling runs meanwhile) cannot disturb the deployment's save."""
@@ -91,7 +112,7 @@ class ScaleEventInline(admin.TabularInline):
     max_num = 0
     can_delete = False
     verbose_name_plural = f"recent scale events (newest {RECENT_EVENTS})"
-    fields = ["created_at", "role", "from_replicas", "to_replicas", "source", "rule", "reason"]
+    fields = ["created_at", "role", "from_replicas", "to_replicas", "source", "rule", "reason", "time_to_run_s"]
     readonly_fields = fields
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
@@ -171,7 +192,7 @@ class DeploymentAdmin(admin.ModelAdmin):
     list_select_related = ["model"]
     search_fields = ["name", "model__name"]
     actions = ["scale_prefill_up", "scale_prefill_down", "scale_decode_up", "scale_decode_down"]
-    inlines = [ScalingRuleInline, DeploymentWorkerInline, ScaleEventInline]
+    inlines = [ScalingRuleInline, RouterEndpointInline, DeploymentWorkerInline, ScaleEventInline]
     readonly_fields = ["created_at", "updated_at"]
     fieldsets = [
         (None, {"fields": ["name", "model", "status", "router_policy", "kv_transport"]}),
@@ -345,35 +366,32 @@ class DeploymentAdmin(admin.ModelAdmin):
         return deployment
 
     def metrics_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
-        """The live charts page of one deployment (drawn by inference/static/inference/metrics.js)."""
+        """The live charts page of one deployment (drawn with uPlot by inference/static/inference/metrics.js):
+        the router's series first, then the workers' (per role, or per worker with the page's toggle)."""
         deployment = self._viewable(request, object_id)
+        router_charts = [c for c in selectors.CHARTS if c["source"] in {"router", "worker"}]
         context = {
             **self.admin_site.each_context(request),
             "opts": self.opts,
             "original": deployment,
             "title": f"Metrics of {deployment.name}",
             "data_url": reverse("admin:inference_deployment_metrics_data", args=[deployment.pk]),
-            "charts": [
-                {"field": field, **meta}
-                for field, meta in actions.SERIES_FIELDS.items()
-                if field not in {"running", "workers"}
-            ]
-            + [{"field": "workers", **actions.SERIES_FIELDS["workers"]}],
+            "sections": [
+                {"title": "Router (as its clients see it)", "charts": router_charts},
+                {"title": "Workers", "charts": [c for c in selectors.CHARTS if c not in router_charts]},
+            ],
+            "routers": list(deployment.routers.filter(enabled=True)),
             "roles": WorkerRole.values,
         }
         return TemplateResponse(request, "admin/inference/deployment/metrics.html", context)
 
     def metrics_data_view(self, request: HttpRequest, object_id: str) -> JsonResponse:
-        """JSON of actions.deployment_metric_series (`?minutes=`, `?role=`, `?max_points=`), staff only."""
-        from rest_framework.exceptions import ValidationError
-
-        from inference.api.views import metric_series_for_request
-
+        """JSON of selectors.deployment_metric_series (`?minutes=`, `?role=`, `?max_points=`), staff only."""
         deployment = self._viewable(request, object_id)
         try:
-            data = metric_series_for_request(deployment, request.GET)
-        except ValidationError as exc:
-            return JsonResponse({"error": exc.detail}, status=400)
+            data = selectors.metric_series_query(deployment, request.GET)
+        except selectors.InvalidQuery as exc:
+            return JsonResponse({"error": exc.errors}, status=400)
         return JsonResponse(data)  # admin_view() already marks it never_cache: live data
 
 
@@ -392,7 +410,13 @@ class ScalingRuleAdmin(admin.ModelAdmin):
         """The rule in words."""
         if rule.kind == "threshold":
             return (
-                f"load {rule.comparison} {rule.threshold} for {rule.duration_s}s → {rule.step:+d} "
+                f"load {rule.comparison} {rule.threshold} over {rule.duration_s}s → {rule.step:+d} "
+                f"(cooldown {rule.cooldown_s}s)"
+            )
+        if rule.kind in ("ttft_slo", "itl_slo"):
+            what, unit = ("TTFT", "s") if rule.kind == "ttft_slo" else ("ITL", "ms")
+            return (
+                f"{what} p90 ≤ {rule.threshold:g}{unit}, else {rule.step:+d} {rule.role} after {rule.duration_s}s "
                 f"(cooldown {rule.cooldown_s}s)"
             )
         return f"{rule.start_time}–{rule.end_time} → {rule.target_replicas} replicas"
@@ -433,7 +457,7 @@ class ScaleOverrideAdmin(ReadOnlyAdmin):
 class ScaleEventAdmin(ReadOnlyAdmin):
     """Every replica change with its source and reason."""
 
-    list_display = ["created_at", "deployment", "role", "change", "source", "rule", "reason"]
+    list_display = ["created_at", "deployment", "role", "change", "source", "rule", "time_to_run", "reason"]
     list_filter = ["source", "role", "deployment"]
     list_select_related = ["deployment", "rule"]
     search_fields = ["deployment__name", "reason"]
@@ -443,6 +467,13 @@ class ScaleEventAdmin(ReadOnlyAdmin):
     def change(self, event: ScaleEvent) -> str:
         """from → to."""
         return f"{event.from_replicas} → {event.to_replicas}"
+
+    @admin.display(description="time to run", ordering="time_to_run_s")
+    def time_to_run(self, event: ScaleEvent) -> str:
+        """Seconds until the workers placed for the event ran; "starting" while they do not yet."""
+        if event.time_to_run_s is not None:
+            return f"{event.time_to_run_s:.0f}s"
+        return "starting" if event.placed_workers.exists() else "—"
 
 
 @admin.register(MetricSample)
@@ -467,4 +498,33 @@ class MetricSampleAdmin(ReadOnlyAdmin):
     list_select_related = ["deployment"]
     date_hierarchy = "at"
     # The table grows by a row per role every few seconds: skip the exact total count.
+    show_full_result_count = False
+
+
+@admin.register(WorkerSample)
+class WorkerSampleAdmin(ReadOnlyAdmin):
+    """Raw per-worker metric samples (charted per worker on each deployment's metrics page)."""
+
+    list_display = [
+        "at", "deployment", "name", "role", "load", "queue_depth", "running", "kv_usage", "rss_bytes",
+        "gpu_memory_bytes", "kv_transfer_bytes_per_s", "prefix_cache_hit_ratio", "request_share",
+    ]  # fmt: skip
+    list_filter = ["role", "deployment"]
+    list_select_related = ["deployment"]
+    search_fields = ["name", "url"]
+    date_hierarchy = "at"
+    show_full_result_count = False
+
+
+@admin.register(RouterSample)
+class RouterSampleAdmin(ReadOnlyAdmin):
+    """Raw router samples: what the router measured between two scrapes (charted on the metrics page)."""
+
+    list_display = [
+        "at", "deployment", "router", "requests_per_s", "error_rate", "rejected_per_s", "dispatch_p50_s",
+        "dispatch_p90_s", "ttft_p90_s", "itl_p90_s", "queued",
+    ]  # fmt: skip
+    list_filter = ["deployment"]
+    list_select_related = ["deployment", "router"]
+    date_hierarchy = "at"
     show_full_result_count = False

@@ -165,7 +165,12 @@ class WorkerSerializer(serializers.ModelSerializer):
 
 
 class ScalingRuleSerializer(ModelCleanMixin):
-    """A threshold or schedule rule changing one role's replicas of a deployment."""
+    """A threshold, SLO or schedule rule changing one role's replicas of a deployment.
+
+    SLO rules (kind ttft_slo / itl_slo) take their p90 target as threshold (seconds / milliseconds);
+    ScalingRule.clean refuses one with another role than the one limiting it, a step below 1 or a
+    missing target (400 naming the field).
+    """
 
     class Meta:
         model = ScalingRule
@@ -178,11 +183,15 @@ class ScalingRuleSerializer(ModelCleanMixin):
 
 
 class ScaleEventSerializer(serializers.ModelSerializer):
-    """One recorded change of a deployment's replicas, with its source and reason."""
+    """One recorded change of a deployment's replicas, with its source and reason, the workers placed
+    for it and how long they took to run (time_to_run_s, null while they start)."""
 
     class Meta:
         model = ScaleEvent
-        fields = ["id", "deployment", "role", "from_replicas", "to_replicas", "source", "rule", "reason", "created_at"]
+        fields = [
+            "id", "deployment", "role", "from_replicas", "to_replicas", "source", "rule", "reason", "created_at",
+            "placed_workers", "time_to_run_s",
+        ]  # fmt: skip
         read_only_fields = fields
 
 

@@ -281,3 +281,86 @@ def test_an_override_holds_its_count_and_pauses_the_roles_rules() -> None:
         assert f"override #{override.pk} by ops" in held.reason and "'night'" in held.reason
         [after] = scaling.evaluate_all(now=T0 + timedelta(minutes=10))  # ended: the schedule is back
         assert (after.to_replicas, after.rule_id) == (1, night.pk)
+
+
+def set_latency(dep: Deployment, at: datetime, *, ttft_p90_s: float | None, itl_p90_s: float | None) -> None:
+    """Replace the decode workers by one reporting these p90s over 50 requests / 500 tokens, seen at `at`."""
+    Worker.objects.filter(deployment=dep, role="decode").delete()
+    make_worker(dep, make_node(), role="decode", status="running", last_seen=at, last_health={
+        "status": "healthy", "running": 1, "queue_depth": 0, "ttft_p90_s": ttft_p90_s, "ttft_samples": 50,
+        "itl_p90_s": itl_p90_s, "itl_samples": 500})
+
+
+def test_slo_rules_add_workers_of_the_role_that_limits_the_latency() -> None:
+    dep = make_deployment(prefill_replicas=1, prefill_max=3, decode_replicas=1, decode_max=3, batch_size=8)
+    ttft = ScalingRule.objects.create(deployment=dep, name="ttft p90 <= 1s", kind="ttft_slo", role="prefill",
+                                      threshold=1.0, duration_s=20, cooldown_s=60, step=1)
+    itl = ScalingRule.objects.create(deployment=dep, name="itl p90 <= 50ms", kind="itl_slo", role="decode",
+                                     threshold=50.0, duration_s=20, cooldown_s=60, step=1)
+    # TTFT 2.5 s (the issue's clients) with a fine ITL of 30 ms: prefill grows, decode does not.
+    fired = []
+    for i, p90 in enumerate([2.5, 2.4, 2.6]):
+        set_latency(dep, T0 + timedelta(seconds=10 * i), ttft_p90_s=p90, itl_p90_s=0.030)
+        fired.append(scaling.evaluate_all(now=T0 + timedelta(seconds=10 * i)))
+    assert [len(e) for e in fired] == [0, 0, 1]
+    event = fired[-1][0]
+    assert (event.role, event.from_replicas, event.to_replicas, event.source, event.rule_id) == (
+        "prefill", 1, 2, "slo", ttft.pk)
+    assert "TTFT p90 2.60s above the 1s target over 20s (3 of 3 readings" in event.reason
+    itl.refresh_from_db()
+    assert [value for _, value in itl.observations] == pytest.approx([30.0, 30.0, 30.0])  # in milliseconds
+    # Slow tokens: decode grows; no latency reported at all (no requests): nothing fires.
+    for i in range(3):
+        set_latency(dep, T0 + timedelta(seconds=40 + 10 * i), ttft_p90_s=0.2, itl_p90_s=0.120)
+        fired.append(scaling.evaluate_all(now=T0 + timedelta(seconds=40 + 10 * i)))
+    [slow] = fired[-1]
+    assert (slow.role, slow.to_replicas, slow.source) == ("decode", 2, "slo") and "ITL p90 120.00ms" in slow.reason
+    for i in range(4):
+        set_latency(dep, T0 + timedelta(seconds=200 + 10 * i), ttft_p90_s=None, itl_p90_s=None)
+        assert scaling.evaluate_all(now=T0 + timedelta(seconds=200 + 10 * i)) == []
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "message"),
+    [
+        ({"kind": "ttft_slo", "role": "decode", "threshold": 1.0}, "role", "role must be prefill"),
+        ({"kind": "itl_slo", "role": "prefill", "threshold": 50.0}, "role", "role must be decode"),
+        ({"kind": "ttft_slo", "role": "prefill"}, "threshold", "p90 target in seconds"),
+        ({"kind": "itl_slo", "role": "decode", "threshold": -5.0}, "threshold", "p90 target in milliseconds"),
+        ({"kind": "ttft_slo", "role": "prefill", "threshold": 1.0, "step": -1}, "step", "only adds workers"),
+        ({"kind": "itl_slo", "role": "decode", "threshold": 50.0, "comparison": "below"}, "comparison",
+         "must be above"),
+    ],
+)
+def test_slo_rules_are_validated_in_the_model_and_the_rest_serializer(
+    fields: dict[str, object], field: str, message: str
+) -> None:
+    from django.core.exceptions import ValidationError
+
+    from inference.api.serializers import ScalingRuleSerializer
+
+    dep = make_deployment()
+    rule = ScalingRule(deployment=dep, name="slo", **fields)  # type: ignore[misc]
+    with pytest.raises(ValidationError) as refused:
+        rule.clean()
+    assert message in str(refused.value.message_dict[field])
+    serializer = ScalingRuleSerializer(data={"deployment": dep.pk, "name": "slo", **fields})
+    assert not serializer.is_valid()
+    assert message in str(serializer.errors[field])
+    ok = ScalingRuleSerializer(data={"deployment": dep.pk, "name": "ok", "kind": "ttft_slo", "role": "prefill",
+                                     "threshold": 1.5})
+    assert ok.is_valid(), ok.errors
+
+
+def test_the_demo_ships_a_scale_in_rule(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from django.core.management import call_command
+
+    model_dir = Path(str(tmp_path))
+    (model_dir / "config.json").write_text("{}")
+    with override_settings(VAR_DIR=model_dir / "var"):
+        call_command("bootstrap_demo", "--model-path", str(model_dir), stdout=open("/dev/null", "w"))  # noqa: SIM115
+    rule = ScalingRule.objects.get(deployment__name="demo", name="decode load < 0.2")
+    assert (rule.kind, rule.comparison, rule.step, rule.duration_s) == ("threshold", "below", -1, 300)
+    rule.full_clean()

@@ -3,7 +3,8 @@
 An admin user (password from PLATFORM_ADMIN_PASSWORD, else generated once and kept in
 var/run/admin-password), an API token, the demo Model and a Deployment with one prefill and one
 decode worker, and the guide's scaling rules (prefill load > 0.8 and decode load > 0.7 add a worker;
-22:00-07:00 decode = 1). `make up` runs it before starting the controller, agent and router.
+decode load < 0.2 for 5 minutes removes one, so a scale-out comes down again after the load; 22:00-07:00
+decode = 1). `make up` runs it before starting the controller, agent and router.
 """
 from __future__ import annotations
 
@@ -98,12 +99,15 @@ class Command(BaseCommand):
         )
 
     def _rules(self, deployment: Deployment) -> None:
-        """The guide's rules: add prefill above 0.8 load, decode above 0.7, one decode at night."""
+        """The guide's rules: add prefill above 0.8 load, decode above 0.7, remove an idle decode, one at night."""
         rules = [
             dict(name="prefill load > 0.8", kind=RuleKind.THRESHOLD, role="prefill", threshold=0.8, step=1,
                  duration_s=60, cooldown_s=300),
             dict(name="decode load > 0.7", kind=RuleKind.THRESHOLD, role="decode", threshold=0.7, step=1,
                  duration_s=60, cooldown_s=300),
+            # Scale-in: without it a scale-out only came down through the night rule.
+            dict(name="decode load < 0.2", kind=RuleKind.THRESHOLD, role="decode", threshold=0.2,
+                 comparison="below", step=-1, duration_s=300, cooldown_s=300),
             dict(name="night: decode = 1", kind=RuleKind.SCHEDULE, role="decode", start_time=dt.time(22, 0),
                  end_time=dt.time(7, 0), target_replicas=1),
         ]
