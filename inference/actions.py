@@ -390,12 +390,12 @@ def record_metric_sample(
     kv_usage: float = 0.0,
     cpu_utilization: float | None = None,
     gpu_utilization: float | None = None,
-) -> MetricSample:
     rss_bytes: int | None = None,
     gpu_memory_bytes: int | None = None,
     kv_transfer_bytes_per_s: float | None = None,
     kv_transfer_s: float | None = None,
     prefix_cache_hit_ratio: float | None = None,
+) -> MetricSample:
     """Store one role-level metrics sample of a deployment (timestamped now unless `at` is given)."""
     validate_role(role)
     deployment_id = deployment if isinstance(deployment, int) else deployment.pk
@@ -413,12 +413,12 @@ def record_metric_sample(
         kv_usage=kv_usage,
         cpu_utilization=cpu_utilization,
         gpu_utilization=gpu_utilization,
-    )
         rss_bytes=rss_bytes,
         gpu_memory_bytes=gpu_memory_bytes,
         kv_transfer_bytes_per_s=kv_transfer_bytes_per_s,
         kv_transfer_s=kv_transfer_s,
         prefix_cache_hit_ratio=prefix_cache_hit_ratio,
+    )
 
 
 def record_worker_samples(samples: Iterable[WorkerSample]) -> int:

@@ -1,23 +1,42 @@
-"""Metrics collection: scrape every RUNNING worker's /metrics and /health, store per-role samples.
+"""Metrics collection: scrape the RUNNING workers and the routers of active deployments, store samples.
 
 `collect(now)` (Celery beat runs it every few seconds through inference.tasks.collect_metrics):
-1. scrapes all RUNNING workers concurrently (HTTP only in the threads; the database is written from the
-   calling thread), each request bounded by METRICS_SCRAPE_TIMEOUT_S;
+1. scrapes all RUNNING workers (/metrics and /health) and all enabled routers of active deployments
+   (RouterEndpoint, /metrics) concurrently: HTTP only in the threads, each request bounded by
+   METRICS_SCRAPE_TIMEOUT_S; the database is written from the calling thread;
 2. stores per worker `last_health` (the /health answer) and `last_metrics`: the raw counters of this
-   scrape ({"at", "pid", "counters", "gauges"}), which the next scrape subtracts;
-3. records one MetricSample per active deployment and role (inference.actions.record_metric_sample):
-   - ttft_s / itl_s: mean latency of the requests finished since the previous scrape, from the deltas of
-     the histograms' _sum and _count (sum of Δsum over sum of Δcount across the role's workers; None when
-     no request finished);
-   - throughput_tps: Δworker_generation_tokens_total / Δt, summed over the role's workers;
-   - queue_depth, running: sums over the workers; kv_usage, cpu/gpu utilisation: means;
+   scrape ({"at", "pid", "counters", "gauges"}), which the next scrape subtracts; per router its
+   cumulative series in `RouterEndpoint.last_metrics` likewise;
+3. records per router a RouterSample (what its clients saw between the two scrapes):
+   - requests_per_s, rejected_per_s (429 answers, router_rejected), tokens_per_s: counter deltas / Δt;
+   - error_rate: Δ requests with outcome "failed" over Δ all requests (None when none finished);
+   - dispatch (the router's own overhead), queue wait, TTFT, ITL and whole-request p50/p90: quantiles
+     of the histograms' bucket deltas, interpolated within a bucket as Prometheus'
+     histogram_quantile does (None when nothing was observed);
+   - inflight, queued, decode_slots: the gauges now;
+   - worker_share: {role: {url: Δ router_worker_selections of the worker / Δ of its role}};
+4. records per worker a WorkerSample: load ((running + queue) / batch size, as the scaling rules
+   see it), queue, running, KV usage, CPU/GPU utilisation, mean TTFT/ITL and throughput from counter
+   deltas, RSS (process_resident_memory_bytes, else what the node's agent reported), GPU memory
+   (worker_gpu_memory_bytes; None on a CPU worker), KV transfer bytes/s and mean transfer time
+   (worker_kv_transfer_bytes_total, worker_kv_transfer_seconds), the prefix-cache hit ratio, and the
+   requests the router(s) sent it (per second, and as its share of its role's);
+5. records one MetricSample per active deployment and role (inference.actions.record_metric_sample):
+   - ttft_s / itl_s: mean latency of the requests finished since the previous scrape (sum of Δsum
+     over sum of Δcount across the role's workers; None when no request finished);
+   - throughput_tps and kv_transfer_bytes_per_s: sums over the role's workers; kv_transfer_s: mean;
+   - queue_depth, running, rss_bytes, gpu_memory_bytes: sums; kv_usage, CPU/GPU utilisation and
+     prefix-cache hit ratio: means;
    - load: inference.scaling.role_load (the number threshold rules compare).
-   A counter that went down (the worker restarted, or its pid changed) counts from zero again.
+A counter that went down (the worker or router restarted, or the worker's pid changed) counts from
+zero again. Metrics text is parsed with prometheus_client's parser.
 """
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -29,8 +48,8 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from inference import actions
-from inference.models import Deployment, DeploymentStatus
-from inference.scaling import role_load
+from inference.models import Deployment, DeploymentStatus, RouterEndpoint, RouterSample, WorkerSample
+from inference.scaling import role_load, worker_load
 from nodes.models import Worker, WorkerRole, WorkerStatus
 
 logger = logging.getLogger(__name__)
@@ -42,14 +61,33 @@ COUNTERS = {
     "worker_inter_token_latency_seconds_sum": "itl_sum",
     "worker_inter_token_latency_seconds_count": "itl_count",
     "worker_generation_tokens_total": "generation_tokens",
+    "worker_prompt_tokens_total": "prompt_tokens",
+    "worker_kv_transfer_bytes_total": "kv_bytes",
+    "worker_kv_transfer_seconds_sum": "kv_transfer_sum",
+    "worker_kv_transfer_seconds_count": "kv_transfer_count",
 }
 GAUGES = {
     "worker_queue_depth": "queue_depth",
     "worker_running_requests": "running",
+    "worker_reserved_requests": "reserved",
     "worker_kv_cache_usage_ratio": "kv_usage",
     "worker_cpu_utilization_ratio": "cpu_utilization",
     "worker_gpu_utilization_ratio": "gpu_utilization",
+    "worker_prefix_cache_hit_ratio": "prefix_cache_hit_ratio",
+    "worker_gpu_memory_bytes": "gpu_memory_bytes",
+    "process_resident_memory_bytes": "rss_bytes",
 }
+
+# The router's histograms (inference/router/metrics.py) → our keys.
+ROUTER_HISTOGRAMS = {
+    "router_dispatch_seconds": "dispatch",
+    "router_queue_wait_seconds": "queue_wait",
+    "router_ttft_seconds": "ttft",
+    "router_itl_seconds": "itl",
+    "router_e2e_seconds": "e2e",
+}
+ROUTER_GAUGES = {"router_inflight": "inflight", "router_queued": "queued", "router_decode_slots": "decode_slots"}
+QUANTILES = (("p50", 0.5), ("p90", 0.9))
 # Threads scraping at once; each request is bounded by the scrape timeout anyway.
 MAX_SCRAPE_THREADS = 16
 
@@ -69,6 +107,137 @@ def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, float]]:
     return counters, gauges
 
 
+# ------------------------------------------------------------------------------------------- router
+def parse_router_metrics(text: str) -> dict[str, Any]:
+    """The router's cumulative series from its Prometheus text (JSON-safe, stored between scrapes)::
+
+        {"requests": {outcome: n}, "rejected": n, "tokens": n,
+         "selections": {role: {url: n}}, "failures": {role: {url: n}},
+         "histograms": {key: {"buckets": {le: cumulative n}, "sum": s, "count": n}},
+         "gauges": {"inflight": n, "queued": n, "decode_slots": n}, "started": epoch s}
+
+    Requests are summed over endpoints, rejections over reasons; "started" is when the router's
+    histograms were created (their `_created` samples), so a restarted router is told apart.
+    """
+    state: dict[str, Any] = {
+        "requests": {}, "rejected": 0.0, "tokens": 0.0, "selections": {}, "failures": {}, "histograms": {},
+        "gauges": {},
+    }  # fmt: skip
+    for family in text_string_to_metric_families(text):
+        histogram = ROUTER_HISTOGRAMS.get(family.name)
+        for sample in family.samples:
+            name, labels, value = sample.name, sample.labels, float(sample.value)
+            if histogram is not None:
+                entry = state["histograms"].setdefault(histogram, {"buckets": {}, "sum": 0.0, "count": 0.0})
+                if name.endswith("_bucket"):
+                    entry["buckets"][labels["le"]] = entry["buckets"].get(labels["le"], 0.0) + value
+                elif name.endswith("_sum"):
+                    entry["sum"] += value
+                elif name.endswith("_count"):
+                    entry["count"] += value
+            elif name.endswith("_created") and name.removesuffix("_created") in ROUTER_HISTOGRAMS:
+                # When the router process made the histogram (the text format lists it as a gauge).
+                state["started"] = min(value, state.get("started", value))
+            elif name == "router_requests_total":
+                outcome = labels.get("outcome", "")
+                state["requests"][outcome] = state["requests"].get(outcome, 0.0) + value
+            elif name == "router_rejected_total":
+                state["rejected"] += value
+            elif name == "router_generation_tokens_total":
+                state["tokens"] += value
+            elif name in ("router_worker_selections_total", "router_worker_failures_total"):
+                key = "selections" if name == "router_worker_selections_total" else "failures"
+                per_url = state[key].setdefault(labels.get("role", ""), {})
+                url = labels.get("url", "").rstrip("/")
+                per_url[url] = per_url.get(url, 0.0) + value
+            elif name in ROUTER_GAUGES:
+                state["gauges"][ROUTER_GAUGES[name]] = value
+    return state
+
+
+def _delta(current: float, before: float | None, reset: bool) -> float:
+    """Counter increase since `before`; after a reset (or for a series new since then) all of it."""
+    if reset or before is None or current < before:
+        return current
+    return current - before
+
+
+def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
+    """The q-quantile of observations given cumulative bucket counts [(upper bound, count)], as
+    Prometheus' histogram_quantile: linear within the bucket holding the rank (the first bucket
+    starts at 0); a rank in the +Inf bucket answers the highest finite bound. None without data."""
+    ordered = sorted(buckets)
+    if not ordered or ordered[-1][1] <= 0:
+        return None
+    total = ordered[-1][1]
+    rank = q * total
+    lower, below = 0.0, 0.0
+    running = 0.0
+    for upper, count in ordered:
+        count = max(count, running)  # cumulative counts never go down
+        running = count
+        if count >= rank and count > below:
+            if math.isinf(upper):
+                return lower
+            return lower + (upper - lower) * (rank - below) / (count - below)
+        lower, below = upper, count
+    return lower
+
+
+def router_changes(previous: Mapping[str, Any] | None, current: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What happened between two router scrapes (each `parse_router_metrics(...) | {"at": epoch s}`):
+    the fields of a RouterSample plus "selections" {role: {url: Δ}}; None without a usable previous
+    scrape (then only the gauges are known)."""
+    if not previous or not isinstance(previous.get("at"), int | float):
+        return None
+    dt = float(current["at"]) - float(previous["at"])
+    if dt <= 0:
+        return None
+    before_total = sum(previous.get("requests", {}).values())
+    now_total = sum(current["requests"].values())
+    # The router restarted (its counters started from zero again): another start time, or fewer requests.
+    reset = now_total < before_total or previous.get("started") != current.get("started")
+    requests = {
+        outcome: _delta(value, previous.get("requests", {}).get(outcome), reset)
+        for outcome, value in current["requests"].items()
+    }
+    finished = sum(requests.values())
+    out: dict[str, Any] = {
+        "interval_s": dt,
+        "requests_per_s": finished / dt,
+        "error_rate": requests.get("failed", 0.0) / finished if finished > 0 else None,
+        "rejected_per_s": _delta(current["rejected"], previous.get("rejected"), reset) / dt,
+        "tokens_per_s": _delta(current["tokens"], previous.get("tokens"), reset) / dt,
+    }
+    for key in ROUTER_HISTOGRAMS.values():
+        now_h = current["histograms"].get(key) or {"buckets": {}, "count": 0.0}
+        before_h = (previous.get("histograms") or {}).get(key) or {}
+        fresh = reset or float(now_h["count"]) < float(before_h.get("count", 0.0))
+        deltas = [
+            (float(le), _delta(count, (before_h.get("buckets") or {}).get(le), fresh))
+            for le, count in now_h["buckets"].items()
+        ]
+        for name, q in QUANTILES:
+            out[f"{key}_{name}_s"] = histogram_quantile(q, deltas)
+    selections: dict[str, dict[str, float]] = {}
+    for role, per_url in current["selections"].items():
+        before_role = (previous.get("selections") or {}).get(role, {})
+        selections[role] = {url: _delta(n, before_role.get(url), reset) for url, n in per_url.items()}
+    out["selections"] = selections
+    return out
+
+
+def worker_share(selections: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """{role: {url: share of the role's requests}} from selection deltas (roles without any left out)."""
+    shares: dict[str, dict[str, float]] = {}
+    for role, per_url in selections.items():
+        total = sum(per_url.values())
+        if total > 0:
+            shares[role] = {url: n / total for url, n in sorted(per_url.items())}
+    return shares
+
+
+# -------------------------------------------------------------------------------------------- scrapes
 @dataclass
 class Scrape:
     """One worker's scrape: its /health answer and parsed /metrics (None where the request failed)."""
@@ -78,6 +247,16 @@ class Scrape:
     health: dict[str, Any] | None = None
     counters: dict[str, float] | None = None
     gauges: dict[str, float] = field(default_factory=dict)
+    error: str = ""
+
+
+@dataclass
+class RouterScrape:
+    """One router's scrape: its parsed /metrics with the time ("at"), or the error."""
+
+    router: RouterEndpoint
+    at: float
+    state: dict[str, Any] | None = None
     error: str = ""
 
 
@@ -97,16 +276,36 @@ def scrape(worker: Worker, timeout: float) -> Scrape:
     return result
 
 
+def scrape_router(router: RouterEndpoint, timeout: float) -> RouterScrape:
+    """GET the router's /metrics (no database access: runs in a thread)."""
+    result = RouterScrape(router=router, at=time.time())
+    try:
+        with httpx.Client(timeout=timeout) as client:
+            response = client.get(router.url.rstrip("/") + "/metrics")
+        if response.status_code != 200:
+            result.error = f"HTTP {response.status_code} from {router.url}/metrics"
+        else:
+            result.state = {**parse_router_metrics(response.text), "at": result.at}
+    except (httpx.HTTPError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
 def counter_deltas(previous: dict[str, Any] | None, current: Scrape) -> tuple[dict[str, float], float | None]:
-    """(Δ per counter, Δt in seconds or None) between the stored previous scrape and this one."""
+    """(Δ per counter, Δt in seconds or None) between the stored previous scrape and this one.
+
+    A counter the previous scrape did not report (an older worker, or this collector's previous
+    version) has no delta yet, unless the worker restarted (then it counts from zero)."""
     counters = current.counters or {}
     if not previous or not isinstance(previous.get("counters"), dict):
         return {}, None
     restarted = previous.get("pid") != current.worker.pid
     deltas: dict[str, float] = {}
     for key, value in counters.items():
-        before = float(previous["counters"].get(key, 0.0))
-        deltas[key] = value if restarted or value < before else value - before
+        if restarted:
+            deltas[key] = value
+        elif key in previous["counters"]:
+            deltas[key] = _delta(value, float(previous["counters"][key]), False)
     try:
         dt = current.at - float(previous["at"])
     except (KeyError, TypeError, ValueError):
@@ -118,8 +317,74 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+@dataclass
+class WorkerReading:
+    """One worker's scrape turned into sample values (the WorkerSample fields) and counter deltas."""
+
+    scrape: Scrape
+    deltas: dict[str, float]
+    dt: float | None
+    values: dict[str, Any]
+
+
+def read_worker(item: Scrape, deltas: dict[str, float], dt: float | None, batch_size: int) -> WorkerReading:
+    """The WorkerSample values of one scrape (router fields filled in later)."""
+    worker = item.worker
+    health = item.health or {}
+    gauges = item.gauges
+
+    def gauge(key: str) -> float | None:
+        if key in gauges:
+            return float(gauges[key])
+        return _number(health.get(key))  # the /health answer when /metrics failed
+
+    queue, running = gauge("queue_depth"), gauge("running")
+    # The scaling rules' number for this worker (its /health answer; the gauges when /health failed).
+    load = worker_load(health or {"running": running or 0.0, "queue_depth": queue or 0.0}, batch_size, worker.role)
+    rss = gauge("rss_bytes")
+    if rss is None:  # what the node's agent reported for the process
+        per_worker = ((worker.node.last_metrics or {}).get("workers") or {}).get(str(worker.pk)) or {}
+        rss = _number(per_worker.get("rss_bytes"))
+    gpu_memory = gauges.get("gpu_memory_bytes")
+    values = {
+        "load": load if (queue is not None or running is not None) else None,
+        "queue_depth": queue,
+        "running": running,
+        "kv_usage": gauge("kv_usage"),
+        "cpu_utilization": gauge("cpu_utilization"),
+        # From /health only: the gauge exists (at 0) on CPU workers too, /health has it on GPU workers.
+        "gpu_utilization": _number(health.get("gpu_utilization")),
+        "throughput_tps": deltas["generation_tokens"] / dt if dt and "generation_tokens" in deltas else None,
+        "ttft_s": _ratio(deltas.get("ttft_sum"), deltas.get("ttft_count")),
+        "itl_s": _ratio(deltas.get("itl_sum"), deltas.get("itl_count")),
+        "rss_bytes": int(rss) if rss is not None else None,
+        "gpu_memory_bytes": int(gpu_memory) if gpu_memory is not None else None,
+        "kv_transfer_bytes_per_s": deltas["kv_bytes"] / dt if dt and "kv_bytes" in deltas else None,
+        "kv_transfer_s": _ratio(deltas.get("kv_transfer_sum"), deltas.get("kv_transfer_count")),
+        "prefix_cache_hit_ratio": gauges.get("prefix_cache_hit_ratio"),
+        "requests_per_s": None,
+        "request_share": None,
+    }
+    return WorkerReading(scrape=item, deltas=deltas, dt=dt, values=values)
+
+
+def worker_name(worker: Worker) -> str:
+    """How charts name a worker: "decode #12 @ node-1:30001"."""
+    return f"{worker.role} #{worker.pk} @ {worker.node.name}:{worker.port}"
+
+
+# -------------------------------------------------------------------------------------------- collect
 def collect(*, now: datetime | None = None) -> int:
-    """Scrape, store per-worker results and record one MetricSample per active deployment and role."""
+    """Scrape workers and routers, store their samples and one MetricSample per active deployment and
+    role; returns how many MetricSamples were recorded."""
     now = now or timezone.now()
     timeout = float(settings.METRICS_SCRAPE_TIMEOUT_S)
     workers = list(
@@ -127,11 +392,41 @@ def collect(*, now: datetime | None = None) -> int:
             status=WorkerStatus.RUNNING, deployment__status=DeploymentStatus.ACTIVE
         )
     )
+    routers = list(
+        RouterEndpoint.objects.select_related("deployment").filter(
+            enabled=True, deployment__status=DeploymentStatus.ACTIVE
+        )
+    )
     scrapes: list[Scrape] = []
-    if workers:
-        with ThreadPoolExecutor(max_workers=min(MAX_SCRAPE_THREADS, len(workers))) as pool:
+    router_scrapes: list[RouterScrape] = []
+    jobs = len(workers) + len(routers)
+    if jobs:
+        with ThreadPoolExecutor(max_workers=min(MAX_SCRAPE_THREADS, jobs)) as pool:
+            router_futures = [pool.submit(scrape_router, r, timeout) for r in routers]
             scrapes = list(pool.map(lambda w: scrape(w, timeout), workers))
-    per_role: dict[tuple[int, str], list[tuple[Scrape, dict[str, float], float | None]]] = {}
+            router_scrapes = [f.result() for f in router_futures]
+
+    # Routers first: their selection deltas say what share of requests each worker got.
+    sent: dict[int, dict[str, float]] = {}  # deployment id → worker url → requests per second
+    shares: dict[int, dict[str, float]] = {}  # deployment id → worker url → share of its role
+    for router_scrape in router_scrapes:
+        changes = _store_router(router_scrape, now)
+        if changes is None:
+            continue
+        deployment_id = router_scrape.router.deployment_id
+        rates = sent.setdefault(deployment_id, {})
+        for per_url in changes["selections"].values():
+            for url, n in per_url.items():
+                rates[url] = rates.get(url, 0.0) + n / changes["interval_s"]
+    for deployment_id, rates in sent.items():
+        roles: dict[str, dict[str, float]] = {}
+        for worker in workers:
+            if worker.deployment_id == deployment_id and worker.url in rates:
+                roles.setdefault(worker.role, {})[worker.url] = rates[worker.url]
+        shares[deployment_id] = {url: n for per_url in worker_share(roles).values() for url, n in per_url.items()}
+
+    per_role: dict[tuple[int, str], list[WorkerReading]] = {}
+    samples: list[WorkerSample] = []
     for item in scrapes:
         worker = item.worker
         if item.counters is None and item.health is None:
@@ -147,44 +442,78 @@ def collect(*, now: datetime | None = None) -> int:
             fields["last_health"] = item.health
             fields["last_seen"] = now
         Worker.objects.filter(pk=worker.pk).update(**fields)
-        per_role.setdefault((worker.deployment_id, worker.role), []).append((item, deltas, dt))
+        reading = read_worker(item, deltas, dt, worker.deployment.batch_size)
+        if worker.deployment_id in sent:
+            reading.values["requests_per_s"] = sent[worker.deployment_id].get(worker.url, 0.0)
+            reading.values["request_share"] = shares.get(worker.deployment_id, {}).get(worker.url)
+        per_role.setdefault((worker.deployment_id, worker.role), []).append(reading)
+        samples.append(
+            WorkerSample(deployment_id=worker.deployment_id, worker_id=worker.pk, name=worker_name(worker),
+                         role=worker.role, url=worker.url, at=now, **reading.values)
+        )  # fmt: skip
+    actions.record_worker_samples(samples)
+
     recorded = 0
     for deployment in Deployment.objects.filter(status=DeploymentStatus.ACTIVE):
         for role in WorkerRole.values:
             items = per_role.get((deployment.pk, role), [])
-            running_workers = sum(
-                1 for w in workers if w.deployment_id == deployment.pk and w.role == role
-            )
+            running_workers = sum(1 for w in workers if w.deployment_id == deployment.pk and w.role == role)
             actions.record_metric_sample(deployment, role, at=now, workers=running_workers,
                                          load=role_load(deployment, role, now=now) or 0.0, **aggregate(items))
             recorded += 1
     return recorded
 
 
-def aggregate(items: list[tuple[Scrape, dict[str, float], float | None]]) -> dict[str, Any]:
-    """The MetricSample fields of one role from its workers' scrapes and counter deltas (module doc)."""
-    ttft_sum = sum(d.get("ttft_sum", 0.0) for _, d, _ in items)
-    ttft_count = sum(d.get("ttft_count", 0.0) for _, d, _ in items)
-    itl_sum = sum(d.get("itl_sum", 0.0) for _, d, _ in items)
-    itl_count = sum(d.get("itl_count", 0.0) for _, d, _ in items)
-    throughput = sum(d.get("generation_tokens", 0.0) / dt for _, d, dt in items if dt)
-    gauges = [s.gauges for s, _, _ in items]
-    health = [s.health or {} for s, _, _ in items]
+def _store_router(item: RouterScrape, now: datetime) -> dict[str, Any] | None:
+    """Save the router's scrape state and its RouterSample; returns router_changes (None: no deltas)."""
+    router = item.router
+    if item.state is None:
+        logger.info("scrape of router %s failed: %s", router.url, item.error)
+        RouterEndpoint.objects.filter(pk=router.pk).update(last_error=item.error[:2000])
+        return None
+    changes = router_changes(router.last_metrics, item.state)
+    RouterEndpoint.objects.filter(pk=router.pk).update(last_metrics=item.state, last_scraped_at=now, last_error="")
+    gauges = item.state["gauges"]
+    sample = RouterSample(
+        deployment_id=router.deployment_id, router=router, at=now,
+        inflight=gauges.get("inflight"), queued=gauges.get("queued"), decode_slots=gauges.get("decode_slots"),
+    )  # fmt: skip
+    if changes is not None:
+        for key, value in changes.items():
+            if key == "selections":
+                sample.worker_share = worker_share(value)
+            else:
+                setattr(sample, key, value)
+    actions.record_router_sample(sample)
+    return changes
 
-    def gauge(key: str) -> list[float]:
-        values = [float(g[key]) for g in gauges if key in g]
-        if not values:  # fall back to the /health answer
-            values = [float(h[key]) for h in health if isinstance(h.get(key), int | float)]
-        return values
 
-    gpu = [float(h["gpu_utilization"]) for h in health if isinstance(h.get("gpu_utilization"), int | float)]
+def aggregate(items: list[WorkerReading]) -> dict[str, Any]:
+    """The MetricSample fields of one role from its workers' readings (module doc)."""
+    deltas = [r.deltas for r in items]
+    values = [r.values for r in items]
+
+    def total(key: str) -> float:
+        return sum(d.get(key, 0.0) for d in deltas)
+
+    def known(key: str) -> list[float]:
+        return [float(v[key]) for v in values if v.get(key) is not None]
+
+    rss, gpu_memory, kv_rate = known("rss_bytes"), known("gpu_memory_bytes"), known("kv_transfer_bytes_per_s")
     return {
-        "ttft_s": ttft_sum / ttft_count if ttft_count > 0 else None,
-        "itl_s": itl_sum / itl_count if itl_count > 0 else None,
-        "throughput_tps": throughput,
-        "queue_depth": sum(gauge("queue_depth")),
-        "running": sum(gauge("running")),
-        "kv_usage": _mean(gauge("kv_usage")) or 0.0,
-        "cpu_utilization": _mean(gauge("cpu_utilization")),
-        "gpu_utilization": _mean(gpu) if gpu else None,
+        "ttft_s": total("ttft_sum") / total("ttft_count") if total("ttft_count") > 0 else None,
+        "itl_s": total("itl_sum") / total("itl_count") if total("itl_count") > 0 else None,
+        "throughput_tps": sum(known("throughput_tps")),
+        "queue_depth": sum(known("queue_depth")),
+        "running": sum(known("running")),
+        "kv_usage": _mean(known("kv_usage")) or 0.0,
+        "cpu_utilization": _mean(known("cpu_utilization")),
+        "gpu_utilization": _mean(known("gpu_utilization")),
+        "rss_bytes": int(sum(rss)) if rss else None,
+        "gpu_memory_bytes": int(sum(gpu_memory)) if gpu_memory else None,
+        "kv_transfer_bytes_per_s": sum(kv_rate) if kv_rate else None,
+        "kv_transfer_s": (
+            total("kv_transfer_sum") / total("kv_transfer_count") if total("kv_transfer_count") > 0 else None
+        ),
+        "prefix_cache_hit_ratio": _mean(known("prefix_cache_hit_ratio")),
     }

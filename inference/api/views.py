@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
 from typing import Any
 
-from django.conf import settings
 from django.db import transaction
 from django.db.models import Count, ProtectedError, Q
 from drf_spectacular.types import OpenApiTypes
@@ -17,14 +15,13 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
-from inference import actions
+from inference import actions, selectors
 from inference.api.params import (
     ChoiceParam,
     IdParam,
     QueryParam,
     QueryParamFilterBackend,
     StrictLimitOffsetPagination,
-    clean_text,
 )
 from inference.api.schema import PlatformAutoSchema
 from inference.api.serializers import (
@@ -241,19 +238,24 @@ class DeploymentViewSet(PlatformViewSetMixin, viewsets.ModelViewSet):
         return Response(payload, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(
-        summary="Time series of the deployment's metrics per role (TTFT, ITL, throughput, queue, load, CPU/GPU)",
+        summary="Time series of the deployment's metrics: per role and per worker (load, TTFT, ITL, throughput, "
+        "queue, KV usage, CPU/GPU, memory, KV transfer, prefix cache, request share) and the router's "
+        "(dispatch overhead, error rate, 429s, client TTFT/ITL)",
         parameters=[
             OpenApiParameter("minutes", OpenApiTypes.INT, description="window back from now (default 60)"),
             _role_param(),
-            OpenApiParameter("max_points", OpenApiTypes.INT, description="points per role (default 600)"),
+            OpenApiParameter("max_points", OpenApiTypes.INT, description="points per series (default 600)"),
         ],
         responses={200: OpenApiResponse(OpenApiTypes.OBJECT, description="see deployment_metric_series")},
     )
     @action(detail=True, methods=["get"])
     def metrics(self, request: Request, pk: str | None = None) -> Response:
-        """Return inference.actions.deployment_metric_series for `?minutes=` back from now."""
+        """Return inference.selectors.deployment_metric_series for `?minutes=` back from now."""
         deployment = self.get_object()
-        return Response(metric_series_for_request(deployment, request.query_params))
+        try:
+            return Response(selectors.metric_series_query(deployment, request.query_params))
+        except selectors.InvalidQuery as exc:
+            raise ValidationError(exc.errors) from exc
 
 
 SCALE_TASK = "inference.tasks.scale_deployment_task"
@@ -278,29 +280,6 @@ def _enqueue_scale(kwargs: dict[str, Any]) -> Any:
         logger.warning("inference.tasks is not importable here; sending %s by name", SCALE_TASK)
         return app.send_task(SCALE_TASK, kwargs=kwargs)
     return scale_deployment_task.delay(**kwargs)
-
-
-def metric_series_for_request(deployment: Deployment, params: Any) -> dict[str, Any]:
-    """Read `minutes`, `role` and `max_points` from query parameters and build the series.
-
-    Shared by this API and the admin's chart endpoint; bad values answer 400 (DRF ValidationError).
-    """
-
-    def number(name: str, default: int, low: int, high: int) -> int:
-        raw = params.get(name)
-        if raw in (None, ""):
-            return default
-        try:
-            return min(max(int(clean_text(name, str(raw))), low), high)
-        except ValueError as exc:
-            raise ValidationError({name: f"must be an integer, got {raw!r}"}) from exc
-
-    minutes = number("minutes", 60, 1, settings.METRICS_RETENTION_HOURS * 60)
-    max_points = number("max_points", 600, 10, 5000)
-    role = params.get("role") or None
-    if role is not None and role not in WorkerRole.values:
-        raise ValidationError({"role": f"must be one of {', '.join(WorkerRole.values)}"})
-    return actions.deployment_metric_series(deployment, timedelta(minutes=minutes), role, max_points=max_points)
 
 
 class WorkerViewSet(PlatformViewSetMixin, viewsets.ReadOnlyModelViewSet):

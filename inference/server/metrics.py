@@ -1,9 +1,44 @@
-"""Prometheus metrics of a worker: latency histograms, queue and KV gauges, transfer counters."""
+"""Prometheus metrics of a worker: latency histograms, queue and KV gauges, transfer counters, memory.
+
+Memory: `process_resident_memory_bytes` (and the other process_* series of prometheus_client's
+ProcessCollector, on Linux) and, on a GPU worker, `worker_gpu_memory_bytes` (what PyTorch's caching
+allocator holds on each device this process uses; absent on a CPU worker).
+"""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import sys
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class GPUMemoryCollector(Collector):
+    """`worker_gpu_memory_bytes{device}`: bytes PyTorch holds (reserved) on each CUDA device in use.
+
+    Reads torch only when this process already imported it and initialised CUDA: a CPU worker
+    exports nothing here (so the collector stores no GPU memory for it), and a scrape never
+    initialises CUDA itself.
+    """
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self.labels = labels
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """One gauge family with a sample per initialised CUDA device (nothing on a CPU worker)."""
+        torch = sys.modules.get("torch")
+        if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return
+        family = GaugeMetricFamily(
+            "worker_gpu_memory_bytes", "GPU memory PyTorch holds (reserved) on each device",
+            labels=[*self.labels, "device"],
+        )
+        for index in range(torch.cuda.device_count()):
+            family.add_metric([*self.labels.values(), str(index)], float(torch.cuda.memory_reserved(index)))
+        yield family
 
 
 class WorkerMetrics:
@@ -85,6 +120,8 @@ class WorkerMetrics:
         self.gpu_utilization = Gauge(
             "worker_gpu_utilization_ratio", "Busy fraction of the worker's GPU", ["role", "model"], registry=r
         ).labels(**labels)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
+        r.register(GPUMemoryCollector(labels))
 
     def outcome(self, outcome: str) -> None:
         """Count a finished request by outcome (ok, error, aborted, rejected, ...)."""

@@ -1,4 +1,5 @@
-"""inference.actions: scaling with clamping and events, deployment/rule saves, metric series, pruning."""
+"""inference.actions: scaling with clamping and events, deployment/rule saves, metric samples and pruning
+(the metric series read back: tests/inference/test_selectors.py)."""
 from __future__ import annotations
 
 import base64
@@ -293,52 +294,6 @@ def test_update_rule_runs_model_clean() -> None:
 
 
 # --------------------------------------------------------------------------- metrics
-
-
-def test_metric_series_shape_and_filters() -> None:
-    deployment = make_deployment()
-    other = make_deployment()
-    now = timezone.now()
-    for i in range(5):
-        actions.record_metric_sample(
-            deployment, "prefill", at=now - timedelta(seconds=50 - i * 10), load=0.1 * i, ttft_s=0.2,
-            throughput_tps=100 + i, queue_depth=i, cpu_utilization=0.5, workers=2,
-        )  # fmt: skip
-    actions.record_metric_sample(deployment, "decode", at=now - timedelta(seconds=5), itl_s=0.03, gpu_utilization=0.7)
-    actions.record_metric_sample(deployment, "decode", at=now - timedelta(hours=2), itl_s=9.9)  # outside the window
-    actions.record_metric_sample(other, "decode", at=now, itl_s=5.0)  # another deployment
-    actions.scale_deployment(deployment, "decode", 2, source="manual", reason="test")
-
-    data = actions.deployment_metric_series(deployment, timedelta(minutes=10))
-    json.dumps(data)  # JSON-safe
-    prefill, decode = data["series"]["prefill"], data["series"]["decode"]
-    assert prefill["load"] == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
-    assert prefill["t"] == sorted(prefill["t"])
-    assert prefill["throughput_tps"] == [100, 101, 102, 103, 104]
-    assert prefill["itl_s"] == [None] * 5
-    assert decode["itl_s"] == [0.03] and decode["gpu_utilization"] == [0.7]
-    for field in ("ttft_s", "itl_s", "throughput_tps", "queue_depth", "load", "cpu_utilization", "gpu_utilization"):
-        assert field in prefill and field in data["metrics"]
-    assert data["deployment"]["replicas"]["decode"] == {"desired": 2, "min": 1, "max": 4}
-    assert [(e["role"], e["from"], e["to"]) for e in data["events"]] == [("decode", 1, 2)]
-
-    only_decode = actions.deployment_metric_series(deployment, now - timedelta(minutes=10), role="decode")
-    assert list(only_decode["series"]) == ["decode"]
-    with pytest.raises(ValueError):
-        actions.deployment_metric_series(deployment, timedelta(minutes=1), role="gpu")
-
-
-def test_metric_series_downsamples_long_windows() -> None:
-    deployment = make_deployment()
-    now = timezone.now()
-    MetricSample.objects.bulk_create(
-        MetricSample(deployment=deployment, role="decode", at=now - timedelta(seconds=i), load=1.0 if i % 2 else 0.0)
-        for i in range(1, 1001)
-    )
-    data = actions.deployment_metric_series(deployment, timedelta(seconds=1001), "decode", max_points=50)
-    loads = data["series"]["decode"]["load"]
-    assert 1 <= len(loads) <= 50
-    assert all(0.3 < value < 0.7 for value in loads)  # averages of alternating 0/1
 
 
 def test_prune_metric_samples(settings: Any) -> None:

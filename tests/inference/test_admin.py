@@ -10,13 +10,13 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from inference import actions
+from inference import actions, selectors
 from inference.models import Deployment, MetricSample, ScaleEvent, ScalingRule
 from tests.support.control_plane import make_deployment, make_model, make_node, make_worker
 
 pytestmark = pytest.mark.django_db
 
-MODELS = ["model", "deployment", "scalingrule", "scaleevent", "metricsample"]
+MODELS = ["model", "deployment", "scalingrule", "scaleevent", "metricsample", "workersample", "routersample"]
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ def _management(prefix: str, total: int = 0, initial: int = 0) -> dict[str, Any]
 
 
 def _deployment_form(deployment: Deployment, **changes: Any) -> dict[str, Any]:
-    """POST data of the deployment change form, with its three inlines' management forms."""
+    """POST data of the deployment change form, with its inlines' management forms."""
     data: dict[str, Any] = {}
     for field in [
         "name", "status", "router_policy", "kv_transport", "prefill_replicas", "prefill_min", "prefill_max",
@@ -62,6 +62,7 @@ def _deployment_form(deployment: Deployment, **changes: Any) -> dict[str, Any]:
     for role in ("prefill", "decode"):  # the hidden inputs holding the counts the page showed
         data[f"initial-{role}_replicas"] = deployment.replicas(role)
     data.update(_management("rules"))
+    data.update(_management("routers"))
     data.update(_management("workers"))
     data.update(_management("scale_events", total=3, initial=3))  # as the page had rendered it
     data.update(changes)
@@ -207,10 +208,14 @@ def test_metrics_page_and_json(admin_client_logged_in: Client, populated: Deploy
     page = admin_client_logged_in.get(reverse("admin:inference_deployment_metrics", args=[populated.pk]))
     assert page.status_code == 200
     html = page.content.decode()
-    for field in ["ttft_s", "itl_s", "throughput_tps", "queue_depth", "load", "cpu_utilization", "gpu_utilization"]:
-        assert f'data-field="{field}"' in html
+    for chart in selectors.CHARTS:  # a figure per chart, uPlot and its CSS served from here (no CDN)
+        assert f'data-chart="{chart["id"]}"' in html
     assert "inference/metrics.js" in html and "//cdn" not in html and "https://" not in html
-    assert finders.find("inference/metrics.js") and finders.find("inference/metrics.css")
+    assert "inference/vendor/uplot/uPlot.iife.min.js" in html and "inference/vendor/uplot/uPlot.min.css" in html
+    for static in ["inference/metrics.js", "inference/metrics.css", "inference/vendor/uplot/uPlot.iife.min.js",
+                   "inference/vendor/uplot/uPlot.min.css", "inference/vendor/uplot/LICENSE"]:
+        assert finders.find(static), static
+    assert "No router of this deployment is registered" in html
 
     data_url = reverse("admin:inference_deployment_metrics_data", args=[populated.pk])
     assert data_url in html
@@ -222,7 +227,9 @@ def test_metrics_page_and_json(admin_client_logged_in: Client, populated: Deploy
     assert data["series"]["prefill"]["t"] == []
     assert data["deployment"]["replicas"]["decode"]["desired"] == 2
     assert [e["reason"] for e in data["events"]] == ["seed"]
-    assert admin_client_logged_in.get(data_url + "?minutes=abc").status_code == 400
+    assert data["charts"] == selectors.CHARTS and data["workers"] == [] and data["router"]["t"] == []
+    bad = admin_client_logged_in.get(data_url + "?minutes=abc")
+    assert bad.status_code == 400 and "minutes" in bad.json()["error"]
     missing = reverse("admin:inference_deployment_metrics_data", args=[999999])
     assert admin_client_logged_in.get(missing).status_code == 404
 
@@ -245,3 +252,14 @@ def test_model_with_deployments_shows_count(admin_client_logged_in: Client) -> N
     make_deployment(model=model)
     page = admin_client_logged_in.get(reverse("admin:inference_model_changelist")).content.decode()
     assert "smol" in page and 'class="field-deployment_count">1<' in page
+
+
+def test_routers_are_registered_on_the_deployment_page(admin_client_logged_in: Client, populated: Deployment) -> None:
+    """The router the metrics collector scrapes is added in the deployment's "routers" inline."""
+    form = _deployment_form(populated)
+    form.update({"routers-TOTAL_FORMS": "1", "routers-0-url": "http://127.0.0.1:8000", "routers-0-enabled": "on"})
+    response = admin_client_logged_in.post(reverse("admin:inference_deployment_change", args=[populated.pk]), form)
+    assert response.status_code == 302, response.context["adminform"].form.errors if response.context else ""
+    assert list(populated.routers.values_list("url", "enabled")) == [("http://127.0.0.1:8000", True)]
+    page = admin_client_logged_in.get(reverse("admin:inference_deployment_metrics", args=[populated.pk]))
+    assert "No router of this deployment is registered" not in page.content.decode()

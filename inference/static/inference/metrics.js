@@ -1,37 +1,48 @@
-/* Live metric charts of a deployment, drawn on <canvas> without any library.
+/* Live metric charts of a deployment, drawn with uPlot (inference/vendor/uplot/, loaded first).
  *
- * The page (templates/admin/inference/deployment/metrics.html) holds one canvas per metric
- * (data-field, data-unit). Every few seconds this fetches the JSON of
- * inference.actions.deployment_metric_series from the admin-only URL in #metrics-app[data-url]:
- *   {since, now, deployment: {replicas: {role: {desired, min, max}}, status},
- *    series: {role: {t: [epoch ms], <field>: [number|null]}}, events: [{t, role, from, to, source, reason}]}
- * and redraws: one line per role, scale events as dashed vertical lines, a hover read-out.
+ * The page (templates/admin/inference/deployment/metrics.html) holds one <figure data-chart> per
+ * chart of inference.selectors.CHARTS. Every few seconds this fetches the JSON of
+ * inference.selectors.deployment_metric_series from #metrics-app[data-url]:
+ *   {since, now, deployment, charts: [{id, title, unit, source, fields, per_worker}],
+ *    series: {role: {t: [epoch ms], <field>: [number|null]}},          // per role
+ *    workers: [{id, name, role, url, t, <field>: [...]}],             // per worker
+ *    router: {t, <field>: [...]}, router_metrics: {field: {label}},   // the router's
+ *    events: [{t, role, from, to, source, reason}]}
+ * and gives each chart its lines: a router chart one per field, a "worker" chart one per worker, a
+ * "role" chart one per role, or one per worker when the page's "Series" toggle says "per worker".
+ * Scale events are dashed vertical lines. The uPlot instances are in window.metricsCharts (by chart
+ * id), where the browser tests read their series and data.
  */
 (function () {
   "use strict";
 
-  var COLOURS = { prefill: "#1565c0", decode: "#e65100" };
-  var FALLBACK_COLOURS = ["#2e7d32", "#6a1b9a", "#00838f"];
+  var ROLE_COLOURS = { prefill: "#1565c0", decode: "#e65100" };
+  var PALETTE = ["#1565c0", "#e65100", "#2e7d32", "#6a1b9a", "#00838f", "#c62828", "#5d4037", "#ad1457",
+    "#9e9d24", "#283593"];
+  var FIELD_COLOURS = ["#1565c0", "#e65100", "#2e7d32"];
   var EVENT_COLOUR = "#7b1fa2";
-  var PAD = { left: 58, right: 10, top: 10, bottom: 22 };
+  var HEIGHT = 190;
+  var MIN_GAP_MS = 15000;  // a silence longer than this (and than 3 sampling periods) breaks a line
 
   function pad2(n) { return (n < 10 ? "0" : "") + n; }
 
-  function colourOf(role, index) {
-    return COLOURS[role] || FALLBACK_COLOURS[index % FALLBACK_COLOURS.length];
+  function scaled(v, steps, names) {
+    var i = 0;
+    while (Math.abs(v) >= steps && i < names.length - 1) { v /= steps; i += 1; }
+    return (Math.abs(v) >= 100 || i === 0 ? v.toFixed(0) : v.toFixed(1)) + " " + names[i];
   }
-
-  /* Units counting whole things: their axis never gets fractional ticks ("1.50 workers"). */
-  var COUNT_UNITS = { workers: true, requests: true };
 
   function formatValue(v, unit) {
     if (v === null || v === undefined || isNaN(v)) { return "–"; }
-    if (v === 0) { return unit === "ratio" ? "0%" : "0"; }  // not "0.0 ms" / "0.0%"
+    if (v === 0) { return unit === "ratio" ? "0%" : "0"; }
     if (unit === "ratio") { return (v * 100).toFixed(Math.abs(v) < 0.1 ? 1 : 0) + "%"; }
     if (unit === "s") {
+      if (Math.abs(v) < 0.001) { return (v * 1e6).toFixed(0) + " µs"; }
       if (Math.abs(v) < 1) { return (v * 1000).toFixed(Math.abs(v) < 0.01 ? 1 : 0) + " ms"; }
       return v.toFixed(2) + " s";
     }
+    if (unit === "bytes") { return scaled(v, 1024, ["B", "KiB", "MiB", "GiB", "TiB"]); }
+    if (unit === "bytes/s") { return scaled(v, 1024, ["B/s", "KiB/s", "MiB/s", "GiB/s"]); }
     if (Math.abs(v) >= 10000) { return (v / 1000).toFixed(0) + "k"; }
     if (Math.abs(v) >= 1000) { return (v / 1000).toFixed(1) + "k"; }
     if (Math.abs(v) >= 10 || Math.round(v) === v) { return v.toFixed(0); }
@@ -46,232 +57,194 @@
     return hm;
   }
 
-  /* A step of 1, 2 or 5 times a power of ten giving about `ticks` intervals over `range`. */
-  function niceStep(range, ticks) {
-    var raw = range / ticks;
-    var magnitude = Math.pow(10, Math.floor(Math.log(raw) / Math.LN10));
-    var norm = raw / magnitude;
-    var step = norm <= 1 ? 1 : norm <= 2 ? 2 : norm <= 5 ? 5 : 10;
-    return step * magnitude;
-  }
-
   function median(values) {
     if (!values.length) { return 0; }
     var sorted = values.slice().sort(function (a, b) { return a - b; });
     return sorted[Math.floor(sorted.length / 2)];
   }
 
-  function Chart(canvas) {
-    this.canvas = canvas;
-    this.field = canvas.getAttribute("data-field");
-    this.unit = canvas.getAttribute("data-unit");
-    this.payload = null;
-    this.hoverX = null;
-    this.tooltip = document.createElement("div");
-    this.tooltip.className = "metrics-tooltip";
-    this.tooltip.style.display = "none";
-    canvas.parentNode.appendChild(this.tooltip);
-    var self = this;
-    canvas.addEventListener("mousemove", function (event) {
-      var rect = canvas.getBoundingClientRect();
-      self.hoverX = event.clientX - rect.left;
-      self.draw();
-    });
-    canvas.addEventListener("mouseleave", function () {
-      self.hoverX = null;
-      self.tooltip.style.display = "none";
-      self.draw();
-    });
+  /* The lines of one chart: [{label, colour, t: [ms], v: [number|null]}]. */
+  function linesOf(spec, payload, split) {
+    var lines = [];
+    var field = spec.fields[0];
+    if (spec.source === "router") {
+      var router = payload.router || { t: [] };
+      var meta = payload.router_metrics || {};
+      spec.fields.forEach(function (name, index) {
+        lines.push({ label: (meta[name] && meta[name].label) || name, colour: FIELD_COLOURS[index % FIELD_COLOURS.length],
+          t: router.t || [], v: router[name] || [] });
+      });
+    } else if (spec.source === "worker" || (split === "worker" && spec.per_worker)) {
+      (payload.workers || []).forEach(function (worker, index) {
+        lines.push({ label: worker.name, colour: PALETTE[index % PALETTE.length], t: worker.t || [],
+          v: worker[field] || [] });
+      });
+    } else {
+      Object.keys(payload.series || {}).forEach(function (role, index) {
+        var series = payload.series[role];
+        lines.push({ label: role, colour: ROLE_COLOURS[role] || PALETTE[(index + 2) % PALETTE.length],
+          t: series.t || [], v: series[field] || [] });
+      });
+    }
+    return lines;
   }
 
-  Chart.prototype.update = function (payload) {
-    this.payload = payload;
-    this.draw();
-  };
-
-  Chart.prototype.draw = function () {
-    var payload = this.payload;
-    var canvas = this.canvas;
-    if (!payload) { return; }
-    var ratio = window.devicePixelRatio || 1;
-    var width = canvas.clientWidth || 420;
-    var height = canvas.clientHeight || 190;
-    if (canvas.width !== Math.round(width * ratio) || canvas.height !== Math.round(height * ratio)) {
-      canvas.width = Math.round(width * ratio);
-      canvas.height = Math.round(height * ratio);
-    }
-    var ctx = canvas.getContext("2d");
-    ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
-    ctx.clearRect(0, 0, width, height);
-    ctx.font = "11px sans-serif";
-    var style = window.getComputedStyle(canvas);
-    var textColour = style.color || "#333";
-
-    var x0 = Date.parse(payload.since);
-    var x1 = Date.parse(payload.now);
-    if (!(x1 > x0)) { x1 = x0 + 1000; }
-    var plotW = width - PAD.left - PAD.right;
-    var plotH = height - PAD.top - PAD.bottom;
-    var field = this.field;
-    var unit = this.unit;
-    var roles = Object.keys(payload.series || {});
-
-    var maxValue = 0;
-    var any = false;
-    roles.forEach(function (role) {
-      (payload.series[role][field] || []).forEach(function (v) {
-        if (v !== null && v !== undefined && !isNaN(v)) { any = true; if (v > maxValue) { maxValue = v; } }
-      });
-    });
-    if (unit === "ratio") { maxValue = Math.max(maxValue, 1); }
-    if (maxValue <= 0) { maxValue = 1; }
-    var step = niceStep(maxValue, 4);
-    if (COUNT_UNITS[unit]) { step = Math.max(step, 1); }
-    var top = Math.ceil(maxValue / step) * step;
-
-    function xOf(t) { return PAD.left + ((t - x0) / (x1 - x0)) * plotW; }
-    function yOf(v) { return PAD.top + plotH - (v / top) * plotH; }
-
-    // Grid and axes.
-    ctx.strokeStyle = "rgba(128,128,128,0.25)";
-    ctx.fillStyle = textColour;
-    ctx.lineWidth = 1;
-    ctx.textAlign = "right";
-    ctx.textBaseline = "middle";
-    for (var v = 0; v <= top + step / 2; v += step) {
-      var y = Math.round(yOf(v)) + 0.5;
-      ctx.beginPath();
-      ctx.moveTo(PAD.left, y);
-      ctx.lineTo(PAD.left + plotW, y);
-      ctx.stroke();
-      ctx.fillText(formatValue(v, unit), PAD.left - 4, y);
-    }
-    ctx.textAlign = "center";
-    ctx.textBaseline = "top";
-    var span = x1 - x0;
-    for (var i = 0; i <= 4; i += 1) {
-      var t = x0 + (span * i) / 4;
-      var label = formatTime(t, span);
-      var x = xOf(t);
-      if (i === 0) { ctx.textAlign = "left"; } else if (i === 4) { ctx.textAlign = "right"; } else { ctx.textAlign = "center"; }
-      ctx.fillText(label, x, PAD.top + plotH + 5);
-    }
-
-    // Scale events: dashed vertical lines, then their labels.
-    var eventXs = [];
-    ctx.save();
-    ctx.setLineDash([3, 3]);
-    ctx.strokeStyle = EVENT_COLOUR;
-    (payload.events || []).forEach(function (event) {
-      if (event.t < x0 || event.t > x1) { return; }
-      var ex = Math.round(xOf(event.t)) + 0.5;
-      eventXs.push({ x: ex, text: event.role.charAt(0) + "→" + event.to });
-      ctx.beginPath();
-      ctx.moveTo(ex, PAD.top);
-      ctx.lineTo(ex, PAD.top + plotH);
-      ctx.stroke();
-    });
-    ctx.restore();
-
-    // Event labels: the new count, with a halo of the chart's background, under the series (data is
-    // never hidden); right of the marker, or left of it where the label would run off the canvas
-    // (new events sit at the right edge).
-    ctx.save();
-    ctx.font = "11px sans-serif";
-    ctx.textBaseline = "top";
-    ctx.lineJoin = "round";
-    ctx.lineWidth = 3;
-    ctx.strokeStyle = window.getComputedStyle(canvas.parentNode).backgroundColor || "#fff";
-    ctx.fillStyle = EVENT_COLOUR;
-    eventXs.forEach(function (marker) {
-      var fitsRight = marker.x + 3 + ctx.measureText(marker.text).width <= width;
-      var tx = fitsRight ? marker.x + 3 : marker.x - 3;
-      ctx.textAlign = fitsRight ? "left" : "right";
-      ctx.strokeText(marker.text, tx, PAD.top + 1);
-      ctx.fillText(marker.text, tx, PAD.top + 1);
-    });
-    ctx.restore();
-
-    if (!any) {
-      ctx.fillStyle = textColour;
-      ctx.textAlign = "center";
-      ctx.textBaseline = "middle";
-      ctx.fillText("no samples in this window", PAD.left + plotW / 2, PAD.top + plotH / 2);
-    }
-
-    // One line per role; a null value or a long silence (workers down) breaks the line.
-    roles.forEach(function (role, index) {
-      var series = payload.series[role];
-      var times = series.t || [];
-      var values = series[field] || [];
+  /* uPlot's data ([x in seconds, one y array per line]) over the union of the lines' times. A point a
+   * line lacks is `undefined` (uPlot draws across it) unless it falls inside a long silence of that
+   * line, where it is `null` (a gap); each silence gets a time of its own so that it always shows. */
+  function align(lines) {
+    var times = {};
+    var silences = lines.map(function (line) {
       var gaps = [];
-      for (var k = 1; k < times.length; k += 1) { gaps.push(times[k] - times[k - 1]); }
-      var maxGap = Math.max(3 * median(gaps), 15000);
-      ctx.strokeStyle = colourOf(role, index);
-      ctx.fillStyle = colourOf(role, index);
-      ctx.lineWidth = 1.6;
-      ctx.beginPath();
-      var drawing = false;
-      var lastT = null;
-      var points = 0;
-      for (var j = 0; j < times.length; j += 1) {
-        var value = values[j];
-        if (value === null || value === undefined || isNaN(value)) { drawing = false; continue; }
-        var px = xOf(times[j]);
-        var py = yOf(value);
-        if (drawing && lastT !== null && times[j] - lastT <= maxGap) {
-          ctx.lineTo(px, py);
-        } else {
-          ctx.moveTo(px, py);
-          ctx.fillRect(px - 1.5, py - 1.5, 3, 3);
+      for (var k = 1; k < line.t.length; k += 1) { gaps.push(line.t[k] - line.t[k - 1]); }
+      var maxGap = Math.max(3 * median(gaps), MIN_GAP_MS);
+      var found = [];
+      line.t.forEach(function (t, i) {
+        times[t] = true;
+        if (i > 0 && t - line.t[i - 1] > maxGap) {
+          found.push([line.t[i - 1], t]);
+          times[line.t[i - 1] + 1] = true;
         }
-        drawing = true;
-        lastT = times[j];
-        points += 1;
-      }
-      if (points) { ctx.stroke(); }
+      });
+      return found;
     });
+    var xs = Object.keys(times).map(Number).sort(function (a, b) { return a - b; });
+    var data = [xs.map(function (t) { return t / 1000; })];
+    lines.forEach(function (line, index) {
+      var at = {};
+      line.t.forEach(function (t, i) { at[t] = line.v[i]; });
+      var column = xs.map(function (t) {
+        if (Object.prototype.hasOwnProperty.call(at, t)) { return at[t] === undefined ? null : at[t]; }
+        var inSilence = silences[index].some(function (gap) { return t > gap[0] && t < gap[1]; });
+        return inSilence ? null : undefined;
+      });
+      data.push(column);
+    });
+    return data;
+  }
 
-    this.drawHover(payload, roles, xOf, yOf, x0, x1, plotH);
+  function hasValues(data) {
+    for (var i = 1; i < data.length; i += 1) {
+      for (var j = 0; j < data[i].length; j += 1) {
+        if (data[i][j] !== null && data[i][j] !== undefined) { return true; }
+      }
+    }
+    return false;
+  }
+
+  /* A uPlot plugin drawing the scale events of the current payload as dashed lines with labels. */
+  function eventsPlugin(chart) {
+    return {
+      hooks: {
+        draw: [function (u) {
+          var payload = chart.payload;
+          if (!payload) { return; }
+          var ctx = u.ctx;
+          var ratio = window.devicePixelRatio || 1;
+          var top = u.bbox.top;
+          var bottom = u.bbox.top + u.bbox.height;
+          var right = u.bbox.left + u.bbox.width;
+          ctx.save();
+          ctx.strokeStyle = EVENT_COLOUR;
+          ctx.fillStyle = EVENT_COLOUR;
+          ctx.lineWidth = ratio;
+          ctx.font = Math.round(11 * ratio) + "px sans-serif";
+          ctx.textBaseline = "top";
+          (payload.events || []).forEach(function (event) {
+            var x = Math.round(u.valToPos(event.t / 1000, "x", true)) + 0.5;
+            if (x < u.bbox.left || x > right) { return; }
+            ctx.setLineDash([3 * ratio, 3 * ratio]);
+            ctx.beginPath();
+            ctx.moveTo(x, top);
+            ctx.lineTo(x, bottom);
+            ctx.stroke();
+            ctx.setLineDash([]);
+            var text = event.role.charAt(0) + "→" + event.to;
+            var fitsRight = x + 3 * ratio + ctx.measureText(text).width <= right;
+            ctx.textAlign = fitsRight ? "left" : "right";
+            ctx.fillText(text, fitsRight ? x + 3 * ratio : x - 3 * ratio, top + ratio);
+          });
+          ctx.restore();
+        }],
+      },
+    };
+  }
+
+  function Chart(figure, registry) {
+    this.figure = figure;
+    this.id = figure.getAttribute("data-chart");
+    this.unit = figure.getAttribute("data-unit");
+    this.holder = figure.querySelector(".metrics-plot");
+    this.empty = figure.querySelector(".metrics-empty");
+    this.registry = registry;
+    this.plot = null;
+    this.key = null;
+    this.payload = null;
+  }
+
+  Chart.prototype.width = function () {
+    return Math.max(this.holder.clientWidth || this.figure.clientWidth - 16 || 400, 200);
   };
 
-  Chart.prototype.drawHover = function (payload, roles, xOf, yOf, x0, x1, plotH) {
-    var tooltip = this.tooltip;
-    if (this.hoverX === null || this.hoverX < PAD.left) { tooltip.style.display = "none"; return; }
-    var ctx = this.canvas.getContext("2d");
-    var field = this.field;
+  Chart.prototype.options = function (lines) {
+    var self = this;
     var unit = this.unit;
-    var plotW = this.canvas.clientWidth - PAD.left - PAD.right;
-    var t = x0 + ((this.hoverX - PAD.left) / plotW) * (x1 - x0);
-    var lines = [formatTime(t, 0)];
-    ctx.strokeStyle = "rgba(128,128,128,0.7)";
-    ctx.lineWidth = 1;
-    ctx.beginPath();
-    ctx.moveTo(this.hoverX + 0.5, PAD.top);
-    ctx.lineTo(this.hoverX + 0.5, PAD.top + plotH);
-    ctx.stroke();
-    roles.forEach(function (role, index) {
-      var times = payload.series[role].t || [];
-      var values = payload.series[role][field] || [];
-      var best = -1;
-      for (var k = 0; k < times.length; k += 1) {
-        if (best < 0 || Math.abs(times[k] - t) < Math.abs(times[best] - t)) { best = k; }
-      }
-      if (best < 0) { return; }
-      var value = values[best];
-      if (value !== null && value !== undefined) {
-        ctx.fillStyle = colourOf(role, index);
-        ctx.beginPath();
-        ctx.arc(xOf(times[best]), yOf(value), 3, 0, 2 * Math.PI);
-        ctx.fill();
-      }
-      lines.push(role + ": " + formatValue(value, unit));
-    });
-    tooltip.textContent = lines.join("  ·  ");
-    tooltip.style.display = "block";
-    var left = Math.min(this.hoverX + 12, this.canvas.clientWidth - tooltip.offsetWidth);
-    tooltip.style.left = Math.max(left, 0) + "px";
-    tooltip.style.top = "30px";
+    return {
+      width: this.width(),
+      height: HEIGHT,
+      plugins: [eventsPlugin(this)],
+      cursor: { drag: { x: false, y: false } },
+      scales: {
+        // The window of the latest payload, even where samples do not reach its ends.
+        x: { time: true, range: function () {
+          var since = Date.parse(self.payload.since) / 1000;
+          var now = Date.parse(self.payload.now) / 1000;
+          return [since, now > since ? now : since + 1];
+        } },
+        y: {
+          range: function (u, min, max) {
+            var top = max === null || max === undefined || isNaN(max) ? 0 : max;
+            if (unit === "ratio") { top = Math.max(top, 1); }
+            if (top <= 0) { top = 1; }
+            return [0, top * (unit === "ratio" && top <= 1 ? 1 : 1.1)];
+          },
+        },
+      },
+      axes: [
+        { stroke: "currentColor", grid: { stroke: "rgba(128,128,128,0.2)" } },
+        { stroke: "currentColor", grid: { stroke: "rgba(128,128,128,0.2)" }, size: 64,
+          values: function (u, splits) { return splits.map(function (v) { return formatValue(v, unit); }); } },
+      ],
+      series: [{ value: function (u, v) { return v === null ? "–" : formatTime(v * 1000, 0); } }].concat(
+        lines.map(function (line) {
+          return { label: line.label, stroke: line.colour, width: 1.6, spanGaps: false,
+            points: { size: 4 }, value: function (u, v) { return formatValue(v, unit); } };
+        })
+      ),
+    };
+  };
+
+  Chart.prototype.update = function (payload, split) {
+    this.payload = payload;
+    var spec = null;
+    (payload.charts || []).forEach(function (c) { if (c.id === this.id) { spec = c; } }, this);
+    if (!spec) { return; }
+    var lines = linesOf(spec, payload, split);
+    var data = align(lines);
+    var key = split + "|" + lines.map(function (l) { return l.label; }).join("|");
+    if (this.plot && key === this.key) {
+      this.plot.setData(data);  // rescales: x to the new window (see options), y to the new values
+    } else {
+      if (this.plot) { this.plot.destroy(); }
+      this.plot = new window.uPlot(this.options(lines), data, this.holder);
+      this.key = key;
+    }
+    this.registry[this.id] = this.plot;
+    this.empty.hidden = hasValues(data);
+  };
+
+  Chart.prototype.resize = function () {
+    if (this.plot) { this.plot.setSize({ width: this.width(), height: HEIGHT }); }
   };
 
   function App(root) {
@@ -279,6 +252,7 @@
     this.url = root.getAttribute("data-url");
     this.refreshMs = Number(root.getAttribute("data-refresh-ms") || 5000);
     this.windowSelect = document.getElementById("metrics-window");
+    this.splitSelect = document.getElementById("metrics-split");
     this.pauseButton = document.getElementById("metrics-pause");
     this.status = document.getElementById("metrics-status");
     this.replicas = document.getElementById("metrics-replicas");
@@ -286,17 +260,25 @@
     this.paused = false;
     this.timer = null;
     this.payload = null;
-    this.charts = Array.prototype.map.call(root.querySelectorAll("canvas[data-field]"), function (canvas) {
-      return new Chart(canvas);
+    this.refreshes = 0;
+    window.metricsCharts = {};
+    var registry = window.metricsCharts;
+    this.charts = Array.prototype.map.call(root.querySelectorAll("figure[data-chart]"), function (figure) {
+      return new Chart(figure, registry);
     });
     var self = this;
     this.windowSelect.addEventListener("change", function () { self.refresh(); });
+    this.splitSelect.addEventListener("change", function () { self.render(); });
     this.pauseButton.addEventListener("click", function () {
       self.paused = !self.paused;
       self.pauseButton.textContent = self.paused ? "Resume" : "Pause";
       if (!self.paused) { self.refresh(); }
     });
-    window.addEventListener("resize", function () { self.render(); });
+    var resizeTimer = null;
+    window.addEventListener("resize", function () {
+      window.clearTimeout(resizeTimer);
+      resizeTimer = window.setTimeout(function () { self.charts.forEach(function (c) { c.resize(); }); }, 100);
+    });
     document.addEventListener("visibilitychange", function () { if (!document.hidden) { self.refresh(); } });
   }
 
@@ -319,6 +301,8 @@
       .then(function (payload) {
         self.payload = payload;
         self.render();
+        self.refreshes += 1;
+        self.root.setAttribute("data-refreshes", String(self.refreshes));
         self.status.className = "metrics-status";
         self.status.textContent = "updated " + formatTime(Date.now(), 0) + ", every " + self.refreshMs / 1000 + "s";
       })
@@ -332,7 +316,8 @@
   App.prototype.render = function () {
     var payload = this.payload;
     if (!payload) { return; }
-    this.charts.forEach(function (chart) { chart.update(payload); });
+    var split = this.splitSelect.value;
+    this.charts.forEach(function (chart) { chart.update(payload, split); });
     var parts = [];
     var replicas = (payload.deployment && payload.deployment.replicas) || {};
     Object.keys(replicas).forEach(function (role) {
@@ -358,7 +343,14 @@
 
   function start() {
     var root = document.getElementById("metrics-app");
-    if (root) { new App(root).refresh(); }
+    if (!root) { return; }
+    if (typeof window.uPlot !== "function") {
+      var status = document.getElementById("metrics-status");
+      status.className = "metrics-status error";
+      status.textContent = "the chart library (uPlot) did not load";
+      return;
+    }
+    new App(root).refresh();
   }
 
   if (document.readyState === "loading") {
