@@ -105,6 +105,42 @@ def prefill_split(q_lens: list[int]) -> list[tuple[int, int]]:
     return out
 
 
+class BlockTableCache:
+    """The block table of the last decode batch, reused while the batch stays the same.
+
+    Between two decode steps of an unchanged batch only a sequence that crossed into a new block
+    changes its row (every `block_size` steps), so the `[batch, max_blocks]` tensor is patched instead of
+    rebuilt from Python lists. The cache holds the sequences themselves: their `id()`s, the key, cannot
+    be reused by new objects while it does.
+    """
+
+    def __init__(self) -> None:
+        self._seqs: list[Sequence] = []
+        self._key: tuple[int, ...] = ()
+        self._lens: list[int] = []
+        self._table: torch.Tensor | None = None
+
+    def get(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The block table of `seqs` (in this order), patched from the previous call's when possible."""
+        key = tuple(map(id, seqs))
+        lens = [len(s.block_ids) for s in seqs]
+        table = self._table
+        if table is None or key != self._key or max(lens) > table.shape[1]:
+            table = block_table(seqs)
+        elif lens != self._lens:
+            for i, (new, old) in enumerate(zip(lens, self._lens, strict=True)):
+                if new != old:
+                    row = seqs[i].block_ids
+                    table[i, :new] = torch.tensor(row, dtype=torch.int64)
+                    table[i, new:] = 0
+        self._seqs, self._key, self._lens, self._table = list(seqs), key, lens, table
+        return table
+
+    def clear(self) -> None:
+        """Forget the cached batch (and release its sequences)."""
+        self._seqs, self._key, self._lens, self._table = [], (), [], None
+
+
 def build_metadata(
     seqs: list[Sequence],
     is_prefill: bool,
@@ -112,15 +148,18 @@ def build_metadata(
     block_stride: int,
     mask_dtype: torch.dtype,
     device: torch.device,
+    table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, BatchMetadata]:
     """Input token ids and metadata of one step over `seqs` (sorted by `num_tokens`, ascending).
 
-    A prefill step computes each sequence's tokens after its `num_cached` cached ones.
+    A prefill step computes each sequence's tokens after its `num_cached` cached ones. `table`: the
+    batch's block table when the caller has it (see `BlockTableCache`).
     """
     b = len(seqs)
     ctx = [s.num_tokens for s in seqs]
     ctx_t = torch.tensor(ctx, dtype=torch.int64)
-    table = block_table(seqs)
+    if table is None:
+        table = block_table(seqs)
     if is_prefill:
         flat: list[int] = []
         for s in seqs:

@@ -391,6 +391,8 @@ class LLMEngine:
         """Run the forward pass for `batch`, sample, and apply the results."""
         tokens = self.runner.run(batch, is_prefill)
         outputs: list[RequestOutput] = []
+        caching = self.scheduler.enable_prefix_caching
+        bs = self.block_size
         for seq, tok in zip(batch, tokens, strict=True):
             if is_prefill and seq.chunk:
                 # A chunk of a longer prompt: no token yet (its logits are dropped), more chunks follow.
@@ -399,7 +401,8 @@ class LLMEngine:
                 self.scheduler.requeue_partial(seq)
                 continue
             before, seq.num_cached = seq.num_cached, seq.num_tokens
-            self._register_blocks(seq, before)
+            if caching and seq.num_cached // bs > before // bs:  # a block became full: register it
+                self._register_blocks(seq, before)
             if seq.prefill_only and not seq.output_token_ids:
                 # Prefill side of a disaggregated request: report the first token and keep the blocks.
                 # Stop checks happen on the decode side (kv_received), which owns the stream.
@@ -435,7 +438,8 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         """Append a generated token, update the text and decide whether the request is finished."""
-        seq.output_token_ids.append(token)
+        out_ids = seq.output_token_ids
+        out_ids.append(token)
         seq.pending_token_ids.append(token)
         params = seq.params
         detok = seq.detokenizer
@@ -444,8 +448,9 @@ class LLMEngine:
             reason = "stop"  # the stop token is reported in token ids but not rendered into text
         elif detok is not None and detok.append(token):
             reason = "stop"
+        n_out = len(out_ids)
         if reason is None and (
-            len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len
+            n_out >= params.max_tokens or len(seq.prompt_token_ids) + n_out >= self.max_model_len
         ):
             reason = "length"
         if detok is not None:

@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from .batch import BatchMetadata, build_metadata
+from .batch import BatchMetadata, BlockTableCache, build_metadata
 from .compile import check_compile_available, compile_model
 from .config import ModelConfig
 from .dtypes import dtype_name, resolve_dtype
@@ -102,6 +102,8 @@ class ModelRunner:
             device,
         )
         self.compiled = use_compile
+        # The block table, reused between decode steps of an unchanged batch.
+        self._tables = BlockTableCache()
         if use_compile:
             compile_model(self.model)
         logger.info(
@@ -145,8 +147,9 @@ class ModelRunner:
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, BatchMetadata]:
         """Input ids and metadata for `seqs`, which must be in `order`'s order."""
+        table = None if is_prefill else self._tables.get(seqs)
         return build_metadata(
-            seqs, is_prefill, self.block_size, self.kv_cache.block_stride, self.dtype, self.device
+            seqs, is_prefill, self.block_size, self.kv_cache.block_stride, self.dtype, self.device, table
         )
 
     @staticmethod
@@ -161,9 +164,14 @@ class ModelRunner:
         per sequence; returns them in `batch` order."""
         order = self.order(batch)
         seqs = [batch[i] for i in order]
+        # The common all-greedy batch needs neither the per-row parameters nor the sampler's tensors.
+        greedy = all(s.params.greedy for s in seqs)
         input_ids, meta = self.prepare(seqs, is_prefill)
         logits = self.model(input_ids, meta, self.kv_cache)
-        sampled = sample(logits, [s.params for s in seqs], [len(s.output_token_ids) for s in seqs])
+        if greedy:
+            sampled = logits.argmax(dim=-1).tolist()
+        else:
+            sampled = sample(logits, [s.params for s in seqs], [len(s.output_token_ids) for s in seqs])
         tokens = [0] * len(batch)
         for pos, i in enumerate(order):
             tokens[i] = sampled[pos]

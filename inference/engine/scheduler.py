@@ -194,6 +194,12 @@ class Scheduler:
     def _plan_decode(self, out: SchedulerOutput) -> None:
         """Make sure every running sequence has a slot for its next token, preempting when the pool is dry."""
         bm = self.block_manager
+        bs = self.block_size
+        # Fast path, most steps: every sequence has a slot for its next token already (a new block is
+        # needed once every `block_size` tokens), so nothing is allocated or preempted.
+        if all(len(s.prompt_token_ids) + len(s.output_token_ids) <= len(s.block_ids) * bs for s in self.running):
+            out.decode = list(self.running)
+            return
         queue = deque(self.running)  # sorted by arrival: oldest first
         scheduled: list[Sequence] = []
         while queue:

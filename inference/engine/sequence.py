@@ -19,7 +19,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"  # done, blocks freed
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one engine step produced for one request.
 
