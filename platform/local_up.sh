@@ -25,7 +25,8 @@ fail() {  # name, message
   echo "$2; its log ($RUN/$1.log):" >&2; tail -20 "$RUN/$1.log" >&2; exit 1
 }
 
-$PY manage.py bootstrap_demo --model-path "$MODEL_DIR" --deployment "$DEPLOYMENT" | tee "$RUN/bootstrap.txt"
+$PY manage.py bootstrap_demo --model-path "$MODEL_DIR" --deployment "$DEPLOYMENT" \
+  --router-url "http://127.0.0.1:$PORT" | tee "$RUN/bootstrap.txt"
 start controller $PY manage.py controller
 start agent $PY manage.py agent --name local --address 127.0.0.1
 start router $PY -m inference.launch_router --deployment "$DEPLOYMENT" --listen-port "$PORT"

@@ -343,3 +343,23 @@ def test_collect_after_a_burst_on_real_workers(real_cluster: dict[str, Any]) -> 
     assert decode_sample is not None and decode_sample.throughput_tps and decode_sample.throughput_tps > 0
     role = MetricSample.objects.filter(deployment=deployment, role="decode").order_by("-at").first()
     assert role is not None and role.kv_transfer_bytes_per_s and role.rss_bytes
+
+
+@pytest.mark.django_db
+def test_the_demo_registers_its_router(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, settings: Any) -> None:
+    """`make up` passes the router's URL to bootstrap_demo, so the demo's metrics page has router series."""
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    settings.VAR_DIR = tmp_path
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setenv("PLATFORM_ADMIN_PASSWORD", "demo-password")
+    for _ in range(2):  # idempotent
+        call_command("bootstrap_demo", "--model-path", str(tmp_path), "--router-url", "http://127.0.0.1:8000/",
+                     stdout=open("/dev/null", "w"))  # noqa: SIM115
+    assert list(RouterEndpoint.objects.values_list("deployment__name", "url", "enabled")) == [
+        ("demo", "http://127.0.0.1:8000", True)
+    ]
+    with pytest.raises(CommandError):
+        call_command("bootstrap_demo", "--model-path", str(tmp_path), "--router-url", "not a url",
+                     stdout=open("/dev/null", "w"))  # noqa: SIM115

@@ -4,7 +4,8 @@ An admin user (password from PLATFORM_ADMIN_PASSWORD, else generated once and ke
 var/run/admin-password), an API token, the demo Model and a Deployment with one prefill and one
 decode worker, and the guide's scaling rules (prefill load > 0.8 and decode load > 0.7 add a worker;
 decode load < 0.2 for 5 minutes removes one, so a scale-out comes down again after the load; 22:00-07:00
-decode = 1). `make up` runs it before starting the controller, agent and router.
+decode = 1). `make up` runs it before starting the controller, agent and router, registering the router
+(`--router-url`) so that the metrics collector scrapes it.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from django.db import transaction
 from rest_framework.authtoken.models import Token
 
 from inference.actions import create_deployment
-from inference.models import Deployment, Model, RuleKind, ScalingRule
+from inference.models import Deployment, Model, RouterEndpoint, RuleKind, ScalingRule
 
 
 def _admin_password(path: Path) -> str:
@@ -53,6 +54,10 @@ class Command(BaseCommand):
         parser.add_argument("--context-length", type=int, default=2048)
         parser.add_argument("--max-replicas", type=int, default=2, help="scaling ceiling per role (default 2)")
         parser.add_argument("--admin-user", default="admin")
+        parser.add_argument(
+            "--router-url", default="",
+            help="the router's base URL, registered for the metrics collector to scrape (e.g. http://127.0.0.1:8000)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         """Create what is missing and print how to log in."""
@@ -67,6 +72,8 @@ class Command(BaseCommand):
                 user = self._admin(options["admin_user"], password)
                 token, _ = Token.objects.get_or_create(user=user)
                 deployment = self._deployment(options, model_path)
+                if options["router_url"]:
+                    self._router(deployment, options["router_url"])
                 self._rules(deployment)
         except ValidationError as exc:
             raise CommandError(f"invalid demo settings: {exc}") from exc
@@ -97,6 +104,12 @@ class Command(BaseCommand):
             decode_replicas=1, decode_min=1, decode_max=high, context_length=options["context_length"],
             router_policy="least-connections", batch_size=16,
         )
+
+    def _router(self, deployment: Deployment, url: str) -> None:
+        """Register the router (its /metrics feeds the metrics page: overhead, errors, 429s, client latency)."""
+        router = RouterEndpoint(deployment=deployment, url=url.rstrip("/"))
+        router.clean_fields()  # a valid URL (the row may exist already: updated below)
+        RouterEndpoint.objects.update_or_create(deployment=deployment, url=router.url, defaults={"enabled": True})
 
     def _rules(self, deployment: Deployment) -> None:
         """The guide's rules: add prefill above 0.8 load, decode above 0.7, remove an idle decode, one at night."""
