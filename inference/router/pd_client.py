@@ -166,7 +166,7 @@ class DisaggregatedClient:
     # Public
     # ----------------------------------------------------------------------------------------
 
-    async def generate(self, req: GenerateRequest, arrived: float | None = None) -> AsyncGenerator[Event, None]:
+    def generate(self, req: GenerateRequest, arrived: float | None = None) -> AsyncGenerator[Event, None]:
         """Run `req` and yield TokenEvents, then one DoneEvent (or an ErrorEvent after a failure).
 
         `arrived` (time.monotonic() when the client's request came in) starts the queue and
@@ -177,6 +177,11 @@ class DisaggregatedClient:
         timeout passed first. Closing or cancelling the generator closes the decode stream and
         posts `/internal/abort` to both workers.
         """
+        # The stream is `_generate` itself, not a generator around it: every token event passes
+        # one generator fewer (measured per streamed token).
+        return self._generate(req, arrived if arrived is not None else time.monotonic())
+
+    async def _generate(self, req: GenerateRequest, arrived: float) -> AsyncGenerator[Event, None]:
         if self.max_inflight is not None and self.inflight >= self.max_inflight:
             self.metrics.rejected.labels("inflight").inc()
             raise RouterError(
@@ -187,79 +192,73 @@ class DisaggregatedClient:
         # One event loop per process: the check above and this increment cannot interleave.
         self.inflight += 1
         try:
-            # aclosing: closing this generator must run the inner one's cleanup (the aborts) now.
-            async with contextlib.aclosing(self._generate(req, arrived or time.monotonic())) as events:
-                async for event in events:
-                    yield event
+            deadline = arrived + self.request_timeout_s
+            attempt, line, first_at, retries = await self._establish(req, arrived, deadline)
+            metrics = self.metrics
+            metrics.ttft.observe(first_at - arrived)
+            if retries:
+                metrics.retries.inc(retries)
+            prompt_ids = list(attempt.prompt_ids)
+            emitted: list[int] = []  # every token id forwarded to the client, across migrations
+            failed_decode: list[Endpoint] = []
+            migrations = 0
+            finished = False
+            last_at = first_at
+            try:
+                while True:  # bounded: every read has a timeout, the request a deadline, migrations a cap
+                    kind = line.get("type")
+                    following: dict[str, Any] | None = None
+                    failure: ErrorEvent | None = None
+                    if kind == "token":
+                        ids = _token_ids(line)
+                        text = str(line.get("text") or "")
+                        # Tokens that arrived in the same read go out as one event (one client write).
+                        while (following := self._ready(attempt)) is not None and following.get("type") == "token":
+                            ids = ids + _token_ids(following)
+                            text += str(following.get("text") or "")
+                        if ids:
+                            now = time.monotonic()
+                            if emitted:
+                                metrics.itl.observe((now - last_at) / len(ids))
+                            last_at = now
+                            emitted.extend(ids)
+                        yield TokenEvent(text=text, token_ids=ids)
+                    elif kind == "done":
+                        finished = True
+                        metrics.e2e.observe(time.monotonic() - arrived)
+                        done = self._done_event(req, attempt, line, arrived, first_at, len(emitted), retries)
+                        if migrations:
+                            # The last worker saw prompt + earlier tokens as its prompt: report the client's view.
+                            done.usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(emitted),
+                                          "total_tokens": len(prompt_ids) + len(emitted)}
+                            done.migrations = migrations
+                        yield done
+                        return
+                    elif kind == "error":
+                        failure = ErrorEvent(f"decode worker {attempt.decode.url} failed: {line.get('message')}")
+                    # Other line types are skipped: newer workers may add some.
+                    if failure is None and following is not None:
+                        line = following
+                        continue
+                    if failure is None:
+                        next_line, failure = await self._next_line(attempt, deadline)
+                        if failure is None:
+                            assert next_line is not None
+                            line = next_line
+                            continue
+                    # The decode worker failed after the first token: move the stream, or end it cleanly.
+                    moved = await self._migrate(req, attempt, prompt_ids, emitted, failed_decode, migrations,
+                                                failure, deadline)
+                    if isinstance(moved, ErrorEvent):
+                        yield moved
+                        return
+                    attempt, line = moved
+                    migrations += 1
+            finally:
+                metrics.tokens.inc(len(emitted))  # once per request, not per token
+                await self._finish(attempt, abort=not finished)
         finally:
             self.inflight -= 1
-
-    async def _generate(self, req: GenerateRequest, arrived: float) -> AsyncGenerator[Event, None]:
-        deadline = arrived + self.request_timeout_s
-        attempt, line, first_at, retries = await self._establish(req, arrived, deadline)
-        metrics = self.metrics
-        metrics.ttft.observe(first_at - arrived)
-        if retries:
-            metrics.retries.inc(retries)
-        prompt_ids = list(attempt.prompt_ids)
-        emitted: list[int] = []  # every token id forwarded to the client, across migrations
-        failed_decode: list[Endpoint] = []
-        migrations = 0
-        finished = False
-        last_at = first_at
-        try:
-            while True:  # bounded: every read has a timeout, the request a deadline, migrations a cap
-                kind = line.get("type")
-                following: dict[str, Any] | None = None
-                failure: ErrorEvent | None = None
-                if kind == "token":
-                    ids = _token_ids(line)
-                    text = str(line.get("text") or "")
-                    # Tokens that arrived in the same read go out as one event (one client write).
-                    while (following := self._ready(attempt)) is not None and following.get("type") == "token":
-                        ids = ids + _token_ids(following)
-                        text += str(following.get("text") or "")
-                    if ids:
-                        now = time.monotonic()
-                        if emitted:
-                            metrics.itl.observe((now - last_at) / len(ids))
-                        last_at = now
-                        emitted.extend(ids)
-                    yield TokenEvent(text=text, token_ids=ids)
-                elif kind == "done":
-                    finished = True
-                    metrics.e2e.observe(time.monotonic() - arrived)
-                    done = self._done_event(req, attempt, line, arrived, first_at, len(emitted), retries)
-                    if migrations:
-                        # The last worker saw prompt + earlier tokens as its prompt: report the client's view.
-                        done.usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(emitted),
-                                      "total_tokens": len(prompt_ids) + len(emitted)}
-                        done.migrations = migrations
-                    yield done
-                    return
-                elif kind == "error":
-                    failure = ErrorEvent(f"decode worker {attempt.decode.url} failed: {line.get('message')}")
-                # Other line types are skipped: newer workers may add some.
-                if failure is None and following is not None:
-                    line = following
-                    continue
-                if failure is None:
-                    next_line, failure = await self._next_line(attempt, deadline)
-                    if failure is None:
-                        assert next_line is not None
-                        line = next_line
-                        continue
-                # The decode worker failed after the first token: move the stream, or end it cleanly.
-                moved = await self._migrate(req, attempt, prompt_ids, emitted, failed_decode, migrations,
-                                            failure, deadline)
-                if isinstance(moved, ErrorEvent):
-                    yield moved
-                    return
-                attempt, line = moved
-                migrations += 1
-        finally:
-            metrics.tokens.inc(len(emitted))  # once per request, not per token
-            await self._finish(attempt, abort=not finished)
 
     async def _migrate(
         self,
@@ -657,8 +656,7 @@ class DisaggregatedClient:
         remaining = self._remaining(deadline)
         wait = min(self.stall_timeout_s, remaining)
         try:
-            async with asyncio.timeout(wait):
-                line = await attempt.reader.next()
+            line = await attempt.reader.next_within(wait)
         except TimeoutError:
             if wait >= remaining:
                 return None, ErrorEvent(f"request exceeded {self.request_timeout_s:g}s", status=504, migratable=False)
@@ -728,7 +726,9 @@ class DisaggregatedClient:
         the background.
         """
         try:
-            attempt.reader = None
+            if attempt.reader is not None:
+                attempt.reader.close()
+                attempt.reader = None
             if attempt.response is not None:
                 response, attempt.response = attempt.response, None
                 if abort:

@@ -402,6 +402,34 @@ def final_body(parsed: ParsedRequest, result: Collected, model: str) -> dict[str
     }
 
 
+def sse_preamble(parsed: ParsedRequest, model: str) -> bytes:
+    """What a stream starts with before its first token: the assistant role chunk for chat, else nothing."""
+    if parsed.kind == "chat":
+        return sse(_chunk(parsed, model, {"role": "assistant", "content": ""}, None, None))
+    return b""
+
+
+def sse_event(parsed: ParsedRequest, event: Event, model: str) -> tuple[bytes, bool]:
+    """The Server-Sent Event bytes for one event, and whether it ends the stream.
+
+    A plain function rather than a generator around the event stream: a streamed token passes
+    through one async generator fewer on its way to the client (measured per streamed token).
+    The last event's bytes end with `data: [DONE]`.
+    """
+    if isinstance(event, TokenEvent):
+        if parsed.kind == "generate":
+            return sse({"text": event.text, "token_ids": event.token_ids}), False
+        return sse(_chunk(parsed, model, {"content": event.text}, None, event.token_ids)), False
+    if isinstance(event, DoneEvent):
+        if parsed.kind == "generate":
+            return sse(done_fields(event)) + SSE_DONE, True
+        out = sse(_chunk(parsed, model, {}, event.finish_reason, None))
+        if parsed.include_usage:
+            out += sse(_usage_chunk(parsed, model, event.usage))
+        return out + SSE_DONE, True
+    return sse(error_body(event.status, event.message)) + SSE_DONE, True
+
+
 async def sse_stream(
     parsed: ParsedRequest, first: Event | None, events: AsyncIterator[Event], model: str
 ) -> AsyncGenerator[bytes, None]:
@@ -409,30 +437,18 @@ async def sse_stream(
 
     `first` is the already received first event (the view waits for it so that errors before
     the first token still get their HTTP status). Closing this generator closes `events`, which
-    aborts the request on its workers.
+    aborts the request on its workers. (The gateway inlines this loop; see `sse_event`.)
     """
     try:
-        if parsed.kind == "chat":
-            yield sse(_chunk(parsed, model, {"role": "assistant", "content": ""}, None, None))
+        preamble = sse_preamble(parsed, model)
+        if preamble:
+            yield preamble
         event = first
         while event is not None:  # bounded by the client generator, whose waits all time out
-            if isinstance(event, TokenEvent):
-                if parsed.kind == "generate":
-                    yield sse({"text": event.text, "token_ids": event.token_ids})
-                else:
-                    delta = {"content": event.text}
-                    yield sse(_chunk(parsed, model, delta, None, event.token_ids))
-            elif isinstance(event, DoneEvent):
-                if parsed.kind == "generate":
-                    yield sse(done_fields(event))
-                else:
-                    yield sse(_chunk(parsed, model, {}, event.finish_reason, None))
-                    if parsed.include_usage:
-                        yield sse(_usage_chunk(parsed, model, event.usage))
-                break
-            elif isinstance(event, ErrorEvent):
-                yield sse(error_body(event.status, event.message))
-                break
+            chunk, last = sse_event(parsed, event, model)
+            yield chunk
+            if last:
+                return
             event = await anext(events, None)
         yield SSE_DONE
     finally:

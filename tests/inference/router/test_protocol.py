@@ -102,8 +102,9 @@ def _stream(kind: str, body: dict[str, Any], items: list[Event]) -> list[Any]:
         first = await anext(source)
         return [chunk async for chunk in sse_stream(parsed, first, source, "m")]
 
-    chunks = asyncio.run(collect())
-    assert all(c.startswith(b"data: ") and c.endswith(b"\n\n") for c in chunks)
+    # One chunk may carry several events (the last event and `[DONE]` go out in one write).
+    chunks = [event + b"\n\n" for event in b"".join(asyncio.run(collect())).split(b"\n\n") if event]
+    assert all(c.startswith(b"data: ") for c in chunks)
     assert chunks[-1] == b"data: [DONE]\n\n"
     return [json.loads(c[6:]) for c in chunks[:-1]]
 
