@@ -143,6 +143,9 @@ CELERY_TIMEZONE = TIME_ZONE
 
 # Metric samples (charts, scaling) older than this are pruned (inference.actions.prune_metric_samples).
 METRICS_RETENTION_HOURS = env_int("METRICS_RETENTION_HOURS", 72, minimum=1)
+# Stopped and failed Worker rows older than this (since their last change) are deleted
+# (nodes.actions.prune_stopped_workers, hourly): every `make down`/`make up` leaves a set behind.
+WORKER_RETENTION_HOURS = env_int("WORKER_RETENTION_HOURS", 24, minimum=1)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

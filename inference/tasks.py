@@ -13,6 +13,7 @@ from celery import shared_task
 
 from inference import actions, collector, controller, scaling
 from inference.models import Deployment
+from nodes import actions as node_actions
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,12 @@ def check_node_heartbeats() -> list[str]:
     """Mark silent nodes UNREACHABLE and probe their workers (only those that stop answering are
     re-placed); returns the names of the nodes newly unreachable."""
     return [node.name for node in controller.check_node_heartbeats()]
+
+
+@shared_task(name="inference.tasks.prune_workers", ignore_result=True)
+def prune_workers() -> int:
+    """Delete stopped/failed Worker rows older than WORKER_RETENTION_HOURS; returns how many."""
+    return node_actions.prune_stopped_workers()
 
 
 @shared_task(name="inference.tasks.prune_metrics", ignore_result=True)

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
@@ -291,6 +292,24 @@ def restart_worker(worker: Worker) -> None:
     if worker.node.status in (NodeStatus.OFFLINE, NodeStatus.UNREACHABLE):
         raise ValueError(f"node {worker.node.name} is {worker.node.status}; its worker cannot be restarted")
     _send_to_node(worker, "restart_worker", worker_id=worker.pk)
+
+
+def prune_stopped_workers(older_than: timedelta | None = None, *, now: datetime | None = None) -> int:
+    """Delete STOPPED and FAILED workers unchanged for `older_than` (default WORKER_RETENTION_HOURS).
+
+    Returns how many rows were deleted. Their processes are gone; their metric history stays (worker
+    samples name the worker instead of referencing it) and so do the ScaleEvents that placed them.
+    Live workers are never touched, however old.
+    """
+    if older_than is None:
+        older_than = timedelta(hours=settings.WORKER_RETENTION_HOURS)
+    cutoff = (now or _now()) - older_than
+    stale = Worker.objects.filter(status__in=FINAL_WORKER_STATUSES, updated_at__lt=cutoff)
+    count = stale.count()
+    if count:
+        stale.delete()
+        logger.info("pruned %d stopped/failed worker row(s) unchanged since %s", count, cutoff.isoformat())
+    return count
 
 
 def _send_to_node(worker: Worker, task_name: str, **kwargs: Any) -> None:

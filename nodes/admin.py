@@ -1,20 +1,30 @@
 """Admin of nodes and workers: live status lists, and the drain / restart actions."""
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
 from django.conf import settings
 from django.contrib import admin, messages
+from django.contrib.admin.views.main import ChangeList
 from django.db.models import Count, Q, QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
+from django.utils.text import Truncator
 
 from nodes.models import ACTIVE_WORKER_STATUSES, Node, NodeStatus, Worker, WorkerStatus
+from nodes.pinning import CpuOverlap, live_cpu_overlaps, overlapping_worker_ids
+
+# The stylesheet that keeps the node and worker lists (and the deployment page's inlines) within the
+# window: compact cells, long text cut with an ellipsis and shown whole on hover.
+LIST_CSS = "nodes/admin_lists.css"
+# Characters of a worker's last /health JSON shown in the hover title of its list cell.
+HEALTH_TITLE_CHARS = 1500
 
 # Colours of the status badges (the admin's own palette: green, amber, red, grey).
 _STATUS_COLOURS: dict[str, str] = {
@@ -100,6 +110,14 @@ def human_bytes(count: float | None) -> str:
     return f"{value:.1f} TiB"
 
 
+def short_reason(note: str, limit: int = 48) -> str:
+    """The headline of a reason for a list column: the text before its first parenthesis, cut at a word
+    with an ellipsis past `limit` characters (the full text goes in the cell's title). A plain
+    character cut made "No module named 'pyverbs'" read "No module named ", losing the name."""
+    headline = note.split(" (", 1)[0].strip() or note.strip()
+    return Truncator(headline).chars(limit)
+
+
 def health_summary(health: Mapping[str, Any] | None) -> str:
     """One line from a worker's last /health answer: status, queue, running, KV usage, CPU/GPU."""
     if not isinstance(health, Mapping) or not health:
@@ -119,6 +137,71 @@ def health_summary(health: Mapping[str, Any] | None) -> str:
     elif cpu is not None:
         parts.append(f"CPU {percent(cpu)}")
     return " · ".join(parts)
+
+
+def health_title(health: Mapping[str, Any] | None) -> str:
+    """The whole last /health answer as JSON for a hover title, cut at HEALTH_TITLE_CHARS."""
+    if not isinstance(health, Mapping) or not health:
+        return ""
+    text = json.dumps(health, sort_keys=True, default=str)
+    return text if len(text) <= HEALTH_TITLE_CHARS else text[:HEALTH_TITLE_CHARS] + "…"
+
+
+def cpu_ranges(cpu_ids: list[Any] | None) -> str:
+    """CPU ids as compact ranges: [0, 1, 2, 5] -> "0-2,5" ("–" when not pinned)."""
+    ids = sorted({int(c) for c in cpu_ids or [] if isinstance(c, int | str) and str(c).lstrip("-").isdigit()})
+    if not ids:
+        return "–"
+    parts: list[str] = []
+    start = prev = ids[0]
+    for cpu in [*ids[1:], None]:
+        if cpu is not None and cpu == prev + 1:
+            prev = cpu
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if cpu is not None:
+            start = prev = cpu
+    return ",".join(parts)
+
+
+def warn_overlaps(model_admin: admin.ModelAdmin, request: HttpRequest, overlaps: list[CpuOverlap]) -> None:
+    """One admin warning per pair of workers pinned to shared CPUs."""
+    for overlap in overlaps:
+        model_admin.message_user(request, f"CPU pinning overlaps: {overlap.describe()}.", messages.WARNING)
+
+
+class WorkerStateFilter(admin.SimpleListFilter):
+    """Stopped workers are hidden unless asked for: every `make down` / `make up` leaves a set behind
+    (they are pruned after WORKER_RETENTION_HOURS). Failed ones stay visible: they need a look."""
+
+    title = "state"
+    parameter_name = "state"
+    DEFAULT_LABEL = "Not stopped"
+
+    def lookups(self, request: HttpRequest, model_admin: admin.ModelAdmin) -> list[tuple[str, str]]:
+        """The non-default choices (the default, no parameter, is "Not stopped")."""
+        return [("active", "Active (live)"), ("stopped", "Stopped"), ("all", "All")]
+
+    def choices(self, changelist: Any) -> Any:
+        """The default entry reads "Not stopped" instead of Django's "All" (which is a choice here)."""
+        for choice in super().choices(changelist):
+            if choice.get("query_string") and self.value() is None and choice["display"] == "All" \
+                    and "lookup" not in choice:
+                choice["display"] = self.DEFAULT_LABEL
+            yield choice
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
+        """Apply the choice; with none, drop stopped workers unless the status filter asks for them."""
+        value = self.value()
+        if value == "all":
+            return queryset
+        if value == "stopped":
+            return queryset.filter(status=WorkerStatus.STOPPED)
+        if value == "active":
+            return queryset.filter(status__in=ACTIVE_WORKER_STATUSES)
+        if "status__exact" in request.GET:
+            return queryset
+        return queryset.exclude(status=WorkerStatus.STOPPED)
 
 
 class WorkerInline(admin.TabularInline):
@@ -150,6 +233,10 @@ class NodeAdmin(admin.ModelAdmin):
     """Hosts with their live status: heartbeat age, CPU, memory, GPUs, RDMA and worker count."""
 
     change_list_template = "admin/nodes/node/change_list.html"
+
+    class Media:
+        css = {"all": [LIST_CSS]}
+
     list_display = [
         "name",
         "address",
@@ -188,6 +275,12 @@ class NodeAdmin(admin.ModelAdmin):
                         "last_metrics", "registered_at"]},
         ),
     ]
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        """The list, with a warning for each pair of live workers pinned to shared CPUs."""
+        if request.method == "GET":
+            warn_overlaps(self, request, live_cpu_overlaps())
+        return super().changelist_view(request, extra_context)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet:
         """Nodes with their count of live workers (one query for the whole list)."""
@@ -256,7 +349,7 @@ class NodeAdmin(admin.ModelAdmin):
             names = [str(d.get("name", d)) if isinstance(d, Mapping) else str(d) for d in devices]
             return ", ".join(names)
         if node.rdma_note:
-            return format_html('<span title="{}">no ({})</span>', node.rdma_note, node.rdma_note[:40])
+            return format_html('<span title="{}">no ({})</span>', node.rdma_note, short_reason(node.rdma_note))
         return "no"
 
     @admin.display(description="workers", ordering="live_workers")
@@ -306,11 +399,26 @@ class NodeAdmin(admin.ModelAdmin):
             )
 
 
+class WorkerChangeList(ChangeList):
+    """The worker list's rows, each told whether it shares a CPU with another live worker."""
+
+    def get_results(self, request: HttpRequest) -> None:
+        """Fetch the page, then set `cpu_overlap` on each row from the ids changelist_view found."""
+        super().get_results(request)
+        overlapping: set[int] = getattr(request, "cpu_overlaps", set())
+        for worker in self.result_list:
+            worker.cpu_overlap = worker.pk in overlapping
+
+
 @admin.register(Worker)
 class WorkerAdmin(admin.ModelAdmin):
     """Worker processes: deployment, node, role, URL, status, pid, restarts, health, last error."""
 
     change_list_template = "admin/nodes/worker/change_list.html"
+
+    class Media:
+        css = {"all": [LIST_CSS]}
+
     list_display = [
         "id",
         "deployment",
@@ -318,13 +426,14 @@ class WorkerAdmin(admin.ModelAdmin):
         "role",
         "url_link",
         "status_badge",
+        "cpus",
         "pid",
         "restarts",
         "health",
         "error",
         "seen",
     ]
-    list_filter = ["status", "role", "deployment", "node"]
+    list_filter = [WorkerStateFilter, "status", "role", "deployment", "node"]
     list_select_related = ["deployment", "node"]
     search_fields = ["deployment__name", "node__name", "last_error"]
     actions = ["restart_workers"]
@@ -363,10 +472,36 @@ class WorkerAdmin(admin.ModelAdmin):
         """Bulk delete only the stopped or failed rows among those selected."""
         queryset.filter(status__in=[WorkerStatus.STOPPED, WorkerStatus.FAILED]).delete()
 
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        """The list, with a warning for each pair of live workers pinned to shared CPUs (their CPU
+        cells are marked too)."""
+        if request.method == "GET":
+            overlaps = live_cpu_overlaps()
+            warn_overlaps(self, request, overlaps)
+            # Per request (the ModelAdmin is shared by every thread): WorkerChangeList marks the rows.
+            request.cpu_overlaps = overlapping_worker_ids(overlaps)  # type: ignore[attr-defined]
+        return super().changelist_view(request, extra_context)
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        """The ChangeList that marks the rows of workers pinned to shared CPUs."""
+        return WorkerChangeList
+
     @admin.display(description="URL")
     def url_link(self, worker: Worker) -> SafeString:
-        """The worker's base URL, linking to its /health."""
-        return format_html('<a href="{}/health" target="_blank" rel="noopener">{}</a>', worker.url, worker.url)
+        """The worker's host:port (the scheme takes room and is always http), linking to its /health."""
+        short = worker.url.removeprefix("http://")
+        return format_html('<a href="{}/health" target="_blank" rel="noopener">{}</a>', worker.url, short)
+
+    @admin.display(description="CPUs")
+    def cpus(self, worker: Worker) -> SafeString | str:
+        """The CPUs the worker is pinned to, marked when another live worker shares one."""
+        text = cpu_ranges(worker.cpu_ids)
+        if getattr(worker, "cpu_overlap", False):
+            return format_html(
+                '<span class="cpu-overlap" title="another live worker on this node is pinned to one of '
+                'these CPUs">⚠ {}</span>', text,
+            )
+        return text
 
     @admin.display(description="status", ordering="status")
     def status_badge(self, worker: Worker) -> SafeString:
@@ -374,9 +509,13 @@ class WorkerAdmin(admin.ModelAdmin):
         return status_badge(worker.status, worker.get_status_display())
 
     @admin.display(description="last health")
-    def health(self, worker: Worker) -> str:
-        """Summary of the last /health answer."""
-        return health_summary(worker.last_health)
+    def health(self, worker: Worker) -> SafeString | str:
+        """Summary of the last /health answer; the whole JSON on hover."""
+        summary = health_summary(worker.last_health)
+        title = health_title(worker.last_health)
+        if not title:
+            return summary
+        return format_html('<span class="cell-clip" title="{}">{}</span>', title, summary)
 
     @admin.display(description="last error")
     def error(self, worker: Worker) -> SafeString | str:
@@ -384,7 +523,7 @@ class WorkerAdmin(admin.ModelAdmin):
         if not worker.last_error:
             return "–"
         first = worker.last_error.strip().splitlines()[0] if worker.last_error.strip() else ""
-        return format_html('<span title="{}">{}</span>', worker.last_error, first[:80])
+        return format_html('<span class="cell-clip" title="{}">{}</span>', worker.last_error, first[:200])
 
     @admin.display(description="last seen", ordering="last_seen")
     def seen(self, worker: Worker) -> SafeString | str:

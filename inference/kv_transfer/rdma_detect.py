@@ -13,7 +13,7 @@ def rdma_available() -> tuple[bool, str, list[str]]:
         from pyverbs.device import get_device_list
         from pyverbs.pyverbs_error import PyverbsError
     except ImportError as exc:  # pyverbs not installed, or a libibverbs ABI mismatch
-        return False, f"pyverbs not importable: {exc}", []
+        return False, pyverbs_import_reason(exc), []
     if not os.path.isdir("/sys/class/infiniband_verbs"):
         # Without ib_uverbs, ibv_get_device_list() fails with ENOSYS and pyverbs raises.
         return False, "kernel has no RDMA verbs support (/sys/class/infiniband_verbs missing)", []
@@ -24,6 +24,16 @@ def rdma_available() -> tuple[bool, str, list[str]]:
     if not devices:
         return False, "no RDMA devices (see ibv_devices; Soft-RoCE: rdma link add rxe0 type rxe netdev IF)", []
     return True, "ok", [d.name.decode() for d in devices]
+
+
+def pyverbs_import_reason(exc: ImportError) -> str:
+    """Why pyverbs did not import, headline first: "pyverbs is not installed (No module named 'pyverbs')"
+    for a missing module, naming it (a missing dependency of pyverbs is named too)."""
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        if exc.name.split(".")[0] == "pyverbs":
+            return f"pyverbs is not installed ({exc})"
+        return f"pyverbs needs the missing module {exc.name} ({exc})"
+    return f"pyverbs not importable ({exc})"
 
 
 def ibv_errno() -> str | None:

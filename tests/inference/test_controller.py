@@ -630,7 +630,7 @@ def test_setup_schedules_is_idempotent() -> None:
     call_command("setup_schedules", stdout=open("/dev/null", "w"))  # noqa: SIM115
     call_command("setup_schedules", stdout=open("/dev/null", "w"))  # noqa: SIM115
     tasks = {t.task: t for t in PeriodicTask.objects.filter(name__startswith="platform: ")}
-    assert len(tasks) == 5
+    assert len(tasks) == 6
     every = {name: (t.interval.every, t.interval.period) for name, t in tasks.items()}
     assert every == {
         "inference.tasks.collect_metrics": (5, "seconds"),
@@ -638,6 +638,7 @@ def test_setup_schedules_is_idempotent() -> None:
         "inference.tasks.check_node_heartbeats": (5, "seconds"),
         "inference.tasks.reconcile_all": (30, "seconds"),
         "inference.tasks.prune_metrics": (1, "hours"),
+        "inference.tasks.prune_workers": (1, "hours"),
     }
     assert all(t.enabled for t in tasks.values())
 

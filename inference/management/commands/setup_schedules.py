@@ -16,6 +16,7 @@ SCHEDULES: list[tuple[str, str, int, str]] = [
     ("platform: check node heartbeats", "inference.tasks.check_node_heartbeats", 5, IntervalSchedule.SECONDS),
     ("platform: reconcile all", "inference.tasks.reconcile_all", 30, IntervalSchedule.SECONDS),
     ("platform: prune metrics", "inference.tasks.prune_metrics", 1, IntervalSchedule.HOURS),
+    ("platform: prune stopped workers", "inference.tasks.prune_workers", 1, IntervalSchedule.HOURS),
 ]
 _PERIOD_SECONDS = {IntervalSchedule.SECONDS: 1, IntervalSchedule.MINUTES: 60, IntervalSchedule.HOURS: 3600}
 
