@@ -13,6 +13,7 @@ Three measurements per model, all in one process and one run:
 
     .venv/bin/python -m bench.engine_throughput            # tiny model + SmolLM2, a few minutes
     .venv/bin/python -m bench.engine_throughput --quick    # tiny model only, seconds
+    .venv/bin/python -m bench.engine_throughput --step-ab REV --rounds 5  # step/forward, this tree vs REV
 """
 from __future__ import annotations
 
@@ -211,6 +212,81 @@ def step_vs_forward(
         "step_over_forward": ratio(step, fwd),
         "hf_forward_over_ours": ratio(median(hf_ms), fwd),
     }
+
+
+# ------------------------------------------------------------------------------- step / forward A/B
+
+# Runs inside each measured tree (this one or a baseline worktree): only uses helpers both have.
+STEP_CHILD = r"""
+import json, random, sys
+from pathlib import Path
+import torch
+torch.set_num_threads(1)
+from bench.engine_throughput import _engine, step_vs_forward
+cfg = json.loads(sys.argv[1])
+engine = _engine(Path(cfg["model"]), 64, 2048, cfg["dtype"])
+vocab = engine.config.vocab_size
+rng = random.Random(1)
+prompts = [[rng.randrange(3, vocab) for _ in range(32)] for _ in range(64)]
+res = {}
+for b in cfg["batches"]:
+    r = step_vs_forward(engine, None, prompts, b, cfg["iters"])
+    res[str(b)] = {"step_ms": r["engine_step_ms"], "forward_ms": r["our_forward_ms"], "ratio": r["step_over_forward"]}
+long_prompt = [rng.randrange(3, vocab) for _ in range(1024)]
+r = step_vs_forward(engine, None, prompts, 32, cfg["iters"], long_prompt=long_prompt)
+res["mixed"] = {"step_ms": r["engine_step_ms"], "forward_ms": r["our_forward_ms"], "ratio": r["step_over_forward"]}
+print("RESULT " + json.dumps(res))
+"""
+
+
+def step_ab(baseline_rev: str, model: Path, rounds: int, batches: list[int], iters: int,
+            dtype: str) -> dict[str, Any]:
+    """Decode step ÷ bare forward of the baseline revision and of this tree, alternating for `rounds`
+    rounds (each side a fresh process per round), so that the shared machine's drift hits both alike.
+    Per side and batch: the median ratio over rounds and its range (the noise)."""
+    from bench.engine_ab import baseline_tree
+
+    sides = {"baseline": baseline_tree(baseline_rev), "current": ROOT}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
+    cfg = json.dumps({"model": str(model), "batches": batches, "iters": iters, "dtype": dtype})
+    env = {"PYTHONPATH": "", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PATH": "/usr/bin:/bin"}
+    for r in range(rounds):
+        for name, tree in sides.items():
+            proc = subprocess.run([sys.executable, "-c", STEP_CHILD, cfg], cwd=tree, capture_output=True, text=True,
+                                  env=env | {"PYTHONPATH": str(tree)}, timeout=900)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                raise RuntimeError(f"step measurement in {tree} failed:\n{proc.stderr[-3000:]}")
+            runs[name].append(json.loads(line[len("RESULT "):]))
+            log(f"round {r + 1} {name}: " + ", ".join(f"{k} {v['ratio']:.2f}" for k, v in runs[name][-1].items()))
+    keys = [str(b) for b in batches] + ["mixed"]
+    summary = {
+        name: {
+            k: {
+                "ratio_median": median([run[k]["ratio"] for run in runs[name]]),
+                "ratio_min": min(run[k]["ratio"] for run in runs[name]),
+                "ratio_max": max(run[k]["ratio"] for run in runs[name]),
+                "step_ms_median": median([run[k]["step_ms"] for run in runs[name]]),
+                "forward_ms_median": median([run[k]["forward_ms"] for run in runs[name]]),
+            }
+            for k in keys
+        }
+        for name in sides
+    }
+    return {"baseline": baseline_rev, "model": str(model), "dtype": dtype, "rounds": rounds, "iters": iters,
+            "summary": summary, "runs": runs}
+
+
+def _step_ab_table(result: dict[str, Any]) -> str:
+    rows = []
+    for k, base in result["summary"]["baseline"].items():
+        cur = result["summary"]["current"][k]
+        rows.append([k, f"{base['ratio_median']:.2f} ({base['ratio_min']:.2f}-{base['ratio_max']:.2f})",
+                     f"{cur['ratio_median']:.2f} ({cur['ratio_min']:.2f}-{cur['ratio_max']:.2f})",
+                     fmt(base["step_ms_median"]), fmt(cur["step_ms_median"]), fmt(base["forward_ms_median"]),
+                     fmt(cur["forward_ms_median"])])
+    return markdown_table(["batch", "baseline step/forward (range)", "current step/forward (range)",
+                           "baseline step ms", "current step ms", "baseline fwd ms", "current fwd ms"], rows)
 
 
 # ------------------------------------------------------------------------------------------ vLLM
@@ -426,8 +502,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="float32,auto",
                    help="comma-separated engine dtypes to measure (auto: the fastest on this machine)")
     p.add_argument("--device", default="cpu", help="device of our engine and of transformers (cpu, cuda)")
+    p.add_argument("--step-ab", metavar="REV", default=None,
+                   help="only the decode step ÷ bare forward ratio on the tiny model, alternating this tree "
+                   "with the engine at git revision REV (--rounds rounds)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of --step-ab (default 5)")
+    p.add_argument("--step-iters", type=int, default=40, help="decode steps timed per batch in --step-ab")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(p, argv)
+    if args.step_ab:
+        model = args.model_dir or tiny_model_dir()
+        result = step_ab(args.step_ab, model, args.rounds, [1, 8, 32], args.step_iters, "float32")
+        print_header("decode step / bare forward, A/B")
+        print(_step_ab_table(result))
+        path = write_result(args.out_dir, "engine_step_ab", MODULE, argv, result)
+        print(f"\nresult: {path}")
+        return 0
     deadline = Deadline(args.budget_s)
     import torch
 
