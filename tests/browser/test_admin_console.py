@@ -4,96 +4,57 @@ A live Django server (pytest-django's `live_server`, static files served) runs a
 database; Debian's headless Chromium drives it through playwright-python. Celery messages are
 recorded instead of sent (tests.support.celery_capture), so no controller is needed and nothing is
 left in a broker queue. Each step saves a screenshot (see tests/browser/conftest.py for where).
+
+The metrics page is checked on what its chart library holds, not on pixels: after traffic through a
+real router process (over stand-in workers) and two runs of the metrics collector, the uPlot
+instances (window.metricsCharts) must hold router overhead, error rate and per-worker series with
+values, within the page's time window, and keep them through the page's auto-refresh.
 """
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from django.contrib.auth import get_user_model
 from django.utils import timezone
 
-from inference import actions
-from inference.models import Deployment, ScaleEvent, ScalingRule
-from nodes.models import Node
+from inference import actions, collector, selectors
+from inference.models import Deployment, RouterEndpoint, ScaleEvent, ScalingRule
+from nodes.models import Node, Worker
 from tests.browser.conftest import CHROMIUM, SKIP_REASON, BrowserSession
+from tests.inference.router.stand_ins import Cluster
 from tests.support.celery_capture import SentTasks, sent_tasks  # noqa: F401  (fixture)
 from tests.support.control_plane import make_deployment, make_model, make_node, make_worker
+from tests.support.processes import start_router
 
 pytestmark = [
     pytest.mark.skipif(not CHROMIUM.exists(), reason=SKIP_REASON),
-    pytest.mark.timeout(120),
+    pytest.mark.timeout(180),
 ]
 
 USERNAME = "root"
 PASSWORD = "browser-test-password"
 SAMPLES = 40  # per role, one every SAMPLE_EVERY: ten minutes of the page's default 15-minute window
 SAMPLE_EVERY = timedelta(seconds=15)
-# The colours metrics.js draws with (prefill and decode lines, scale-event markers).
-COLOURS = {"prefill": (0x15, 0x65, 0xC0), "decode": (0xE6, 0x51, 0x00), "event": (0x7B, 0x1F, 0xA2)}
+OK_REQUESTS = 10  # through the router, then one that fails on every decode worker
 # The metrics page's status line: "updated HH:MM:SS, every 5s" once a refresh has been drawn.
 STATUS_JS = "document.getElementById('metrics-status').textContent"
 
-# Per chart, for each of the painted colours: pixel count and horizontal extent (min/max x) on the canvas.
-CANVAS_PIXELS_JS = """
-(colours) => Array.from(document.querySelectorAll('canvas[data-field]')).map((canvas) => {
-  const data = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
-  const found = {};
-  for (const name of Object.keys(colours)) { found[name] = {count: 0, minX: Infinity, maxX: -Infinity}; }
-  let painted = 0;
-  for (let i = 0; i < data.length; i += 4) {
-    if (data[i + 3] === 0) { continue; }
-    painted += 1;
-    if (data[i + 3] < 200) { continue; }
-    const x = (i / 4) % canvas.width;
-    for (const [name, [r, g, b]] of Object.entries(colours)) {
-      if (Math.abs(data[i] - r) + Math.abs(data[i + 1] - g) + Math.abs(data[i + 2] - b) < 60) {
-        const f = found[name];
-        f.count += 1; f.minX = Math.min(f.minX, x); f.maxX = Math.max(f.maxX, x);
-      }
-    }
-  }
-  return {field: canvas.dataset.field, width: canvas.width, painted: painted, found: found};
-})
-"""
-
-# Per chart, the width in pixels of each scale event's label: the horizontal extent of purple pixels in
-# the label band at the top of the plot within 30 px of its dashed line (the line's own columns left
-# out). A label clipped by the canvas edge is narrower than a whole one.
-EVENT_LABELS_JS = """
-([r, g, b]) => Array.from(document.querySelectorAll('canvas[data-field]')).map((canvas) => {
-  const w = canvas.width, h = canvas.height;
-  const data = canvas.getContext('2d').getImageData(0, 0, w, h).data;
-  const pixel = (x, y) => data.slice(4 * (y * w + x), 4 * (y * w + x) + 4);
-  const isMarker = (x, y) => {
-    const p = pixel(x, y);
-    return p[3] > 200 && Math.abs(p[0] - r) + Math.abs(p[1] - g) + Math.abs(p[2] - b) < 60;
-  };
-  const isPurple = (x, y) => {  // label text, antialiased against its halo
-    const p = pixel(x, y);
-    return p[3] > 100 && p[2] - p[1] > 40 && p[0] - p[1] > 25;
-  };
-  const lines = [];
-  for (let x = 0; x < w; x += 1) {
-    let n = 0;
-    for (let y = 30; y < h - 30; y += 1) { if (isMarker(x, y)) { n += 1; } }
-    if (n > (h - 60) / 4) { lines.push(x); }
-  }
-  return lines.map((lx) => {
-    let minX = Infinity, maxX = -Infinity;
-    for (let x = Math.max(lx - 30, 0); x < Math.min(lx + 31, w); x += 1) {
-      if (Math.abs(x - lx) <= 1) { continue; }
-      for (let y = 8; y < 26; y += 1) {
-        if (isPurple(x, y)) { minX = Math.min(minX, x); maxX = Math.max(maxX, x); }
-      }
-    }
-    return maxX >= minX ? maxX - minX + 1 : 0;
-  });
-})
+# What the page's uPlot instances hold, by chart id: their series' labels (x first), their data
+# (x in seconds, then one array per line; a point a line lacks reads null) and the x scale's range.
+CHARTS_JS = """
+() => Object.fromEntries(Object.entries(window.metricsCharts || {}).map(([id, u]) => [id, {
+  labels: u.series.slice(1).map((s) => s.label),
+  data: u.data.map((column) => Array.from(column, (v) => (v === undefined ? null : v))),
+  x: [u.scales.x.min, u.scales.x.max],
+}]))
 """
 
 
@@ -112,20 +73,17 @@ def _wave(i: int, low: float, high: float, phase: float) -> float:
 
 
 def _prefill(i: int, low: float, high: float) -> float:
-    """Prefill's curve: it starts and ends near `high`, where the decode curve is near its `low`, so
-    neither line hides the other's ends (the checks below measure where each line starts and ends)."""
     return _wave(i, low, high, math.pi / 2)
 
 
 def _decode(i: int, low: float, high: float) -> float:
-    """Decode's curve: it starts and ends near `low`."""
     return _wave(i, low, high, -math.pi / 2)
 
 
 @pytest.fixture
 def console(sent_tasks: SentTasks, settings: Any) -> Console:  # noqa: F811
     """A superuser; an online node running a prefill worker; a deployment with a threshold rule, a scale
-    event five minutes ago and ten minutes of metric samples for both roles.
+    event five minutes ago and ten minutes of role-level metric samples.
 
     Passwords use a fast hasher: the default one costs a second of CPU per login on a busy machine.
     """
@@ -134,7 +92,7 @@ def console(sent_tasks: SentTasks, settings: Any) -> Console:  # noqa: F811
     node = make_node(name="gpu-node-1", last_heartbeat=timezone.now(),
                      last_metrics={"cpu_utilization": 0.35, "memory_used_bytes": 6 * 2**30})
     deployment = make_deployment(name="chat", model=make_model(name="smollm2-135m"))
-    make_worker(deployment, node, role="prefill", last_seen=timezone.now())
+    make_worker(deployment, node, role="prefill", last_seen=timezone.now(), port=1)  # nothing listens there
     rule = ScalingRule.objects.create(
         deployment=deployment, name="decode-load-high", kind="threshold", role="decode", threshold=0.7,
         duration_s=60, cooldown_s=300, step=1, breach_started_at=timezone.now(),
@@ -145,7 +103,6 @@ def console(sent_tasks: SentTasks, settings: Any) -> Console:  # noqa: F811
     ScaleEvent.objects.filter(pk=event.pk).update(created_at=now - timedelta(minutes=5))
     for i in range(SAMPLES):
         at = now - (SAMPLES - 1 - i) * SAMPLE_EVERY
-        # Prefill has no ITL and decode no TTFT; the decode workers run on CPU (no GPU utilisation).
         actions.record_metric_sample(
             deployment, "prefill", at=at, workers=2 if at >= now - timedelta(minutes=5) else 1,
             load=_prefill(i, 0.3, 0.9), ttft_s=_prefill(i, 0.08, 0.25), throughput_tps=_prefill(i, 400, 900),
@@ -162,41 +119,108 @@ def console(sent_tasks: SentTasks, settings: Any) -> Console:  # noqa: F811
     return Console(deployment=deployment, node=node, rule=rule)
 
 
-def _x_on_canvas(t_ms: float, payload: dict[str, Any], width: int) -> float:
-    """Where metrics.js puts time `t_ms` on a canvas `width` pixels wide (its PAD: 58 px left, 10 right)."""
-    since, now = (datetime.fromisoformat(payload[key]).timestamp() * 1000 for key in ("since", "now"))
-    return 58 + (t_ms - since) / (now - since) * (width - 58 - 10)
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """Two prefill and two decode stand-in workers (tests/inference/router/stand_ins.py)."""
+    stand_ins = Cluster()
+    try:
+        yield stand_ins
+    finally:
+        stand_ins.stop()
 
 
-def _assert_charts_drawn(browser: BrowserSession, payload: dict[str, Any]) -> None:
-    """Each chart shows the seeded scale event and, for each role with values of its metric in
-    `payload` (the JSON the page drew), a line from that role's first to its last sample's time."""
-    charts: list[dict[str, Any]] = browser.page.evaluate(CANVAS_PIXELS_JS, COLOURS)
-    fields = [chart["field"] for chart in charts]
-    assert set(fields) == set(actions.SERIES_FIELDS) - {"running"} and len(fields) == len(set(fields)), fields
-    for chart in charts:
-        field, width, found = chart["field"], chart["width"], chart["found"]
-        assert chart["painted"] > 2000, f"{field}: canvas nearly blank ({chart['painted']} pixels)"
-        assert found["event"]["count"] >= 20, f"{field}: no scale-event marker: {found['event']}"
-        for role in ("prefill", "decode"):
-            series = payload["series"][role]
-            times = [t for t, v in zip(series["t"], series[field], strict=True) if v is not None]
-            line = found[role]
-            if not times:
-                assert line["count"] == 0, f"{field}: a {role} line without {role} data: {line}"
-                continue
-            assert line["count"] >= 100, f"{field}: {role} line missing: {line}"
-            first, last = (_x_on_canvas(t, payload, width) for t in (times[0], times[-1]))
-            assert abs(line["maxX"] - last) <= 4, f"{field}: {role} line ends at x={line['maxX']}, not {last:.0f}"
-            # Both roles have 1 worker until the prefill scale-up: there decode's line covers prefill's.
-            if (field, role) != ("workers", "prefill"):
-                assert abs(line["minX"] - first) <= 4, f"{field}: {role} starts at x={line['minX']}, not {first:.0f}"
+@pytest.fixture(scope="module")
+def router_url(cluster: Cluster, log_dir: Path) -> Iterator[str]:
+    """A real router process (static endpoints) in front of the stand-ins."""
+    proc, url = start_router(cluster.prefill_urls, cluster.decode_urls, log_dir)
+    try:
+        yield url
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def traffic(browser: BrowserSession, console: Console, cluster: Cluster, router_url: str) -> list[Worker]:
+    """The stand-ins as the deployment's workers (on a second node) and the router registered; the
+    collector runs, OK_REQUESTS requests and one failing on both decode workers go through the router,
+    and the collector runs again: router, per-worker and per-role samples with values. Returns the
+    stand-ins' Worker rows."""
+    cluster.reset()
+    node = make_node(name="local", last_heartbeat=timezone.now())
+    deployment = console.deployment
+    workers = [
+        make_worker(deployment, node, role=stand_in.role, port=int(stand_in.url.rsplit(":", 1)[1]))
+        for stand_in in cluster.all()
+    ]
+    RouterEndpoint.objects.create(deployment=deployment, url=router_url)
+    collector.collect()
+    with httpx.Client(base_url=router_url, timeout=30) as client:
+        for i in range(OK_REQUESTS):
+            assert client.post("/generate", json={"prompt": f"hello {i}", "max_tokens": 4}).status_code == 200
+        for stand_in in cluster.decode:
+            stand_in.behavior = "http500"
+        assert client.post("/generate", json={"prompt": "fails", "max_tokens": 4}).status_code == 502
+    cluster.reset()
+    collector.collect()
+    return workers
+
+
+def _values(chart: dict[str, Any], label: str) -> list[float]:
+    """The non-null values of the line `label` in a chart read by CHARTS_JS."""
+    column = chart["data"][1 + chart["labels"].index(label)]
+    return [v for v in column if v is not None]
+
+
+def _assert_charts(browser: BrowserSession, payload: dict[str, Any], workers: list[Worker], split: str) -> None:
+    """The uPlot instances hold, for each chart of selectors.CHARTS, the lines the payload gives it
+    (router fields; workers; roles, or workers when split per worker), over the payload's window,
+    with the values of the payload, and the router and per-worker series have values."""
+    charts: dict[str, dict[str, Any]] = browser.page.evaluate(CHARTS_JS)
+    assert set(charts) == {c["id"] for c in selectors.CHARTS}
+    since, now = (datetime.fromisoformat(payload[key]).timestamp() for key in ("since", "now"))
+    names = [w["name"] for w in payload["workers"]]
+    assert sorted(names) == sorted(collector.worker_name(w) for w in workers)  # the sampled workers, by name
+    for spec in selectors.CHARTS:
+        chart = charts[spec["id"]]
+        assert chart["x"] == pytest.approx([since, now], abs=0.01), spec["id"]  # the page's window
+        if spec["source"] == "router":
+            expected = [payload["router_metrics"][f]["label"] for f in spec["fields"]]
+        elif spec["source"] == "worker" or (split == "worker" and spec.get("per_worker")):
+            expected = names
+        else:
+            expected = list(payload["series"])
+        assert chart["labels"] == expected, spec["id"]
+        assert len({len(column) for column in chart["data"]}) == 1, spec["id"]  # aligned columns
+
+    # Router overhead, client latency and error rate, as the router measured them.
+    overhead = charts["router_overhead"]
+    for label in ("Dispatch p50", "Dispatch p90"):
+        values = _values(overhead, label)
+        assert values and all(0 < v < 0.25 for v in values), (label, values)
+    assert _values(charts["client_ttft"], "Client TTFT p90")
+    errors = _values(charts["error_rate"], "Error rate (failed / all)")
+    assert errors == pytest.approx([1 / (OK_REQUESTS + 1)]), errors
+    assert _values(charts["rejected"], "Rejected (429)") == [0.0]
+    # Per worker: each stand-in took half of its role's requests (round robin; the failed request
+    # tried both decode workers), and reported its load.
+    share = charts["request_share"]
+    for name in names:
+        assert _values(share, name) == [pytest.approx(0.5)], name
+    load = charts["load"]
+    if split == "worker":
+        for name in names:
+            assert _values(load, name), name
+    else:
+        seeded = payload["series"]["decode"]["load"]
+        assert _values(load, "decode") == pytest.approx([v for v in seeded if v is not None])
 
 
 def test_admin_console_in_chromium(
-    browser: BrowserSession, live_server: Any, console: Console, sent_tasks: SentTasks  # noqa: F811
+    browser: BrowserSession, live_server: Any, console: Console, traffic: list[Worker],
+    sent_tasks: SentTasks,  # noqa: F811
 ) -> None:
-    """Log in, see the node online, watch the charts draw and refresh, edit a rule, scale decode +1."""
+    """Log in, see the node online, read the charts' data (per role, per worker) as it refreshes, edit a
+    rule, scale decode +1."""
     page = browser.page
     base = live_server.url
     deployment = console.deployment
@@ -225,27 +249,37 @@ def test_admin_console_in_chromium(
         page.goto(f"{base}/admin/inference/deployment/{deployment.pk}/change/")
         with page.expect_response(lambda r: "/metrics/data/" in r.url) as first:
             page.locator(".object-tools").get_by_role("link", name="Metrics").click()
-        assert first.value.ok and first.value.json()["series"]["decode"]["t"], "metrics data empty"
+        payload = first.value.json()
+        assert first.value.ok and payload["series"]["decode"]["t"] and payload["router"]["t"], "metrics data empty"
         page.wait_for_function(f"{STATUS_JS}.startsWith('updated')")
         replicas = " ".join(page.locator("#metrics-replicas").inner_text().split())
         assert replicas == "prefill: 2 desired [1–4] · decode: 1 desired [1–4] · status active"
         assert "seed: prefill load high" in page.locator("#metrics-events tbody").inner_text()
-        _assert_charts_drawn(browser, first.value.json())
-        # The page polls: the next refresh comes within its 5-second period and draws again (the status
-        # then names a later second).
-        status = page.evaluate(STATUS_JS)
+        assert page.locator(".metrics-note").count() == 0  # a router is registered
+        _assert_charts(browser, payload, traffic, "role")
+        # Hovering a chart: uPlot's legend reads out both roles' values there.
+        plot = page.locator("figure[data-chart=load] .u-over")
+        box = plot.bounding_box()
+        assert box is not None
+        plot.hover(position={"x": box["width"] * 0.6, "y": box["height"] / 2})
+        legend = page.locator("figure[data-chart=load] .u-legend")
+        assert re.search(r"prefill\s*\d+%", legend.inner_text()) and re.search(r"decode\s*\d+%", legend.inner_text())
+
+    with browser.step("metrics-per-worker"):
+        page.select_option("#metrics-split", "worker")
+        page.wait_for_function(
+            "window.metricsCharts.load.series.slice(1).every((s) => s.label !== 'prefill' && s.label !== 'decode')"
+        )
+        _assert_charts(browser, payload, traffic, "worker")
+        # The page polls: the next refresh comes within its 5-second period, and the charts keep their
+        # per-worker lines with the new payload's data.
+        refreshes = page.evaluate("document.getElementById('metrics-app').dataset.refreshes")
         with page.expect_response(lambda r: "/metrics/data/" in r.url, timeout=8_000) as second:
             pass
         assert second.value.ok
-        page.wait_for_function(f"{STATUS_JS} !== {status!r}")
-        _assert_charts_drawn(browser, second.value.json())
-        # Hovering a chart reads out both roles' values at that time.
-        load_chart = page.locator("canvas[data-field=load]")
-        box = load_chart.bounding_box()
-        assert box is not None
-        load_chart.hover(position={"x": box["width"] * 0.75, "y": box["height"] / 2})
-        tooltip = page.locator("figure:has(canvas[data-field=load]) .metrics-tooltip")
-        assert re.fullmatch(r"\d\d:\d\d:\d\d · prefill: \d+% · decode: \d+%", " ".join(tooltip.inner_text().split()))
+        page.wait_for_function(f"document.getElementById('metrics-app').dataset.refreshes !== {refreshes!r}")
+        _assert_charts(browser, second.value.json(), traffic, "worker")
+        page.select_option("#metrics-split", "role")
 
     rule = console.rule
     with browser.step("rule-edited"):
@@ -274,7 +308,7 @@ def test_admin_console_in_chromium(
         message = page.locator(".messagelist").text_content() or ""
         assert f"{deployment.name.capitalize()}: decode 1 → 2." in message  # the admin capitalises messages
         row = page.locator("#result_list tbody tr", has_text=deployment.name)
-        assert row.locator("td.field-decode").inner_text() == "2 [1–4] · 0 running"
+        assert row.locator("td.field-decode").inner_text() == "2 [1–4] · 2 running"
     deployment.refresh_from_db()
     assert deployment.decode_replicas == 2
     event = ScaleEvent.objects.get(deployment=deployment, role="decode")
@@ -290,13 +324,10 @@ def test_admin_console_in_chromium(
         assert "decode: 2 desired [1–4]" in page.locator("#metrics-replicas").inner_text()
         newest = page.locator("#metrics-events tbody tr").first.inner_text()
         assert "decode" in newest and "1 → 2" in newest and "manual" in newest
-        _assert_charts_drawn(browser, data.value.json())
-        # The new event sits at the right edge: its label ("d→2") is drawn whole (on the line's left),
-        # as wide as the older one's ("p→2").
-        for widths in browser.page.evaluate(EVENT_LABELS_JS, COLOURS["event"]):
-            assert len(widths) == 2 and min(widths) >= 12 and min(widths) >= 0.6 * max(widths), widths
+        _assert_charts(browser, data.value.json(), traffic, "role")
+        assert [e["reason"] for e in data.value.json()["events"]][-1] == f"admin action decode +1 by {USERNAME}"
 
-    steps = ["login", "nodes", "metrics", "rule-edited", "scaled-decode", "metrics-after-scale"]
+    steps = ["login", "nodes", "metrics", "metrics-per-worker", "rule-edited", "scaled-decode", "metrics-after-scale"]
     assert [path.name for path in browser.screenshots] == [
         f"admin-console-{n:02d}-{name}.png" for n, name in enumerate(steps, 1)
     ]

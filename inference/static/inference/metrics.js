@@ -29,8 +29,39 @@
   function scaled(v, steps, names) {
     var i = 0;
     while (Math.abs(v) >= steps && i < names.length - 1) { v /= steps; i += 1; }
-    return (Math.abs(v) >= 100 || i === 0 ? v.toFixed(0) : v.toFixed(1)) + " " + names[i];
+    return (Math.abs(v) >= 100 || Math.round(v) === v ? v.toFixed(0) : v.toFixed(1)) + " " + names[i];
   }
+
+  function defined(v) { return v !== null && v !== undefined; }
+
+  /* Indexes of the values uPlot's line would not show: no value before or after them, or a gap. */
+  function isolated(column) {
+    var found = [];
+    var previous = null;  // the last entry that is not undefined (undefined entries are drawn across)
+    for (var i = 0; i < column.length; i += 1) {
+      if (column[i] === undefined) { continue; }
+      if (defined(column[i]) && !defined(previous)) {
+        var next = null;
+        for (var j = i + 1; j < column.length; j += 1) { if (column[j] !== undefined) { next = column[j]; break; } }
+        if (!defined(next)) { found.push(i); }
+      }
+      previous = column[i];
+    }
+    return found;
+  }
+
+  function countValues(column) {
+    var n = 0;
+    for (var i = 0; i < column.length; i += 1) { if (defined(column[i])) { n += 1; } }
+    return n;
+  }
+
+  /* Points: all of them on a sparse line, else only those no line segment shows (a lone sample). */
+  var POINTS = {
+    size: 5,
+    show: function (u, si) { return countValues(u.data[si]) <= 30; },
+    filter: function (u, si, show) { return show ? null : isolated(u.data[si]); },
+  };
 
   function formatValue(v, unit) {
     if (v === null || v === undefined || isNaN(v)) { return "–"; }
@@ -125,9 +156,7 @@
 
   function hasValues(data) {
     for (var i = 1; i < data.length; i += 1) {
-      for (var j = 0; j < data[i].length; j += 1) {
-        if (data[i][j] !== null && data[i][j] !== undefined) { return true; }
-      }
+      if (countValues(data[i])) { return true; }
     }
     return false;
   }
@@ -211,14 +240,18 @@
         },
       },
       axes: [
-        { stroke: "currentColor", grid: { stroke: "rgba(128,128,128,0.2)" } },
+        { stroke: "currentColor", grid: { stroke: "rgba(128,128,128,0.2)" },
+          values: function (u, splits) {
+            var span = (u.scales.x.max - u.scales.x.min) * 1000;
+            return splits.map(function (v) { return formatTime(v * 1000, span); });
+          } },
         { stroke: "currentColor", grid: { stroke: "rgba(128,128,128,0.2)" }, size: 64,
           values: function (u, splits) { return splits.map(function (v) { return formatValue(v, unit); }); } },
       ],
       series: [{ value: function (u, v) { return v === null ? "–" : formatTime(v * 1000, 0); } }].concat(
         lines.map(function (line) {
-          return { label: line.label, stroke: line.colour, width: 1.6, spanGaps: false,
-            points: { size: 4 }, value: function (u, v) { return formatValue(v, unit); } };
+          return { label: line.label, stroke: line.colour, width: 1.6, spanGaps: false, points: POINTS,
+            value: function (u, v) { return formatValue(v, unit); } };
         })
       ),
     };
