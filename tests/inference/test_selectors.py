@@ -176,3 +176,31 @@ def test_prune_removes_old_worker_and_router_samples(settings: Any) -> None:
     settings.METRICS_RETENTION_HOURS = 0.5
     assert actions.prune_metric_samples() == 3
     assert RouterEndpoint.objects.filter(pk=router.pk).exists()  # the router itself stays
+
+
+def test_the_rest_api_and_the_admin_return_the_same_series(admin_client: Any) -> None:
+    """GET /api/deployments/{id}/metrics/ and the admin page's JSON are both metric_series_query."""
+    from django.contrib.auth import get_user_model
+    from django.urls import reverse
+    from rest_framework.authtoken.models import Token
+    from rest_framework.test import APIClient
+
+    deployment = make_deployment()
+    router = RouterEndpoint.objects.create(deployment=deployment, url="http://127.0.0.1:8000")
+    now = timezone.now()
+    actions.record_metric_sample(deployment, "decode", at=now, load=0.5)
+    _worker_sample(deployment, 4, "decode", now, load=0.5, request_share=1.0)
+    RouterSample.objects.create(deployment=deployment, router=router, at=now, dispatch_p50_s=0.001, error_rate=0.0)
+    token = Token.objects.create(user=get_user_model().objects.create_user("operator", password=None))
+    api = APIClient()
+    api.credentials(HTTP_AUTHORIZATION=f"Token {token.key}")
+    from_api = api.get(f"/api/deployments/{deployment.pk}/metrics/?minutes=5").json()
+    from_admin = admin_client.get(
+        reverse("admin:inference_deployment_metrics_data", args=[deployment.pk]) + "?minutes=5"
+    ).json()
+    for data in (from_api, from_admin):
+        assert data["router"]["dispatch_p50_s"] == [0.001] and data["router"]["error_rate"] == [0.0]
+        assert [(w["id"], w["request_share"]) for w in data["workers"]] == [(4, [1.0])]
+        assert data["series"]["decode"]["load"] == [0.5]
+    bad = api.get(f"/api/deployments/{deployment.pk}/metrics/?minutes=soon&role=gpu")
+    assert bad.status_code == 400 and set(bad.json()) >= {"minutes", "role"}
