@@ -105,40 +105,75 @@ def prefill_split(q_lens: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-class BlockTableCache:
-    """The block table of the last decode batch, reused while the batch stays the same.
+def slot_rows(table: torch.Tensor, block_size: int, block_stride: int) -> torch.Tensor:
+    """`[batch, max_blocks * block_size]`: the layer-0 K row (in `KVCache.rows`) of every token position
+    of every sequence of a block table."""
+    return (table[:, :, None] * block_stride + torch.arange(block_size)).flatten(1)
+
+
+class DecodeSlotCache:
+    """The slot rows of the last decode batch, reused while the batch stays the same.
 
     Between two decode steps of an unchanged batch only a sequence that crossed into a new block
-    changes its row (every `block_size` steps), so the `[batch, max_blocks]` tensor is patched instead of
-    rebuilt from Python lists. The cache holds the sequences themselves: their `id()`s, the key, cannot
-    be reused by new objects while it does.
+    changes (every `block_size` steps), so its row is patched instead of the whole table being rebuilt
+    from Python lists; each step then reads its write rows and key rows out of it with one indexing op
+    each. The cache holds the sequences themselves: their `id()`s, the key, cannot be reused by new
+    objects while it does.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int, block_stride: int) -> None:
+        """Rows for a KV cache of `block_size` tokens per block, `block_stride` rows between blocks."""
+        self.block_size = block_size
+        self.block_stride = block_stride
         self._seqs: list[Sequence] = []
         self._key: tuple[int, ...] = ()
         self._lens: list[int] = []
-        self._table: torch.Tensor | None = None
+        self._slots: torch.Tensor | None = None
 
     def get(self, seqs: list[Sequence]) -> torch.Tensor:
-        """The block table of `seqs` (in this order), patched from the previous call's when possible."""
+        """`slot_rows` of `seqs` (in this order), patched from the previous call's when possible."""
         key = tuple(map(id, seqs))
         lens = [len(s.block_ids) for s in seqs]
-        table = self._table
-        if table is None or key != self._key or max(lens) > table.shape[1]:
-            table = block_table(seqs)
+        slots = self._slots
+        if slots is None or key != self._key or max(lens) * self.block_size > slots.shape[1]:
+            slots = slot_rows(block_table(seqs), self.block_size, self.block_stride)
         elif lens != self._lens:
+            width = slots.shape[1] // self.block_size
+            offsets = torch.arange(self.block_size)
             for i, (new, old) in enumerate(zip(lens, self._lens, strict=True)):
                 if new != old:
-                    row = seqs[i].block_ids
-                    table[i, :new] = torch.tensor(row, dtype=torch.int64)
-                    table[i, new:] = 0
-        self._seqs, self._key, self._lens, self._table = list(seqs), key, lens, table
-        return table
+                    row = torch.tensor(seqs[i].block_ids + [0] * (width - new), dtype=torch.int64)
+                    slots[i] = (row[:, None] * self.block_stride + offsets).flatten()
+        self._seqs, self._key, self._lens, self._slots = list(seqs), key, lens, slots
+        return slots
 
     def clear(self) -> None:
         """Forget the cached batch (and release its sequences)."""
-        self._seqs, self._key, self._lens, self._table = [], (), [], None
+        self._seqs, self._key, self._lens, self._slots = [], (), [], None
+
+
+def decode_metadata(
+    seqs: list[Sequence], slots: torch.Tensor, mask_dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, BatchMetadata]:
+    """Input ids and metadata of a decode step over `seqs` (sorted by `num_tokens`, ascending), from
+    their `slot_rows` (see `DecodeSlotCache`). The same as `build_metadata(..., is_prefill=False)`."""
+    b = len(seqs)
+    ctx = [s.num_tokens for s in seqs]
+    ctx_t = torch.tensor(ctx, dtype=torch.int64)
+    pos = ctx_t - 1
+    seg = torch.arange(b)
+    meta = BatchMetadata(positions=pos.to(device), write_rows=slots[seg, pos].to(device), last_index=seg.to(device))
+    for i, j in decode_split(ctx):
+        max_k = ctx[j - 1]
+        rows = slots[i:j, :max_k].flatten()
+        mask = None
+        if ctx[i] != max_k:
+            k = torch.arange(max_k)
+            mask = torch.zeros((j - i, 1, 1, max_k), dtype=mask_dtype).masked_fill_(
+                (k[None, :] >= ctx_t[i:j, None])[:, None, None, :], float("-inf")
+            ).to(device)
+        meta.decode_buckets.append(DecodeBucket(i, j, max_k, rows.to(device), mask))
+    return torch.tensor([s.last_token_id for s in seqs], dtype=torch.int64, device=device), meta
 
 
 def build_metadata(
@@ -148,18 +183,15 @@ def build_metadata(
     block_stride: int,
     mask_dtype: torch.dtype,
     device: torch.device,
-    table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, BatchMetadata]:
     """Input token ids and metadata of one step over `seqs` (sorted by `num_tokens`, ascending).
 
-    A prefill step computes each sequence's tokens after its `num_cached` cached ones. `table`: the
-    batch's block table when the caller has it (see `BlockTableCache`).
+    A prefill step computes each sequence's tokens after its `num_cached` cached ones.
     """
     b = len(seqs)
     ctx = [s.num_tokens for s in seqs]
     ctx_t = torch.tensor(ctx, dtype=torch.int64)
-    if table is None:
-        table = block_table(seqs)
+    table = block_table(seqs)
     if is_prefill:
         flat: list[int] = []
         for s in seqs:

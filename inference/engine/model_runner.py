@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from .batch import BatchMetadata, BlockTableCache, build_metadata
+from .batch import BatchMetadata, DecodeSlotCache, build_metadata, decode_metadata
 from .compile import check_compile_available, compile_model
 from .config import ModelConfig
 from .dtypes import dtype_name, resolve_dtype
@@ -102,8 +102,8 @@ class ModelRunner:
             device,
         )
         self.compiled = use_compile
-        # The block table, reused between decode steps of an unchanged batch.
-        self._tables = BlockTableCache()
+        # Slot rows of the decode batch, reused between decode steps of an unchanged batch.
+        self._slots = DecodeSlotCache(block_size, self.kv_cache.block_stride)
         if use_compile:
             compile_model(self.model)
         logger.info(
@@ -147,10 +147,9 @@ class ModelRunner:
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, BatchMetadata]:
         """Input ids and metadata for `seqs`, which must be in `order`'s order."""
-        table = None if is_prefill else self._tables.get(seqs)
-        return build_metadata(
-            seqs, is_prefill, self.block_size, self.kv_cache.block_stride, self.dtype, self.device, table
-        )
+        if not is_prefill:
+            return decode_metadata(seqs, self._slots.get(seqs), self.dtype, self.device)
+        return build_metadata(seqs, is_prefill, self.block_size, self.kv_cache.block_stride, self.dtype, self.device)
 
     @staticmethod
     def order(batch: list[Sequence]) -> list[int]:

@@ -1,16 +1,19 @@
-"""Per-step reuse between decode steps: the patched block table always equals a fresh one, and the
-engine's greedy tokens stay transformers' across block boundaries, batch changes and preemption."""
+"""Per-step reuse between decode steps: the patched slot rows always equal fresh ones, decode metadata
+built from them equals the general builder's, and the engine's greedy tokens stay transformers' across
+block boundaries, batch changes and preemption."""
 from __future__ import annotations
 
 import torch
 
 from inference.engine import LLMEngine, SamplingParams
-from inference.engine.batch import BlockTableCache, block_table
+from inference.engine.batch import DecodeSlotCache, block_table, build_metadata, decode_metadata, slot_rows
 from inference.engine.sequence import Sequence
 
 from .conftest import TinyModel
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+BLOCK = 4
+STRIDE = 2 * 2 * BLOCK  # two layers of K and V
 
 
 def _seq(name: str, blocks: list[int]) -> Sequence:
@@ -19,27 +22,59 @@ def _seq(name: str, blocks: list[int]) -> Sequence:
     return seq
 
 
-def test_block_table_cache_patches_rows_and_rebuilds_when_needed() -> None:
+def _fresh(seqs: list[Sequence]) -> torch.Tensor:
+    return slot_rows(block_table(seqs), BLOCK, STRIDE)
+
+
+def test_slot_cache_patches_rows_and_rebuilds_when_needed() -> None:
     """A row that gained a block is patched in place; a new batch or a wider table is rebuilt; the
-    result always equals `block_table` of the same sequences."""
-    cache = BlockTableCache()
+    result always equals the slot rows of a fresh block table."""
+    cache = DecodeSlotCache(BLOCK, STRIDE)
     a, b, c = _seq("a", [4, 5]), _seq("b", [7]), _seq("c", [9, 1])
     first = cache.get([a, b, c])
-    assert torch.equal(first, block_table([a, b, c]))
+    assert torch.equal(first, _fresh([a, b, c]))
+    assert first[0, BLOCK + 1].item() == 5 * STRIDE + 1  # block 5, offset 1
     b.block_ids.append(2)  # b crossed into a new block: same width, patched in place
     patched = cache.get([a, b, c])
     assert patched.data_ptr() == first.data_ptr()
-    assert torch.equal(patched, block_table([a, b, c]))
+    assert torch.equal(patched, _fresh([a, b, c]))
     a.block_ids.append(8)  # wider than the table: rebuilt
     wider = cache.get([a, b, c])
-    assert wider.shape == (3, 3) and torch.equal(wider, block_table([a, b, c]))
+    assert wider.shape == (3, 3 * BLOCK) and torch.equal(wider, _fresh([a, b, c]))
     other = cache.get([a, c])  # another batch: rebuilt
-    assert torch.equal(other, block_table([a, c]))
-    c.block_ids = [3]  # a row that shrank (blocks replaced) is re-padded with zeros
-    same = cache.get([a, c])
-    assert torch.equal(same, block_table([a, c]))
+    assert torch.equal(other, _fresh([a, c]))
+    c.block_ids = [3]  # a row that shrank (blocks replaced) is re-padded with block 0
+    assert torch.equal(cache.get([a, c]), _fresh([a, c]))
     cache.clear()
-    assert torch.equal(cache.get([b]), block_table([b]))
+    assert torch.equal(cache.get([b]), _fresh([b]))
+
+
+def test_decode_metadata_equals_the_general_builder() -> None:
+    """Mixed context lengths (several buckets, masks): the cached-slot decode metadata is exactly what
+    `build_metadata` computes for the same decode step."""
+    lengths = [5, 6, 6, 40, 41, 300]
+    seqs = []
+    next_block = 1
+    for i, n in enumerate(lengths):
+        seq = Sequence(f"s{i}", list(range(1, n)), GREEDY, i)
+        seq.output_token_ids = [7]  # n tokens: n - 1 cached, the newest one to compute
+        seq.num_cached = n - 1
+        blocks = -(-n // BLOCK)
+        seq.block_ids = list(range(next_block, next_block + blocks))
+        next_block += blocks
+        seqs.append(seq)
+    ids_a, want = build_metadata(seqs, False, BLOCK, STRIDE, torch.float32, torch.device("cpu"))
+    ids_b, got = decode_metadata(seqs, DecodeSlotCache(BLOCK, STRIDE).get(seqs), torch.float32, torch.device("cpu"))
+    assert torch.equal(ids_a, ids_b)
+    for name in ("positions", "write_rows", "last_index"):
+        assert torch.equal(getattr(want, name), getattr(got, name))
+    assert len(want.decode_buckets) == len(got.decode_buckets) > 1
+    for x, y in zip(want.decode_buckets, got.decode_buckets, strict=True):
+        assert (x.start, x.end, x.max_k) == (y.start, y.end, y.max_k)
+        assert torch.equal(x.gather_rows, y.gather_rows)
+        assert (x.mask is None) == (y.mask is None)
+        if x.mask is not None and y.mask is not None:
+            assert torch.equal(x.mask, y.mask)
 
 
 def test_greedy_tokens_through_block_boundaries_and_batch_changes(llama: TinyModel) -> None:
