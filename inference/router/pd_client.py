@@ -484,6 +484,7 @@ class DisaggregatedClient:
         prefiller = asyncio.ensure_future(
             self._prefill(attempt, req, descriptor_line, deadline, failed_prefill, failures, busy)
         )
+        kept = False  # the prefill answer was left to finish in the background
         try:
             done, _pending = await asyncio.wait(
                 {reader, prefiller}, timeout=self._remaining(deadline), return_when=asyncio.FIRST_COMPLETED
@@ -507,15 +508,20 @@ class DisaggregatedClient:
                     exc.message = kv_timeout_message(exc.line, stalled.url)
                 raise
             # The first token came before the prefill answer (the KV is in place, the answer is on
-            # its way): give it a moment for its timings, but never fail the request over it.
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(prefiller), timeout=self._remaining(deadline, 1.0))
+            # its way): the token goes to the client now. Holding it for the answer cost up to a
+            # second of TTFT on a busy prefill worker, while the decode worker generated on for a
+            # client that could not yet see (or hang up on) its stream. The answer finishes in the
+            # background (bounded by the request deadline); its timings fill the done event if in.
+            if not prefiller.done():
+                self._keep(prefiller)
+                kept = True
             return line
         finally:
-            for task in (reader, prefiller):
+            tasks = [reader] if kept else [reader, prefiller]
+            for task in tasks:
                 task.cancel()
             # Bounded: both tasks only await network calls, which end promptly when cancelled.
-            await asyncio.gather(reader, prefiller, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _prefill(
         self,
@@ -749,6 +755,17 @@ class DisaggregatedClient:
             if attempt.holds_decode_slot:
                 attempt.holds_decode_slot = False
                 self.admission.release(attempt.decode)
+
+    def _keep(self, task: asyncio.Future[Any]) -> None:
+        """Let `task` finish in the background; its outcome no longer matters (errors are logged)."""
+        self._background.add(task)
+
+        def done(t: asyncio.Future[Any]) -> None:
+            self._background.discard(t)
+            if not t.cancelled() and (exc := t.exception()) is not None:
+                logger.info("prefill answer after the first token: %s", exc)
+
+        task.add_done_callback(done)
 
     def _spawn(self, coro: Any) -> asyncio.Future[None]:
         task: asyncio.Future[None] = asyncio.ensure_future(coro)
