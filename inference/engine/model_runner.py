@@ -55,8 +55,8 @@ class ModelRunner:
         use_compile: bool = False,
     ) -> None:
         """`num_blocks` given: exactly that pool (`max_num_seqs` defaults to the CPU cap then). Otherwise
-        the pool is sized from memory: `kv_cache_bytes` or a share of the available host memory on a CPU,
-        `gpu_memory_utilization` of the GPU minus the profiled peak on a GPU; `max_num_seqs` None is
+        the pool is sized from memory: `kv_cache_bytes` when given, else a share of the available host
+        memory on a CPU and `gpu_memory_utilization` of the GPU minus the profiled peak on a GPU; `max_num_seqs` None is
         derived from the pool. Raises `KVPoolTooSmall` when that pool cannot hold one `max_model_len`
         sequence, `CompileUnavailable` for `use_compile` without a usable compiler."""
         self.config = config
@@ -73,10 +73,10 @@ class ModelRunner:
             self.max_num_seqs = max_num_seqs or AUTO_BATCH_CAP["cpu"]
             self.kv_budget_bytes = num_blocks * block_bytes
         else:
-            if device.type == "cuda":
+            if device.type == "cuda" and kv_cache_bytes is None:
                 budget = self._profile_gpu_budget(gpu_memory_utilization, max_num_seqs, max_num_batched_tokens)
                 source = f"--gpu-memory-utilization {gpu_memory_utilization}"
-            else:
+            else:  # a CPU, or an explicit size on a GPU (it replaces the utilization rule, as in vLLM)
                 budget = cpu_kv_bytes(kv_cache_bytes)
                 source = (
                     f"--kv-cache-memory {format_bytes(kv_cache_bytes)}" if kv_cache_bytes is not None else
@@ -170,7 +170,8 @@ class ModelRunner:
         if greedy:
             sampled = logits.argmax(dim=-1).tolist()
         else:
-            sampled = sample(logits, [s.params for s in seqs], [len(s.output_token_ids) for s in seqs])
+            sampled = sample(logits, [s.params for s in seqs],
+                             [s.params.seed_offset + len(s.output_token_ids) for s in seqs])
         tokens = [0] * len(batch)
         for pos, i in enumerate(order):
             tokens[i] = sampled[pos]

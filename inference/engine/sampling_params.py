@@ -21,7 +21,10 @@ class SamplingParams:
     temperature 0 means greedy. top_k -1 (or 0) disables top-k; top_p 1.0 disables nucleus sampling;
     min_p 0.0 disables min-p (drop tokens less likely than `min_p` times the most likely one).
     With `seed` set, output token i is sampled with a generator seeded from (seed, i), so a prefill
-    worker and a decode worker continue one deterministic stream.
+    worker and a decode worker continue one deterministic stream. `seed_offset` is the number of
+    output tokens produced before this request took the stream over (a router migrating a stream
+    to another decode worker sets it): its first token is output token `seed_offset` of the seed's
+    sequence, so a seeded stream continues exactly as an unbroken run would.
     """
 
     max_tokens: int = 16
@@ -33,6 +36,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    seed_offset: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -63,6 +67,8 @@ class SamplingParams:
             )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if isinstance(self.seed_offset, bool) or not isinstance(self.seed_offset, int) or self.seed_offset < 0:
+            raise ValueError(f"seed_offset must be an integer >= 0, got {self.seed_offset!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dictionary (lists copied)."""

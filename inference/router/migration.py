@@ -22,7 +22,10 @@ def resumed_request(
     if remaining < 1 or not prompt_ids:
         return None
     return GenerateRequest(
-        sampling={**req.sampling, "max_tokens": remaining},
+        # The seeded sampler counts output tokens from `seed_offset`: the new worker's first token is
+        # output token len(emitted) of the stream, as in an unbroken run.
+        sampling={**req.sampling, "max_tokens": remaining,
+                  "seed_offset": int(req.sampling.get("seed_offset") or 0) + len(emitted)},
         input_ids=[*prompt_ids, *emitted],
         request_id=f"{req.request_id}-m{migration}",
     )

@@ -25,6 +25,7 @@ from .helpers import drain
         ({"temperature": float("nan")}, "temperature"),
         ({"top_k": -2}, "top_k"),
         ({"seed": "x"}, "seed"),
+        ({"seed_offset": -1}, "seed_offset"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ],
@@ -75,6 +76,21 @@ def test_seeded_sampling_reproducible_across_engines(llama: TinyModel) -> None:
     other = b.generate([llama.prompts[0]], [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=99)])
     assert other[0].token_ids != together[0]
     assert together[0] != llama.greedy[0][:16]  # really sampled
+
+
+def test_seed_offset_continues_a_seeded_stream(llama: TinyModel) -> None:
+    """A request that takes a seeded stream over after k tokens (prompt + those k tokens as its
+    prompt, `seed_offset` k: what the router sends when it migrates a stream) produces exactly the
+    rest of the unbroken run; without the offset it does not."""
+    engine = LLMEngine(llama.path, block_size=8, num_blocks=128)
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
+    whole = engine.generate([llama.prompts[0]], [params])[0].token_ids
+    k = 6
+    prompt = [*llama.prompts[0], *whole[:k]]
+    rest = SamplingParams(max_tokens=16 - k, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True, seed_offset=k)
+    assert engine.generate([prompt], [rest])[0].token_ids == whole[k:]
+    restarted = SamplingParams(max_tokens=16 - k, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
+    assert engine.generate([prompt], [restarted])[0].token_ids != whole[k:]
 
 
 def test_top_k_1_equals_greedy(llama: TinyModel) -> None:
