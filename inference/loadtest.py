@@ -29,7 +29,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -77,6 +77,8 @@ _CONNECT_BACKOFF_START_S = 0.05
 _CONNECT_BACKOFF_MAX_S = 1.0
 # Error bodies can be large HTML pages; the summary only needs the gist.
 _ERROR_MESSAGE_MAX_CHARS = 300
+# SSE line terminators (and only these: https://html.spec.whatwg.org/multipage/server-sent-events.html).
+_SSE_LINE_BREAK = re.compile(rb"\r\n|\r|\n")
 
 
 # --------------------------------------------------------------------------------------------
@@ -416,10 +418,35 @@ class _StreamState:
         return self.chunks
 
 
+async def _sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The lines of an SSE body, split where the SSE spec splits them: CRLF, LF or CR only.
+
+    Not ``httpx.Response.aiter_lines``: it splits like ``str.splitlines``, also at U+2028, U+2029
+    and U+0085, which JSON encoders that write UTF-8 (orjson, the router's) leave unescaped inside
+    strings; a model that generates one of them would cut its event's JSON in two ("invalid JSON in SSE
+    event", seen with the tiny random test model under load).
+    """
+    pending = b""
+    async for chunk in chunks:
+        pending += chunk
+        parts = _SSE_LINE_BREAK.split(pending)
+        pending = parts.pop()
+        if pending == b"" and parts and chunk.endswith(b"\r"):
+            # A CR at the end of a chunk may be the first half of a CRLF: wait for the next chunk.
+            pending = parts.pop() + b"\r"
+        for part in parts:
+            yield part.decode("utf-8", errors="replace")
+    if pending.endswith(b"\r"):
+        pending = pending[:-1]
+        yield pending.decode("utf-8", errors="replace")
+    elif pending:
+        yield pending.decode("utf-8", errors="replace")
+
+
 async def _read_sse(response: httpx.Response, state: _StreamState) -> None:
     """Read a Server-Sent Events body and feed each event's data to ``state``."""
     data_lines: list[str] = []
-    async for line in response.aiter_lines():
+    async for line in _sse_lines(response.aiter_bytes()):
         if line == "":
             if data_lines:
                 state.handle("\n".join(data_lines), time.perf_counter())

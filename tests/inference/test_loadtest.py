@@ -119,9 +119,28 @@ def _build_app(seen: list[dict[str, Any]]) -> Starlette:
             return JSONResponse({"error": {"message": "busy"}}, status_code=429)
         return await generate(request)
 
+    async def unicode_text(request: Request) -> Response:
+        """Tokens whose text holds characters str.splitlines splits at, in raw UTF-8 as orjson writes
+        them, each event split across two body chunks, CRLF line ends on the last one."""
+        await remember(request)
+        texts = ["a\u2028b", "c\x85d", "e\u2029f"]
+
+        async def events() -> AsyncIterator[bytes]:
+            for i, text in enumerate(texts):
+                raw = b"data: " + json.dumps({"text": text, "token_ids": [i]}, ensure_ascii=False).encode() + b"\n\n"
+                yield raw[:9]
+                await asyncio.sleep(TOKEN_DELAY_S)
+                yield raw[9:]
+            done = {"text": "", "finish_reason": "stop", "usage": {"completion_tokens": len(texts)}}
+            yield b"data: " + json.dumps(done).encode() + b"\r"
+            yield b"\n\r\ndata: [DONE]\r\n\r\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     return Starlette(
         routes=[
             Route("/generate", generate, methods=["POST"]),
+            Route("/unicode/generate", unicode_text, methods=["POST"]),
             Route("/api/generate", generate, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", completions, methods=["POST"]),
@@ -424,6 +443,18 @@ def test_generate_itl_divides_multi_token_events(server: FakeServer) -> None:
     # undivided gap would count the second event's gap twice and overshoot by >= 10 ms.
     assert record.ttft_s is not None and record.e2e_s is not None
     assert sum(record.itls_s) <= record.e2e_s - record.ttft_s + 1e-9
+
+
+def test_text_with_unicode_line_separators_is_one_event(server: FakeServer) -> None:
+    """SSE lines end at CR, LF or CRLF only: U+2028, U+2029 and U+0085 inside a token's JSON text do
+    not cut its event (httpx's aiter_lines did: "invalid JSON in SSE event")."""
+    config = LoadTestConfig(
+        endpoint=f"{server.base_url}/unicode/generate", concurrency=1, duration_s=10.0, max_requests=1,
+        progress=False,
+    )
+    (record,) = asyncio.run(run_load(config))
+    assert record.ok, record.error
+    assert record.output_tokens == 3 and record.finish_reason == "stop"
 
 
 # ------------------------------------------------------------------------------------------
