@@ -211,8 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-memory",
         type=_size,
         default=None,
-        help="CPU: KV pool size, e.g. 2GiB, 512MiB or bytes (default: 40%% of the memory available after "
-        "the weights load, at most 16GiB, and no more than --batch-size sequences of the maximum length use)",
+        help="KV pool size, e.g. 2GiB, 512MiB or bytes (default on a CPU: 40%% of the memory available after "
+        "the weights load, at most 16GiB, and no more than --batch-size sequences of the maximum length use; "
+        "on a GPU it replaces --gpu-memory-utilization's sizing)",
     )
     p.add_argument("--kv-cache-memory-mb", type=int, default=None, help="KV pool size in MiB (older spelling)")
     p.add_argument(
