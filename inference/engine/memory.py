@@ -83,19 +83,21 @@ def plan_pool(
     max_num_seqs: int | None,
     device_kind: str,
     source: str,
+    flag: str | None = None,
 ) -> PoolPlan:
     """Blocks for `budget_bytes` (at most what `max_num_seqs` sequences of `max_model_len` can use) and the
     batch size (derived when `max_num_seqs` is None). `source` names the setting that set the budget, for
-    the error raised when the pool cannot hold one `max_model_len`-token sequence."""
+    the error raised when the pool cannot hold one `max_model_len`-token sequence; `flag`, the setting
+    to raise (default: `source`'s first word)."""
     per_seq = -(-max_model_len // block_size)
     blocks = max(0, budget_bytes) // block_bytes
     if blocks < per_seq:
         raise KVPoolTooSmall(
-            f"{source} leaves {format_bytes(max(0, budget_bytes))} for the KV cache: {blocks} blocks of "
-            f"{block_size} tokens ({format_bytes(block_bytes)} each), but one sequence of the maximum "
-            f"length {max_model_len} needs {per_seq} blocks ({format_bytes(per_seq * block_bytes)}); "
-            f"give the KV cache more memory ({source}) or lower the maximum sequence length "
-            "(--max-sequence-length / --context-length)"
+            f"{source} leaves {format_bytes(max(0, budget_bytes))} for the KV cache: {blocks} "
+            f"block{'' if blocks == 1 else 's'} of {block_size} tokens ({format_bytes(block_bytes)} each), but "
+            f"one sequence of the maximum length {max_model_len} needs {per_seq} blocks "
+            f"({format_bytes(per_seq * block_bytes)}); raise {flag or source.split()[0]} or lower the maximum "
+            "sequence length (--max-sequence-length / --context-length)"
         )
     if max_num_seqs is None:
         cap = AUTO_BATCH_CAP.get(device_kind, AUTO_BATCH_CAP["cpu"])

@@ -56,7 +56,7 @@ def test_plan_pool_too_small_names_the_setting() -> None:
                   max_num_seqs=None, device_kind="cpu", source="--kv-cache-memory 700 B")
     text = str(err.value)
     assert "--kv-cache-memory 700 B" in text and "7 blocks" in text and "needs 8 blocks" in text
-    assert "--max-sequence-length" in text
+    assert "raise --kv-cache-memory or lower" in text and "--max-sequence-length" in text
     with pytest.raises(KVPoolTooSmall):
         plan_pool(budget_bytes=-5, block_bytes=100, block_size=BLOCK, max_model_len=16, max_num_seqs=1,
                   device_kind="cuda", source="--gpu-memory-utilization 0.1")
