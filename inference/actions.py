@@ -222,6 +222,27 @@ def plan_manual_scale(
     return None
 
 
+def replica_edit_conflict(deployment: Deployment, role: str, replicas: int,
+                          now: datetime | None = None) -> ScheduleConflict | None:
+    """The conflict an edit of `role`'s replica count to `replicas` would meet, or None (read-only).
+
+    None when an override is active for the role (the edit continues the operator's intent) or no
+    schedule rule holds it; used by the admin form to refuse the edit before saving.
+    """
+    from inference.selectors import active_override, schedule_rule_holding
+
+    now = now or timezone.now()
+    if deployment.pk is None or active_override(deployment, role, now) is not None:
+        return None
+    low, high = deployment.bounds(role)
+    target = min(max(int(replicas), low), high)
+    rule = schedule_rule_holding(deployment, role, now)
+    if rule is None or rule.target_replicas is None:
+        return None
+    held = min(max(rule.target_replicas, low), high)
+    return ScheduleConflict(rule, role, target, held) if held != target else None
+
+
 def override_note(override: ScaleOverride | None) -> str:
     """What a ScaleEvent's reason says about the override a manual scale made or continued."""
     if override is None:
@@ -269,7 +290,9 @@ def save_deployment(
     the caller did not change keep their current database value, so an admin form opened before an
     autoscale does not revert it; a replica count outside new min/max bounds is clamped into them.
     Every replica change, creation included (from 0), is recorded as a ScaleEvent, and a reconcile
-    is enqueued on commit. Returns the events recorded.
+    is enqueued on commit. Returns the events recorded. An operator's edit (source manual or api) of
+    a replica count that an active schedule rule holds elsewhere raises ScheduleConflict and saves
+    nothing (the rule would silently revert it); an active override takes the new count instead.
     """
     _validate_source(source)
     changed = None if changed_fields is None else set(changed_fields)
@@ -291,6 +314,11 @@ def save_deployment(
                 clamped = min(max(want, low), high)
                 notes[role] = f" (clamped {want} to {clamped} by {role} bounds [{low}, {high}])"
                 setattr(deployment, f"{role}_replicas", clamped)
+        if not creating and source in (ScaleSource.MANUAL, ScaleSource.API):
+            for role in ROLES:
+                if deployment.replicas(role) != before[role]:
+                    plan_manual_scale(deployment, role, deployment.replicas(role), source=source, actor="",
+                                      reason=reason)
         deployment.save()
         base = reason.strip() or ("deployment created" if creating else "deployment edited")
         for role in ROLES:

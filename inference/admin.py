@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from django import forms
 from django.contrib import admin, messages
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import models
 from django.db.models import Count, Q, QuerySet
 from django.forms.models import BaseInlineFormSet
@@ -173,10 +174,33 @@ class DeploymentWorkerInline(admin.TabularInline):
         return age_text(worker.last_seen)
 
 
+class DeploymentAdminForm(forms.ModelForm):
+    """The deployment form; an edited replica count that an active schedule rule holds elsewhere is
+    refused here, naming the rule (saving it would be reverted silently at the rule's next run)."""
+
+    class Meta:
+        model = Deployment
+        fields = "__all__"
+
+    def clean(self) -> dict[str, Any]:
+        """Refuse replica edits a schedule rule would revert (actions.replica_edit_conflict)."""
+        data = super().clean() or {}
+        if self.instance.pk is None:
+            return data
+        for role in WorkerRole.values:
+            field = f"{role}_replicas"
+            if field in self.changed_data and data.get(field) is not None:
+                conflict = actions.replica_edit_conflict(self.instance, role, data[field])
+                if conflict is not None:
+                    raise ValidationError({field: str(conflict)})
+        return data
+
+
 @admin.register(Deployment)
 class DeploymentAdmin(admin.ModelAdmin):
     """Deployments: replicas per role, rules, events, workers, scale actions and live metric charts."""
 
+    form = DeploymentAdminForm
     change_form_template = "admin/inference/deployment/change_form.html"
     list_display = [
         "name",

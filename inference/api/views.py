@@ -154,6 +154,18 @@ class ServedModelViewSet(PlatformViewSetMixin, viewsets.ModelViewSet):
             raise Conflict(f"model {instance.name} is used by deployment(s): {names}") from exc
 
 
+def _conflict_response(exc: actions.ScheduleConflict) -> Response:
+    """409 naming the schedule rule that would revert a manual replica change."""
+    rule = exc.rule
+    conflict = {
+        "detail": str(exc),
+        "rule": {"id": rule.pk, "name": rule.name, "start_time": rule.start_time, "end_time": rule.end_time,
+                 "target_replicas": rule.target_replicas},
+        "held_replicas": exc.held,
+    }  # fmt: skip
+    return Response(ScheduleConflictSerializer(conflict).data, status=status.HTTP_409_CONFLICT)
+
+
 @extend_schema_view(destroy=extend_schema(responses={204: None, 409: ErrorSerializer}))
 class DeploymentViewSet(PlatformViewSetMixin, viewsets.ModelViewSet):
     """Deployments: CRUD (replica changes are recorded as ScaleEvents), scale and metrics."""
@@ -169,6 +181,19 @@ class DeploymentViewSet(PlatformViewSetMixin, viewsets.ModelViewSet):
             deployment, source="api", reason=f"deployment created through the API by {_actor(self.request)}"
         )
         serializer.instance = deployment
+
+    @extend_schema(responses={200: DeploymentSerializer, 409: ScheduleConflictSerializer})
+    def update(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        """PUT/PATCH; 409 (nothing saved) when an active schedule rule would revert a replica change."""
+        try:
+            return super().update(request, *args, **kwargs)
+        except actions.ScheduleConflict as exc:
+            return _conflict_response(exc)
+
+    @extend_schema(responses={200: DeploymentSerializer, 409: ScheduleConflictSerializer})
+    def partial_update(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        """PATCH: as `update`, with only the fields sent."""
+        return super().partial_update(request, *args, **kwargs)
 
     def perform_update(self, serializer: BaseSerializer) -> None:
         """Update through inference.actions.save_deployment; unchanged replica counts are not reverted."""
@@ -226,14 +251,7 @@ class DeploymentViewSet(PlatformViewSetMixin, viewsets.ModelViewSet):
                     logger.exception("could not enqueue scale_deployment_task for %s", deployment.name)
                     raise ServiceUnavailable(f"could not queue the scale operation: {exc}") from exc
         except actions.ScheduleConflict as exc:
-            rule = exc.rule
-            conflict = {
-                "detail": str(exc),
-                "rule": {"id": rule.pk, "name": rule.name, "start_time": rule.start_time, "end_time": rule.end_time,
-                         "target_replicas": rule.target_replicas},
-                "held_replicas": exc.held,
-            }  # fmt: skip
-            return Response(ScheduleConflictSerializer(conflict).data, status=status.HTTP_409_CONFLICT)
+            return _conflict_response(exc)
         payload = ScaleQueuedSerializer({"queued": True, "task_id": str(result.id), "override": override}).data
         return Response(payload, status=status.HTTP_202_ACCEPTED)
 

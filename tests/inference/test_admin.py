@@ -1,6 +1,7 @@
 """Admin of the inference app: pages render, scale actions record events, metrics page and its JSON."""
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -169,6 +170,28 @@ def test_change_form_replica_edit_is_a_manual_scale_event(
     event = ScaleEvent.objects.filter(deployment=populated, role="prefill").get()
     assert (event.from_replicas, event.to_replicas, event.source) == (1, 3, "manual")
     assert "admin" in event.reason
+
+
+def test_change_form_replica_edit_inside_a_schedule_window_is_refused_naming_the_rule(
+    admin_client_logged_in: Client, populated: Deployment
+) -> None:
+    """Regression: the edit saved, and the schedule rule set the count back at its next run, silently."""
+    from inference.selectors import local_time
+
+    now = timezone.now()
+    ScalingRule.objects.create(
+        deployment=populated, name="night", kind="schedule", role="prefill", target_replicas=1,
+        start_time=local_time(now - timedelta(hours=1)), end_time=local_time(now + timedelta(hours=1)),
+    )  # fmt: skip
+    url = reverse("admin:inference_deployment_change", args=[populated.pk])
+    refused = admin_client_logged_in.post(url, _deployment_form(populated, prefill_replicas=3))
+    assert refused.status_code == 200  # re-rendered with the error on the field
+    assert "schedule rule &#x27;night&#x27;" in refused.content.decode()
+    assert Deployment.objects.get(pk=populated.pk).prefill_replicas == 1
+    assert not ScaleEvent.objects.filter(deployment=populated, role="prefill").exists()
+    # Other fields still save; the held count is no conflict.
+    saved = admin_client_logged_in.post(url, _deployment_form(populated, batch_size=8))
+    assert saved.status_code == 302
 
 
 def test_change_form_validates_bounds_and_rules(admin_client_logged_in: Client, populated: Deployment) -> None:

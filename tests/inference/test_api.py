@@ -331,6 +331,20 @@ def test_manual_scale_inside_a_schedule_window_is_409_naming_the_rule(
     assert api.post(url, {"role": "prefill", "replicas": 2}, format="json").status_code == 202
 
 
+def test_replica_edit_inside_a_schedule_window_is_409_and_saves_nothing(api: APIClient) -> None:
+    """PATCH of a held replica count: 409 naming the rule, nothing saved (no silent revert)."""
+    deployment = make_deployment(decode_replicas=1, decode_max=4, batch_size=16)
+    _night_rule_active_now(deployment)
+    url = f"/api/deployments/{deployment.pk}/"
+    response = api.patch(url, {"decode_replicas": 3, "batch_size": 8}, format="json")
+    assert response.status_code == 409, response.content
+    assert response.json()["rule"]["name"] == "night" and response.json()["held_replicas"] == 1
+    fresh = Deployment.objects.get(pk=deployment.pk)
+    assert (fresh.decode_replicas, fresh.batch_size) == (1, 16)
+    assert not ScaleEvent.objects.filter(deployment=deployment).exists()
+    assert api.patch(url, {"batch_size": 8}, format="json").status_code == 200
+
+
 def test_an_override_holds_until_its_end_then_the_rule_takes_over(
     api: APIClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
