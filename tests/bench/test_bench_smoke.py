@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bench import disagg_itl, engine_throughput, kv_transfer, peer_clients, router_overhead, run_all
+from bench import disagg_itl, engine_throughput, kv_transfer, peer_clients, router_overhead, run_all, serve_vs_vllm
 from bench.common import Platform, platform_processes
 
 
@@ -53,6 +53,19 @@ def test_engine_throughput_quick(tmp_path: Path, tiny_model_dir: Path) -> None:
         assert all(_positive(s["step_over_forward"]) and _positive(s["hf_forward_ms"])
                    for s in model["step_vs_forward"])
     assert result["vllm"] == {"attempted": False}
+
+
+def test_serve_vs_vllm_quick(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Our path is measured through the router; a missing vLLM venv is reported, not a crash."""
+    argv = ["--quick", "--out-dir", str(tmp_path), "--model-dir", str(tiny_model_dir),
+            "--vllm-venv", str(tmp_path / "no-venv")]
+    assert serve_vs_vllm.main(argv) == 0
+    result = json.loads((tmp_path / "serve_vs_vllm_quick.json").read_text())
+    ours = result["rounds"][0]["ours"]
+    assert [r["concurrency"] for r in ours] == [1, 4]
+    assert all(r["errors"] == 0 and _positive(r["output_tok_s"]) and _positive(r["ttft_p50_ms"]) for r in ours)
+    assert all(r["output_tokens"] == r["requests"] * result["output_len"] for r in ours)
+    assert result["rounds"][0]["vllm"]["available"] is False and "setup_venvs" in result["rounds"][0]["vllm"]["reason"]
 
 
 def test_kv_transfer_quick(tmp_path: Path, tiny_model_dir: Path, plat: Platform) -> None:

