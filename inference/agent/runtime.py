@@ -5,7 +5,7 @@ import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from nodes.agent.supervisor import Supervisor
+    from inference.agent.supervisor import Supervisor
 
 _lock = threading.Lock()
 _supervisor: Supervisor | None = None
