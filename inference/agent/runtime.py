@@ -1,4 +1,4 @@
-"""The supervisor of this agent process, for the Celery tasks of `nodes.tasks` to reach."""
+"""The supervisor of this agent process, for the Celery tasks of `inference.agent.tasks` to reach."""
 from __future__ import annotations
 
 import threading

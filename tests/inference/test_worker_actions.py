@@ -174,6 +174,19 @@ def test_node_tasks_are_routed_to_the_node_queue() -> None:
     assert route_node_task("nodes.tasks.start_worker", (), {"worker_id": 10**9}, {}) is None
 
 
+def test_task_names_survive_the_move_to_inference() -> None:
+    """Agents and queued messages name the agent tasks nodes.tasks.*, beat schedules inference.tasks.*:
+    the Celery app registers both under those names (the agent tasks from inference.agent.tasks)."""
+    from config.celery import app
+    from inference.management.commands.setup_schedules import SCHEDULES
+
+    app.loader.import_default_modules()  # what a Celery worker does at start: autodiscovery
+    for name in ("nodes.tasks.start_worker", "nodes.tasks.stop_worker", "nodes.tasks.restart_worker"):
+        assert app.tasks[name].__module__ == "inference.agent.tasks"
+    for _, task_name, _, _ in SCHEDULES:
+        assert app.tasks[task_name].__module__ == "inference.tasks"
+
+
 @pytest.mark.django_db(transaction=True)
 def test_start_request_reaches_the_node_queue_on_the_real_broker() -> None:
     """Through the configured broker (Redis with REDIS_URL, else the filesystem one): queue node.<name>."""
