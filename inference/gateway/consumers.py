@@ -25,7 +25,7 @@ from inference import auth
 from inference.gateway.service import RouterService, get_router
 from inference.router import RouterError
 from inference.router.events import ErrorEvent, Event
-from inference.router.protocol import PARSERS, SSE_DONE, Kind, collect, final_body, sse_event, sse_preamble
+from inference.router.protocol import PARSERS, SSE_DONE, Kind, SseFormatter, collect, final_body
 
 logger = logging.getLogger(__name__)
 
@@ -236,13 +236,14 @@ class GenerationConsumer(GatewayConsumer):
             # The per-token loop: one formatting call and one ASGI send per event, straight to the
             # server (no generator or consumer layers in between; measured per streamed token).
             send = self.base_send
+            formatter = SseFormatter(parsed, model)
             async with aclosing(events):
-                preamble = sse_preamble(parsed, model)
+                preamble = formatter.preamble()
                 if preamble:
                     await send({"type": "http.response.body", "body": preamble, "more_body": True})
                 event = first
                 while event is not None:  # bounded: the client generator's waits all time out
-                    chunk, last = sse_event(parsed, event, model)
+                    chunk, last = formatter.event(event)
                     if last:
                         if isinstance(event, ErrorEvent):
                             outcome = "failed"

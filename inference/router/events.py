@@ -37,7 +37,7 @@ class GenerateRequest:
         return body
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenEvent:
     """New output: the text delta and the token ids it came from."""
 
@@ -46,7 +46,7 @@ class TokenEvent:
     type: Literal["token"] = "token"
 
 
-@dataclass
+@dataclass(slots=True)
 class DoneEvent:
     """The request finished: why, token counts, timings, and which workers served it."""
 
@@ -63,7 +63,7 @@ class DoneEvent:
     type: Literal["done"] = "done"
 
 
-@dataclass
+@dataclass(slots=True)
 class ErrorEvent:
     """The stream broke after the first token; `status` is what a fresh request would have got."""
 

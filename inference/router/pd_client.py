@@ -66,6 +66,8 @@ __all__ = [
 
 # Transport errors of a worker call (aiohttp's, and the OS errors it lets through).
 _TRANSPORT_ERRORS = (aiohttp.ClientError, OSError)
+# How long a finished stream waits for a prefill answer still on its way (for the done event's timings).
+_PREFILL_ANSWER_WAIT_S = 1.0
 
 
 @dataclass(eq=False)
@@ -81,6 +83,8 @@ class _Attempt:
     prefill: Endpoint | None = None
     prefill_result: dict[str, Any] = field(default_factory=dict)
     holds_decode_slot: bool = False
+    # The prefill call, still finishing in the background after the first token came before it.
+    prefill_answer: asyncio.Future[None] | None = None
     # True when the decode worker certainly holds nothing for this request (it could not be
     # reached, or it refused the request with an error status): no abort is sent to it.
     decode_untouched: bool = False
@@ -108,6 +112,8 @@ async def _post_once_more_if_stale(
 
 def _token_ids(line: dict[str, Any]) -> list[int]:
     ids = line.get("token_ids")
+    if type(ids) is list and len(ids) == 1 and type(ids[0]) is int:  # the usual line: one token
+        return ids
     if isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         return ids
     return []
@@ -225,6 +231,10 @@ class DisaggregatedClient:
                         yield TokenEvent(text=text, token_ids=ids)
                     elif kind == "done":
                         finished = True
+                        answer = attempt.prefill_answer
+                        if answer is not None and not answer.done():
+                            # Its timings belong in the done event; never held up for long.
+                            await asyncio.wait({answer}, timeout=_PREFILL_ANSWER_WAIT_S)
                         metrics.e2e.observe(time.monotonic() - arrived)
                         done = self._done_event(req, attempt, line, arrived, first_at, len(emitted), retries)
                         if migrations:
@@ -514,6 +524,7 @@ class DisaggregatedClient:
             # background (bounded by the request deadline); its timings fill the done event if in.
             if not prefiller.done():
                 self._keep(prefiller)
+                attempt.prefill_answer = prefiller
                 kept = True
             return line
         finally:
@@ -697,7 +708,8 @@ class DisaggregatedClient:
         raw_timings = line.get("timings")
         decode_timings: dict[str, Any] = raw_timings if isinstance(raw_timings, dict) else {}
         result = attempt.prefill_result
-        kv_bytes = result.get("kv_bytes")
+        # The decode worker counts the KV it received too (when the prefill answer is not in).
+        kv_bytes = result.get("kv_bytes", decode_timings.get("kv_bytes"))
         return DoneEvent(
             request_id=req.request_id,
             finish_reason=str(line.get("finish_reason") or "stop"),
@@ -710,7 +722,7 @@ class DisaggregatedClient:
                 "ttft_s": round(first_at - start, 6),
                 "e2e_s": round(time.monotonic() - start, 6),
                 "prefill_s": _float_or_none(result.get("prefill_s")),
-                "kv_transfer_s": _float_or_none(result.get("transfer_s")),
+                "kv_transfer_s": _float_or_none(result.get("transfer_s", decode_timings.get("kv_transfer_s"))),
                 "kv_wait_s": _float_or_none(decode_timings.get("kv_wait_s")),
                 "decode_s": _float_or_none(decode_timings.get("decode_s")),
             },

@@ -279,7 +279,6 @@ def test_admin_console_in_chromium(
         assert second.value.ok
         page.wait_for_function(f"document.getElementById('metrics-app').dataset.refreshes !== {refreshes!r}")
         _assert_charts(browser, second.value.json(), traffic, "worker")
-        page.select_option("#metrics-split", "role")
 
     rule = console.rule
     with browser.step("rule-edited"):

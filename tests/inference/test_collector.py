@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -108,16 +107,25 @@ def test_a_restarted_router_counts_from_zero() -> None:
     old.requests.labels("generate", "ok").inc(100)
     old.dispatch.observe(0.01)
     before = _state(old, 1000.0)
-    time.sleep(0.01)  # the new registry's _created timestamps differ
-    new = RouterMetrics()  # the restarted process: a fresh registry
-    new.requests.labels("generate", "ok").inc(150)  # more than before: only the start time tells
-    new.requests.labels("generate", "failed").inc(50)
-    for _ in range(200):
+    new = RouterMetrics()  # the restarted process: a fresh registry, fewer requests than before
+    new.requests.labels("generate", "ok").inc(30)
+    new.requests.labels("generate", "failed").inc(10)
+    for _ in range(40):
         new.dispatch.observe(0.0004)
     changes = collector.router_changes(before, _state(new, 1010.0))
     assert changes is not None
-    assert changes["requests_per_s"] == pytest.approx(20.0) and changes["error_rate"] == pytest.approx(0.25)
-    assert 0.0002 < changes["dispatch_p90_s"] <= 0.0005
+    assert changes["requests_per_s"] == pytest.approx(4.0) and changes["error_rate"] == pytest.approx(0.25)
+    assert 0.0002 < changes["dispatch_p90_s"] <= 0.0005  # the new histogram's, not a negative difference
+
+    # More requests than before the restart: only the start time (histograms' _created) tells.
+    state = {"requests": {"ok": 150.0}, "rejected": 0.0, "tokens": 0.0, "selections": {}, "histograms": {},
+             "gauges": {}}
+    restarted = collector.router_changes({**state, "requests": {"ok": 100.0}, "started": 1.0, "at": 1000.0},
+                                         {**state, "started": 2.0, "at": 1010.0})
+    same = collector.router_changes({**state, "requests": {"ok": 100.0}, "started": 1.0, "at": 1000.0},
+                                    {**state, "started": 1.0, "at": 1010.0})
+    assert restarted is not None and restarted["requests_per_s"] == 15.0
+    assert same is not None and same["requests_per_s"] == 5.0
 
 
 # --------------------------------------------------------------------------- a stand-in worker

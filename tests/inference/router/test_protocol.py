@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 
 from inference.router import DoneEvent, ErrorEvent, Event, RouterError, TokenEvent
-from inference.router.protocol import parse_chat, parse_completion, parse_generate, sse_stream
+from inference.router.protocol import (
+    SseFormatter,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+    sse_event,
+    sse_stream,
+)
 
 
 def bad(parser: Any, body: Any) -> str:
@@ -137,3 +144,28 @@ def test_completion_sse_error_after_first_token() -> None:
     events = _stream("completion", {"prompt": "x", "stream": True}, [TOKENS[0], ErrorEvent("decode died")])
     assert events[0]["choices"][0]["text"] == "Hel" and "usage" not in events[0]
     assert events[1] == {"error": {"message": "decode died", "type": "backend_error"}}
+
+
+@pytest.mark.parametrize(
+    ("kind", "body"),
+    [
+        ("generate", {"prompt": "x", "stream": True}),
+        ("completion", {"prompt": "x", "stream": True, "model": "m"}),
+        ("completion", {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "stream": True}),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "stream": True,
+                  "stream_options": {"include_usage": True}}),
+    ],
+)
+def test_formatter_token_chunks_equal_the_general_encoding(kind: str, body: dict[str, Any]) -> None:
+    """SseFormatter's pre-encoded token chunks are the JSON sse_event builds (text with quotes,
+    backslashes and non-ASCII included); other events go through sse_event unchanged."""
+    parsed = {"generate": parse_generate, "completion": parse_completion, "chat": parse_chat}[kind](body)
+    formatter = SseFormatter(parsed, "model-x")
+    events: list[Event] = [TokenEvent('say "hi"\\n é\u2028', [1, 2]), TokenEvent("", []), DONE]
+    for event in events:
+        fast, fast_last = formatter.event(event)
+        slow, slow_last = sse_event(parsed, event, "model-x")
+        assert fast_last == slow_last
+        assert [json.loads(c[6:]) for c in fast.split(b"\n\n") if c.startswith(b"data: {")] == \
+            [json.loads(c[6:]) for c in slow.split(b"\n\n") if c.startswith(b"data: {")]
