@@ -135,8 +135,9 @@ else:
 # The controller's queue. Agents consume only their own queue node.<name>. Another name lets two
 # platforms share one Redis (the multi-host test uses it to stay apart from other test runs).
 CELERY_TASK_DEFAULT_QUEUE = env_str("PLATFORM_CONTROL_QUEUE", "control") or "control"
-# nodes.tasks.* go to the queue of the worker's node even when called with a bare .delay().
-CELERY_TASK_ROUTES = ["nodes.tasks.route_node_task"]
+# The agent's tasks (registered as nodes.tasks.*) go to the queue of the worker's node even when
+# called with a bare .delay().
+CELERY_TASK_ROUTES = ["inference.agent.tasks.route_node_task"]
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_TIMEZONE = TIME_ZONE
@@ -144,7 +145,7 @@ CELERY_TIMEZONE = TIME_ZONE
 # Metric samples (charts, scaling) older than this are pruned (inference.actions.prune_metric_samples).
 METRICS_RETENTION_HOURS = env_int("METRICS_RETENTION_HOURS", 72, minimum=1)
 # Stopped and failed Worker rows older than this (since their last change) are deleted
-# (nodes.actions.prune_stopped_workers, hourly): every `make down`/`make up` leaves a set behind.
+# (inference.worker_actions.prune_stopped_workers, hourly): every `make down`/`make up` leaves a set behind.
 WORKER_RETENTION_HOURS = env_int("WORKER_RETENTION_HOURS", 24, minimum=1)
 
 REST_FRAMEWORK = {
@@ -222,7 +223,7 @@ if PLATFORM_PRODUCTION:
             "ports accept only callers holding it"
         )
 
-# Control plane: agents (nodes.agent), controller (inference.controller), scaling (inference.scaling).
+# Control plane: agents (inference.agent), controller (inference.controller), scaling (inference.scaling).
 # A node whose agent has not sent a heartbeat for this long goes OFFLINE; its workers are re-placed.
 NODE_HEARTBEAT_TIMEOUT_S = env_float("NODE_HEARTBEAT_TIMEOUT_S", 15.0)
 AGENT_HEARTBEAT_INTERVAL_S = env_float("AGENT_HEARTBEAT_INTERVAL_S", 2.0)

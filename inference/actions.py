@@ -24,9 +24,10 @@ from inference.models import (
     ScaleOverride,
     ScaleSource,
     ScalingRule,
+    WorkerRole,
     WorkerSample,
+    WorkerStatus,
 )
-from nodes.models import WorkerRole
 
 logger = logging.getLogger(__name__)
 
@@ -341,8 +342,6 @@ def save_deployment(
 
 def live_worker_count(deployment: Deployment) -> int:
     """Workers of the deployment that are not stopped or failed (they own processes on nodes)."""
-    from nodes.models import WorkerStatus
-
     return int(deployment.workers.exclude(status__in=[WorkerStatus.STOPPED, WorkerStatus.FAILED]).count())
 
 

@@ -19,6 +19,7 @@ from django.utils.safestring import SafeString
 
 from inference import actions, selectors
 from inference.models import (
+    ACTIVE_WORKER_STATUSES,
     Deployment,
     MetricSample,
     RouterEndpoint,
@@ -26,11 +27,13 @@ from inference.models import (
     ScaleEvent,
     ScaleOverride,
     ScalingRule,
+    Worker,
+    WorkerRole,
     WorkerSample,
+    WorkerStatus,
 )
 from inference.models import Model as ServedModel
-from nodes.admin import age_text, health_summary, status_badge
-from nodes.models import ACTIVE_WORKER_STATUSES, Worker, WorkerRole, WorkerStatus
+from inference.node_admin import age_text, health_summary, status_badge
 
 RECENT_EVENTS = 20
 

@@ -48,9 +48,17 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from inference import actions
-from inference.models import Deployment, DeploymentStatus, RouterEndpoint, RouterSample, WorkerSample
+from inference.models import (
+    Deployment,
+    DeploymentStatus,
+    RouterEndpoint,
+    RouterSample,
+    Worker,
+    WorkerRole,
+    WorkerSample,
+    WorkerStatus,
+)
 from inference.scaling import role_load, worker_load
-from nodes.models import Worker, WorkerRole, WorkerStatus
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ role's *active* workers (PENDING, STARTING, RUNNING, UNHEALTHY; DRAINING and lat
 - workers left on an OFFLINE node are given up (STOPPED) and re-placed; workers of an UNREACHABLE node
   (its agent silent) still count: they serve while their /health answers (`check_node_heartbeats`);
 - PENDING workers whose agent did not pick them up within CONTROLLER_PENDING_RESEND_S get their start
-  request again (agents also pick up their PENDING workers by themselves, see nodes.agent.supervisor).
+  request again (agents also pick up their PENDING workers by themselves, see inference.agent.supervisor).
 
 Placement (`place_worker`): every registered node is considered, and a node fits when it is ONLINE with a
 heartbeat younger than NODE_HEARTBEAT_TIMEOUT_S, accepts the role (`labels["roles"]`, set by `agent
@@ -35,7 +35,7 @@ more workers (a scale-out, or a failover that gave workers up). When there is no
 re-placements of workers lost some other way (a node set OFFLINE by hand, a worker FAILED after a crash
 loop, a drained node, a worker stopped by hand): a ScaleEvent with source "recovery" says so. The
 event's `time_to_run_s` is filled in when the last of its workers reports RUNNING
-(nodes.actions.report_healthy), which is how long the scale-out or failover took to serve.
+(inference.worker_actions.report_healthy), which is how long the scale-out or failover took to serve.
 
 A replica that no node fits stays missing (the next reconcile tries again) and is recorded as a
 ScaleEvent (source "recovery": the controller restoring the desired count) whose reason names each node
@@ -61,9 +61,18 @@ from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
-from inference.models import Deployment, DeploymentStatus, ScaleEvent, ScaleSource
-from nodes import actions as node_actions
-from nodes.models import ACTIVE_WORKER_STATUSES, Node, NodeStatus, Worker, WorkerRole, WorkerStatus
+from inference import worker_actions
+from inference.models import (
+    ACTIVE_WORKER_STATUSES,
+    Deployment,
+    DeploymentStatus,
+    ScaleEvent,
+    ScaleSource,
+    Worker,
+    WorkerRole,
+    WorkerStatus,
+)
+from nodes.models import Node, NodeStatus
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +142,7 @@ def node_roles(node: Node) -> set[str] | None:
 
 
 def _live_workers(node: Node) -> list[Worker]:
-    return list(Worker.objects.filter(node=node, status__in=node_actions.LIVE_WORKER_STATUSES))
+    return list(Worker.objects.filter(node=node, status__in=worker_actions.LIVE_WORKER_STATUSES))
 
 
 def free_ports(node: Node, live: Sequence[Worker], count: int, *, avoid: Iterable[int] = ()) -> list[int] | None:
@@ -300,7 +309,7 @@ def place_worker_explained(
 ) -> tuple[Worker | None, PlacementPlan]:
     """Create a PENDING worker of `deployment`/`role` on a node that fits; the plan says why when none does.
 
-    The caller sends the start request (`nodes.actions.request_start`), normally on commit.
+    The caller sends the start request (`inference.worker_actions.request_start`), normally on commit.
     """
     _serialise_placements()
     plan = PlacementPlan(placement=None)
@@ -453,7 +462,7 @@ def reconcile(deployment: Deployment | int, *, now: datetime | None = None) -> R
                 result.stopped += [w.pk for w in lost]
                 workers = [w for w in workers if w not in lost]
                 nodes = ", ".join(sorted({w.node.name for w in lost}))
-                node_actions.record_recovery(
+                worker_actions.record_recovery(
                     locked.pk, role, removed=len(lost),
                     reason=f"failover: node {nodes} offline; {len(lost)} {role} worker(s) "
                            f"({', '.join(f'#{w.pk}' for w in lost)}) stopped, replacements placed on other nodes",
@@ -471,7 +480,7 @@ def reconcile(deployment: Deployment | int, *, now: datetime | None = None) -> R
                         if event is not None:
                             result.refused_events.append(event.pk)
                         break
-                    node_actions.request_start(worker)
+                    worker_actions.request_start(worker)
                     result.started.append(worker.pk)
                     placed += 1
                     if cause is None:
@@ -481,13 +490,13 @@ def reconcile(deployment: Deployment | int, *, now: datetime | None = None) -> R
             elif len(workers) > desired:
                 for worker in sorted(workers, key=_removal_key)[: len(workers) - desired]:
                     drain = worker.status == WorkerStatus.RUNNING
-                    node_actions.request_stop(worker, drain=drain, reason=f"scale-down: {role} replicas → {desired}")
+                    worker_actions.request_stop(worker, drain=drain, reason=f"scale-down: {role} replicas → {desired}")
                     (result.draining if drain else result.stopped).append(worker.pk)
                 workers = [w for w in workers if w.pk not in result.draining and w.pk not in result.stopped]
             for worker in workers:
                 if worker.status == WorkerStatus.PENDING and worker.updated_at < resend_before:
                     Worker.objects.filter(pk=worker.pk).update(updated_at=now)
-                    node_actions.request_start(worker)
+                    worker_actions.request_start(worker)
                     result.resent.append(worker.pk)
     if result.started or result.draining or result.stopped or result.unplaced:
         logger.info("reconciled deployment #%s: %s", deployment_id, result.as_dict())
@@ -498,7 +507,7 @@ def reconcile_all(*, now: datetime | None = None) -> list[ReconcileResult]:
     """Reconcile every active deployment, and every stopped one that still has live workers."""
     ids = set(Deployment.objects.filter(status=DeploymentStatus.ACTIVE).values_list("pk", flat=True))
     ids |= set(
-        Worker.objects.filter(status__in=node_actions.LIVE_WORKER_STATUSES).values_list("deployment_id", flat=True)
+        Worker.objects.filter(status__in=worker_actions.LIVE_WORKER_STATUSES).values_list("deployment_id", flat=True)
     )
     results = []
     for deployment_id in sorted(ids):
@@ -532,7 +541,8 @@ def probe_health(worker: Worker, timeout: float) -> tuple[dict[str, Any] | None,
 
 
 def probe_workers_of_silent_nodes(nodes: Sequence[Node], *, now: datetime) -> dict[int, str]:
-    """Probe /health of the active workers on nodes whose agent is silent; act through nodes.actions.report_probe.
+    """Probe /health of the active workers on nodes whose agent is silent; act through
+    inference.worker_actions.report_probe.
 
     Without an agent nobody else watches these processes: a healthy answer keeps a worker in rotation, a
     failed one takes it out (UNHEALTHY) and, after NODE_HEARTBEAT_TIMEOUT_S without any answer, fails it
@@ -551,7 +561,7 @@ def probe_workers_of_silent_nodes(nodes: Sequence[Node], *, now: datetime) -> di
         answers = list(pool.map(lambda w: probe_health(w, timeout), workers))
     grace = float(settings.NODE_HEARTBEAT_TIMEOUT_S)
     return {
-        worker.pk: node_actions.report_probe(worker.pk, health=health, error=error, grace_s=grace, now=now)
+        worker.pk: worker_actions.report_probe(worker.pk, health=health, error=error, grace_s=grace, now=now)
         for worker, (health, error) in zip(workers, answers, strict=True)
     }
 
@@ -572,7 +582,7 @@ def check_node_heartbeats(*, now: datetime | None = None) -> list[Node]:
         if node.status != NodeStatus.ONLINE:
             continue
         seen = f"last heartbeat {node.last_heartbeat:%Y-%m-%d %H:%M:%S}" if node.last_heartbeat else "never seen"
-        node_actions.mark_node_unreachable(node, reason=f"no heartbeat for over {timeout:.0f}s ({seen})")
+        worker_actions.mark_node_unreachable(node, reason=f"no heartbeat for over {timeout:.0f}s ({seen})")
         newly.append(node)
     probe_workers_of_silent_nodes(silent, now=now)
     return newly

@@ -1,8 +1,15 @@
-"""Models served, deployments of them, their scaling rules, scale events, routers and metric samples."""
+"""Models served, deployments of them and their workers, scaling rules, scale events, routers and metric samples."""
 from __future__ import annotations
 
 from django.core.exceptions import ValidationError
 from django.db import models
+
+# Worker lives in its own module (this one holds the deployment side); importing it here registers it with
+# the app and gives callers one place to import models from.
+from inference.worker_model import ACTIVE_WORKER_STATUSES as ACTIVE_WORKER_STATUSES
+from inference.worker_model import Worker
+from inference.worker_model import WorkerRole as WorkerRole
+from inference.worker_model import WorkerStatus as WorkerStatus
 
 
 class ModelSource(models.TextChoices):
@@ -211,7 +218,7 @@ class ScaleEvent(models.Model):
     """One change of a deployment's replicas, with its reason, and how long its new workers took to run.
 
     The controller links each worker it places to the event that asked for it (`placed_workers`); when
-    the last of them reports RUNNING, `time_to_run_s` is filled in (nodes.actions.report_healthy).
+    the last of them reports RUNNING, `time_to_run_s` is filled in (inference.worker_actions.report_healthy).
     """
 
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="scale_events")
@@ -223,7 +230,7 @@ class ScaleEvent(models.Model):
     reason = models.TextField()
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     placed_workers = models.ManyToManyField(
-        "nodes.Worker", blank=True, related_name="scale_events",
+        Worker, blank=True, related_name="scale_events",
         help_text="workers the controller placed to carry out this change",
     )
     time_to_run_s = models.FloatField(

@@ -15,8 +15,7 @@ from urllib.parse import urlsplit
 
 from django.db.models import QuerySet
 
-from inference.models import Deployment, RouterEndpoint
-from nodes.models import Worker, WorkerStatus
+from inference.models import Deployment, RouterEndpoint, Worker, WorkerStatus
 
 # Workers whose process serves /metrics (STARTING ones are not listening yet; Prometheus would only
 # record them as down until the next rewrite).

@@ -33,8 +33,7 @@ from typing import Any
 from django.conf import settings
 from django.utils import timezone
 
-from inference.models import Deployment
-from nodes.models import Worker, WorkerStatus
+from inference.models import Deployment, Worker, WorkerStatus
 
 LOAD_CAP = 1.0
 

@@ -26,9 +26,9 @@ from inference.models import (
     ScaleEvent,
     ScaleOverride,
     ScalingRule,
+    WorkerRole,
     WorkerSample,
 )
-from nodes.models import WorkerRole
 
 
 def local_time(now: datetime) -> time:

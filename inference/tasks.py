@@ -11,9 +11,8 @@ from typing import Any
 
 from celery import shared_task
 
-from inference import actions, collector, controller, scaling
+from inference import actions, collector, controller, scaling, worker_actions
 from inference.models import Deployment
-from nodes import actions as node_actions
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +62,7 @@ def check_node_heartbeats() -> list[str]:
 @shared_task(name="inference.tasks.prune_workers", ignore_result=True)
 def prune_workers() -> int:
     """Delete stopped/failed Worker rows older than WORKER_RETENTION_HOURS; returns how many."""
-    return node_actions.prune_stopped_workers()
+    return worker_actions.prune_stopped_workers()
 
 
 @shared_task(name="inference.tasks.prune_metrics", ignore_result=True)

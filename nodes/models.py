@@ -1,4 +1,4 @@
-"""Hosts of the platform and the worker processes placed on them."""
+"""Hosts of the platform: the lower layer, which `inference` (deployments, workers, controller, agent) builds on."""
 from __future__ import annotations
 
 from django.db import models
@@ -11,7 +11,7 @@ class NodeStatus(models.TextChoices):
     DRAINING = "draining", "Draining"
     # The agent went silent (no heartbeat within NODE_HEARTBEAT_TIMEOUT_S) but its workers may well be
     # serving: they stay in rotation while their own /health answers the controller, no new workers are
-    # placed here, and a restarted agent adopts them (see nodes.actions.mark_node_unreachable).
+    # placed here, and a restarted agent adopts them (see inference.worker_actions.mark_node_unreachable).
     UNREACHABLE = "unreachable", "Unreachable"
     OFFLINE = "offline", "Offline"  # the agent shut down (or an operator gave up on the host): workers re-placed
 
@@ -50,76 +50,3 @@ class Node(models.Model):
     def queue_name(self) -> str:
         """The Celery queue this node's agent consumes."""
         return f"node.{self.name}"
-
-
-class WorkerRole(models.TextChoices):
-    """The two halves of a disaggregated deployment."""
-
-    PREFILL = "prefill", "Prefill"
-    DECODE = "decode", "Decode"
-
-
-class WorkerStatus(models.TextChoices):
-    """Lifecycle of a worker process as its agent reports it."""
-
-    PENDING = "pending", "Pending"  # placed, agent not yet started it
-    STARTING = "starting", "Starting"
-    RUNNING = "running", "Running"  # healthy: routers send it traffic
-    UNHEALTHY = "unhealthy", "Unhealthy"
-    DRAINING = "draining", "Draining"  # no new traffic; stopped once idle
-    STOPPING = "stopping", "Stopping"
-    STOPPED = "stopped", "Stopped"
-    FAILED = "failed", "Failed"  # gave up after repeated crashes
-
-
-ACTIVE_WORKER_STATUSES = [
-    WorkerStatus.PENDING,
-    WorkerStatus.STARTING,
-    WorkerStatus.RUNNING,
-    WorkerStatus.UNHEALTHY,
-]
-
-
-class Worker(models.Model):
-    """One prefill or decode server process of a deployment, placed on a node."""
-
-    deployment = models.ForeignKey("inference.Deployment", on_delete=models.CASCADE, related_name="workers")
-    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="workers")
-    role = models.CharField(max_length=16, choices=WorkerRole.choices)
-    port = models.PositiveIntegerField()
-    kv_port = models.PositiveIntegerField(null=True, blank=True)
-    pid = models.PositiveIntegerField(null=True, blank=True)
-    process_started_at = models.FloatField(
-        null=True,
-        blank=True,
-        help_text="start time of the process (epoch seconds, as the OS reports it): with pid and port it "
-        "tells a restarted agent that a running process is this worker's, not a reused pid",
-    )
-    status = models.CharField(max_length=16, choices=WorkerStatus.choices, default=WorkerStatus.PENDING)
-    restarts = models.PositiveIntegerField(default=0)
-    cpu_ids = models.JSONField(default=list, blank=True)
-    gpu_ids = models.JSONField(default=list, blank=True)
-    last_health = models.JSONField(default=dict, blank=True)
-    last_metrics = models.JSONField(default=dict, blank=True)
-    last_error = models.TextField(blank=True)
-    last_seen = models.DateTimeField(null=True, blank=True)
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
-
-    class Meta:
-        ordering = ["deployment_id", "role", "id"]
-        constraints = [
-            models.UniqueConstraint(
-                fields=["node", "port"],
-                condition=~models.Q(status__in=["stopped", "failed"]),
-                name="unique_live_port_per_node",
-            )
-        ]
-
-    def __str__(self) -> str:
-        return f"{self.deployment.name}/{self.role}#{self.pk}@{self.node.name}:{self.port}"
-
-    @property
-    def url(self) -> str:
-        """Base URL of the worker's HTTP API."""
-        return f"http://{self.node.address}:{self.port}"

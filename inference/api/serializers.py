@@ -11,9 +11,17 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from inference import actions
-from inference.models import Deployment, ScaleEvent, ScaleOverride, ScalingRule
+from inference.models import (
+    ACTIVE_WORKER_STATUSES,
+    Deployment,
+    ScaleEvent,
+    ScaleOverride,
+    ScalingRule,
+    Worker,
+    WorkerRole,
+)
 from inference.models import Model as ServedModel
-from nodes.models import ACTIVE_WORKER_STATUSES, Node, Worker, WorkerRole
+from nodes.models import Node
 
 
 class ModelCleanMixin(serializers.ModelSerializer):

@@ -1,4 +1,5 @@
-"""REST API views: thin ViewSets whose state changes go through inference.actions and nodes.actions."""
+"""REST API views: thin ViewSets whose state changes go through inference.actions, inference.worker_actions and
+nodes.actions."""
 from __future__ import annotations
 
 import logging
@@ -15,7 +16,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
-from inference import actions, selectors
+from inference import actions, selectors, worker_actions
 from inference.api.params import (
     ChoiceParam,
     IdParam,
@@ -38,9 +39,21 @@ from inference.api.serializers import (
     WorkerRestartSerializer,
     WorkerSerializer,
 )
-from inference.models import Deployment, DeploymentStatus, ScaleEvent, ScaleOverride, ScaleSource, ScalingRule
+from inference.models import (
+    ACTIVE_WORKER_STATUSES,
+    Deployment,
+    DeploymentStatus,
+    ScaleEvent,
+    ScaleOverride,
+    ScaleSource,
+    ScalingRule,
+    Worker,
+    WorkerRole,
+    WorkerStatus,
+)
 from inference.models import Model as ServedModel
-from nodes.models import ACTIVE_WORKER_STATUSES, Node, Worker, WorkerRole, WorkerStatus
+from nodes import actions as node_actions
+from nodes.models import Node
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +129,9 @@ class NodeViewSet(PlatformViewSetMixin, mixins.UpdateModelMixin, viewsets.ReadOn
     )
     @action(detail=True, methods=["post"])
     def drain(self, request: Request, pk: str | None = None) -> Response:
-        """Drain the node through nodes.actions.drain_node (the agent/controller carry it out)."""
+        """Drain the node through inference.worker_actions.drain_node (the agent/controller carry it out)."""
         node = self.get_object()
-        from nodes.actions import drain_node  # the controller's module; imported when used
-
-        drain_node(node)
+        worker_actions.drain_node(node)
         return Response(self.get_serializer(self.get_queryset().get(pk=node.pk)).data, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(
@@ -132,9 +143,7 @@ class NodeViewSet(PlatformViewSetMixin, mixins.UpdateModelMixin, viewsets.ReadOn
     def activate(self, request: Request, pk: str | None = None) -> Response:
         """Undo a drain through nodes.actions.activate_node."""
         node = self.get_object()
-        from nodes.actions import activate_node  # the controller's module; imported when used
-
-        activate_node(node)
+        node_actions.activate_node(node)
         return Response(self.get_serializer(self.get_queryset().get(pk=node.pk)).data)
 
 
@@ -319,12 +328,10 @@ class WorkerViewSet(PlatformViewSetMixin, viewsets.ReadOnlyModelViewSet):
     )
     @action(detail=True, methods=["post"])
     def restart(self, request: Request, pk: str | None = None) -> Response:
-        """Restart the worker through nodes.actions.restart_worker (its agent carries it out)."""
+        """Restart the worker through inference.worker_actions.restart_worker (its agent carries it out)."""
         worker = self.get_object()
-        from nodes.actions import restart_worker  # the agent side's module; imported when used
-
         try:
-            restart_worker(worker)
+            worker_actions.restart_worker(worker)
         except ValueError as exc:  # not live any more, or its node is offline
             raise Conflict(str(exc)) from exc
         worker.refresh_from_db()

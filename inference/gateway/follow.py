@@ -31,8 +31,7 @@ class DeploymentView:
 
 def read_deployment(name: str) -> DeploymentView:
     """The deployment's routing view from the database (sync ORM; call from a thread in async code)."""
-    from inference.models import Deployment
-    from nodes.models import Worker, WorkerStatus
+    from inference.models import Deployment, Worker, WorkerStatus
 
     deployment = Deployment.objects.filter(name=name).first()
     if deployment is None:

@@ -26,8 +26,8 @@ from django.contrib.auth import get_user_model
 from django.utils import timezone
 
 from inference import actions, collector, selectors
-from inference.models import Deployment, RouterEndpoint, ScaleEvent, ScalingRule
-from nodes.models import Node, Worker
+from inference.models import Deployment, RouterEndpoint, ScaleEvent, ScalingRule, Worker
+from nodes.models import Node
 from tests.browser.conftest import CHROMIUM, SKIP_REASON, BrowserSession
 from tests.inference.router.stand_ins import Cluster
 from tests.support.celery_capture import SentTasks, sent_tasks  # noqa: F401  (fixture)

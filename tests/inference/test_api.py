@@ -18,8 +18,8 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from inference import actions, scaling, selectors
-from inference.models import Deployment, ScaleEvent, ScaleOverride, ScalingRule
-from nodes.models import Node, Worker, WorkerStatus
+from inference.models import Deployment, ScaleEvent, ScaleOverride, ScalingRule, Worker, WorkerStatus
+from nodes.models import Node
 from tests.support.control_plane import make_deployment, make_model, make_node, make_worker
 
 pytestmark = pytest.mark.django_db

@@ -19,10 +19,9 @@ import pytest
 from django.utils import timezone
 
 from inference import collector
-from inference.models import MetricSample, RouterEndpoint, RouterSample, WorkerSample
+from inference.models import MetricSample, RouterEndpoint, RouterSample, Worker, WorkerSample
 from inference.router.metrics import RouterMetrics
 from inference.server.metrics import WorkerMetrics
-from nodes.models import Worker
 from tests.inference.router.stand_ins import Cluster
 from tests.support.control_plane import make_deployment, make_node, make_worker
 from tests.support.processes import Proc, start_router, start_worker

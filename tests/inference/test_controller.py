@@ -13,8 +13,8 @@ from django.test import override_settings
 from django.utils import timezone
 
 from inference import collector, controller
-from inference.models import Deployment, MetricSample, ScaleEvent
-from nodes.models import Node, NodeStatus, Worker, WorkerStatus
+from inference.models import Deployment, MetricSample, ScaleEvent, Worker, WorkerStatus
+from nodes.models import Node, NodeStatus
 from tests.support.celery_capture import SentTasks, sent_tasks  # noqa: F401  (fixture)
 from tests.support.control_plane import make_deployment, make_node, make_worker
 
@@ -486,7 +486,7 @@ def test_an_answer_after_a_failed_probe_puts_the_worker_back_and_a_pending_one_i
 def test_manual_offline_replaces_the_workers_with_a_recorded_failover(
     django_capture_on_commit_callbacks  # noqa: F811
 ) -> None:
-    from nodes import actions as node_actions
+    from inference import worker_actions as node_actions
 
     dep = make_deployment(decode_replicas=1, prefill_replicas=0, prefill_min=0)
     gone = online_node(name="gone")
@@ -511,7 +511,7 @@ def test_workers_left_on_a_node_set_offline_by_hand_are_replaced() -> None:
 
 
 def test_a_worker_left_on_a_node_set_offline_by_hand_is_a_recorded_failover_with_its_time_to_run() -> None:
-    from nodes import actions as node_actions
+    from inference import worker_actions as node_actions
 
     dep = make_deployment(decode_replicas=1, prefill_replicas=0, prefill_min=0)
     dead = online_node(name="dead", status=NodeStatus.OFFLINE)
@@ -531,7 +531,7 @@ def test_a_worker_left_on_a_node_set_offline_by_hand_is_a_recorded_failover_with
 
 def test_a_scale_out_records_how_long_its_workers_took_to_run() -> None:
     from inference import actions
-    from nodes import actions as node_actions
+    from inference import worker_actions as node_actions
 
     online_node()
     dep = make_deployment(decode_replicas=1, decode_max=4, prefill_replicas=0, prefill_min=0)
@@ -554,7 +554,7 @@ def test_a_scale_out_records_how_long_its_workers_took_to_run() -> None:
 
 
 def test_failed_and_drained_workers_are_recorded_as_recovery_and_re_placed() -> None:
-    from nodes import actions as node_actions
+    from inference import worker_actions as node_actions
 
     first = online_node(name="first")
     online_node(name="second")

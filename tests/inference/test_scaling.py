@@ -9,8 +9,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from inference import scaling
-from inference.models import Deployment, ScaleEvent, ScalingRule
-from nodes.models import Worker
+from inference.models import Deployment, ScaleEvent, ScalingRule, Worker
 from tests.support.celery_capture import SentTasks, sent_tasks  # noqa: F401  (fixture)
 from tests.support.control_plane import make_deployment, make_node, make_worker
 

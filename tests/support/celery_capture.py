@@ -26,8 +26,8 @@ class SentTasks:
 @pytest.fixture
 def sent_tasks(monkeypatch: pytest.MonkeyPatch) -> Iterator[SentTasks]:
     """Patch apply_async/delay of the node and controller tasks to record (not send) their messages."""
+    import inference.agent.tasks
     import inference.tasks
-    import nodes.tasks
 
     sent = SentTasks()
 
@@ -41,7 +41,8 @@ def sent_tasks(monkeypatch: pytest.MonkeyPatch) -> Iterator[SentTasks]:
         monkeypatch.setattr(task, "apply_async", apply_async)
         monkeypatch.setattr(task, "delay", delay)
 
-    for task in (nodes.tasks.start_worker, nodes.tasks.stop_worker, nodes.tasks.restart_worker,
+    for task in (inference.agent.tasks.start_worker, inference.agent.tasks.stop_worker,
+                 inference.agent.tasks.restart_worker,
                  inference.tasks.reconcile_deployment):
         patch(task)
     yield sent

@@ -4,8 +4,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from inference.models import Deployment, Model
-from nodes.models import Node, Worker
+from inference.models import Deployment, Model, Worker
+from nodes.models import Node
 
 _counter = itertools.count(1)
 

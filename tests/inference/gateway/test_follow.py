@@ -5,8 +5,8 @@ import pytest
 
 from inference.gateway.follow import apply_view, load_now, read_deployment
 from inference.launch_router import parse_args
+from inference.models import WorkerStatus
 from inference.router import WorkerPool
-from nodes.models import WorkerStatus
 from tests.support.control_plane import make_deployment, make_node, make_worker
 
 

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 from django.db import close_old_connections, connection
 
-from nodes import actions
-from nodes.agent.supervisor import Supervisor
+from inference.agent.supervisor import Supervisor
+from nodes import actions as node_actions
 from nodes.resources import host_metrics
 
 logger = logging.getLogger(__name__)
@@ -19,7 +19,7 @@ def beat_once(node_id: int, supervisor: Supervisor | None) -> bool:
     metrics = host_metrics()
     if supervisor is not None:
         metrics["workers"] = supervisor.process_stats()
-    return actions.heartbeat(node_id, metrics=metrics)
+    return node_actions.heartbeat(node_id, metrics=metrics)
 
 
 def run_heartbeat(

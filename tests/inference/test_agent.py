@@ -22,9 +22,8 @@ import httpx
 import pytest
 from django.utils import timezone
 
-from inference.models import ScaleEvent
-from nodes import actions
-from nodes.agent.supervisor import (
+from inference import worker_actions
+from inference.agent.supervisor import (
     Managed,
     Phase,
     Supervisor,
@@ -33,7 +32,8 @@ from nodes.agent.supervisor import (
     backoff_delay,
     is_idle,
 )
-from nodes.models import Node, Worker, WorkerStatus
+from inference.models import ScaleEvent, Worker, WorkerStatus
+from nodes.models import Node
 from tests.support.control_plane import make_deployment, make_model, make_node, make_worker
 from tests.support.processes import free_port
 
@@ -257,7 +257,7 @@ def test_crash_loop_backs_off_then_fails(tmp_path: Path, monkeypatch: pytest.Mon
     worker = make_worker(dep, node, role="prefill", port=free_port(), status="pending", pid=None)
     crashes: list[str] = []
     launches: list[float] = []
-    real_crashed, real_launched = actions.report_crashed, actions.report_launched
+    real_crashed, real_launched = worker_actions.report_crashed, worker_actions.report_launched
 
     def crashed(worker_id: int, *, error: str) -> bool:
         crashes.append(error)
@@ -267,8 +267,8 @@ def test_crash_loop_backs_off_then_fails(tmp_path: Path, monkeypatch: pytest.Mon
         launches.append(time.monotonic())
         return real_launched(worker_id, pid=pid, restart=restart, started_at=started_at)
 
-    monkeypatch.setattr(actions, "report_crashed", crashed)
-    monkeypatch.setattr(actions, "report_launched", launched)
+    monkeypatch.setattr(worker_actions, "report_crashed", crashed)
+    monkeypatch.setattr(worker_actions, "report_launched", launched)
     sup = Supervisor(node.pk, config(tmp_path / "logs", backoff_base_s=0.3, max_restarts=2))
     sup.request_start(worker.pk)
     assert sup.wait_until(lambda: status(worker) == WorkerStatus.FAILED, timeout=60, interval=0.05)
@@ -348,7 +348,7 @@ def test_sync_stops_a_worker_the_controller_gave_up_on(tmp_path: Path) -> None:
         spec = WorkerSpec.from_worker(Worker.objects.select_related("deployment__model", "node").get(pk=worker.pk))
         sup._procs[worker.pk] = Managed(spec=spec, log_path=tmp_path / "w.log", popen=sleeper, pid=sleeper.pid,
                                         phase=Phase.RUNNING, launches=1)
-        actions.mark_node_offline(node, reason="test")  # the controller gives up on the node's workers
+        worker_actions.mark_node_offline(node, reason="test")  # the controller gives up on the node's workers
         sup.sync_with_db()
         assert sup.wait_until(lambda: not sup.managed(), timeout=15, interval=0.05)
         assert sleeper.wait(timeout=5) == -signal.SIGTERM

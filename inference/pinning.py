@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from nodes.models import Worker, WorkerStatus
+from inference.models import Worker, WorkerStatus
 
 # Statuses whose process exists (or is about to): their pinning is in force.
 PINNED_STATUSES = [s for s in WorkerStatus.values if s not in (WorkerStatus.STOPPED, WorkerStatus.FAILED)]

@@ -29,14 +29,16 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 
 from config.celery import app
-from nodes import actions
-from nodes.agent.heartbeat import run_heartbeat
-from nodes.agent.runtime import set_supervisor
-from nodes.agent.supervisor import Supervisor, SupervisorConfig
-from nodes.models import Node, WorkerRole
+from inference import worker_actions
+from inference.agent.heartbeat import run_heartbeat
+from inference.agent.runtime import set_supervisor
+from inference.agent.supervisor import Supervisor, SupervisorConfig
+from inference.models import WorkerRole
+from nodes import actions as node_actions
+from nodes.models import Node
 from nodes.resources import detect_resources
 
-logger = logging.getLogger("nodes.agent")
+logger = logging.getLogger("inference.agent")
 
 # Joining the supervisor and heartbeat threads at shutdown: each waits at most one interval.
 THREAD_JOIN_TIMEOUT_S = 15.0
@@ -109,7 +111,7 @@ class Command(BaseCommand):
         # One line per health check and scrape would drown the agent's own log.
         logging.getLogger("httpx").setLevel(logging.WARNING)
         resources = detect_resources()
-        node = actions.register_node(
+        node = node_actions.register_node(
             name=name, address=options["address"], resources=resources, port_range=port_range, labels=labels
         )
         logger.info("agent %s: %s", name, resources.to_dict())
@@ -142,7 +144,7 @@ class Command(BaseCommand):
             if not keep:
                 # First, so the controller re-places the workers at once (reconcile is sent on commit).
                 node = Node.objects.filter(pk=node.pk).first() or node
-                actions.mark_node_offline(node, reason="agent shut down")
+                worker_actions.mark_node_offline(node, reason="agent shut down")
             supervisor.shutdown(stop_workers=not keep)
             set_supervisor(None)
             connections.close_all()

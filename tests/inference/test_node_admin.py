@@ -11,7 +11,8 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from nodes.models import Node, Worker
+from inference.models import Worker
+from nodes.models import Node
 from tests.support.control_plane import make_deployment, make_node, make_worker
 
 pytestmark = pytest.mark.django_db
@@ -59,7 +60,7 @@ def test_node_list_shows_live_status(client_root: Client, cluster: dict[str, Any
 
 
 def test_worker_list_shows_health_and_errors(client_root: Client, cluster: dict[str, Any]) -> None:
-    response = client_root.get(reverse("admin:nodes_worker_changelist"))
+    response = client_root.get(reverse("admin:inference_worker_changelist"))
     assert response.status_code == 200
     page = response.content.decode()
     running = cluster["running"]
@@ -71,12 +72,12 @@ def test_worker_list_shows_health_and_errors(client_root: Client, cluster: dict[
 
 def test_change_pages_render(client_root: Client, cluster: dict[str, Any]) -> None:
     assert client_root.get(reverse("admin:nodes_node_change", args=[cluster["fresh"].pk])).status_code == 200
-    assert client_root.get(reverse("admin:nodes_worker_change", args=[cluster["running"].pk])).status_code == 200
+    assert client_root.get(reverse("admin:inference_worker_change", args=[cluster["running"].pk])).status_code == 200
     assert client_root.get(reverse("admin:nodes_node_add")).status_code == 200
     # Workers are placed by the controller; a live one's row cannot be deleted.
-    assert client_root.get(reverse("admin:nodes_worker_add")).status_code == 403
-    assert client_root.get(reverse("admin:nodes_worker_delete", args=[cluster["running"].pk])).status_code == 403
-    assert client_root.get(reverse("admin:nodes_worker_delete", args=[cluster["failed"].pk])).status_code == 200
+    assert client_root.get(reverse("admin:inference_worker_add")).status_code == 403
+    assert client_root.get(reverse("admin:inference_worker_delete", args=[cluster["running"].pk])).status_code == 403
+    assert client_root.get(reverse("admin:inference_worker_delete", args=[cluster["failed"].pk])).status_code == 200
 
 
 def test_drain_node_action(client_root: Client, cluster: dict[str, Any]) -> None:
@@ -92,9 +93,9 @@ def test_drain_node_action(client_root: Client, cluster: dict[str, Any]) -> None
 
 def test_restart_worker_action_calls_nodes_actions(client_root: Client, cluster: dict[str, Any]) -> None:
     worker = cluster["running"]
-    with mock.patch("nodes.actions.restart_worker") as restart:
+    with mock.patch("inference.worker_actions.restart_worker") as restart:
         response = client_root.post(
-            reverse("admin:nodes_worker_changelist"),
+            reverse("admin:inference_worker_changelist"),
             {"action": "restart_workers", "_selected_action": [worker.pk]},
             follow=True,
         )
@@ -107,11 +108,12 @@ def test_restart_worker_action_calls_nodes_actions(client_root: Client, cluster:
 def test_restart_worker_action_sends_to_the_agent(
     client_root: Client, cluster: dict[str, Any], django_capture_on_commit_callbacks: Any
 ) -> None:
-    """The real nodes.actions.restart_worker: a live worker gets a message on commit, a failed one an error."""
+    """The real inference.worker_actions.restart_worker: a live worker gets a message on commit, a failed one
+    an error."""
     running, failed = cluster["running"], cluster["failed"]
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
         response = client_root.post(
-            reverse("admin:nodes_worker_changelist"),
+            reverse("admin:inference_worker_changelist"),
             {"action": "restart_workers", "_selected_action": [running.pk, failed.pk]},
             follow=True,
         )

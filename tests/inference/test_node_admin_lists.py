@@ -15,10 +15,10 @@ from django.urls import reverse
 from django.utils import timezone
 
 from inference.kv_transfer.rdma_detect import pyverbs_import_reason, rdma_available
+from inference.models import Worker
+from inference.node_admin import cpu_ranges, short_reason
 from inference.tasks import prune_workers
-from nodes.actions import prune_stopped_workers
-from nodes.admin import cpu_ranges, short_reason
-from nodes.models import Worker
+from inference.worker_actions import prune_stopped_workers
 from nodes.resources import detect_rdma
 from tests.support.control_plane import make_deployment, make_node, make_worker
 
@@ -42,7 +42,7 @@ def page(client: Client, url: str) -> str:
 
 def worker_rows(text: str) -> set[int]:
     """Ids of the workers listed (their change links)."""
-    return {int(m) for m in re.findall(r"/admin/nodes/worker/(\d+)/change/", text)}
+    return {int(m) for m in re.findall(r"/admin/inference/worker/(\d+)/change/", text)}
 
 
 # ------------------------------------------------------------------------------------------ RDMA
@@ -95,7 +95,7 @@ def workers() -> dict[str, Worker]:
 
 
 def test_stopped_workers_are_hidden_by_default(client_root: Client, workers: dict[str, Worker]) -> None:
-    url = reverse("admin:nodes_worker_changelist")
+    url = reverse("admin:inference_worker_changelist")
     default = page(client_root, url)
     assert worker_rows(default) == {workers["running"].pk, workers["failed"].pk}
     assert "Not stopped" in default  # the default choice of the state filter, named
@@ -130,7 +130,7 @@ def test_long_health_is_cut_with_the_whole_json_on_hover(client_root: Client) ->
     health = {"status": "healthy", "queue_depth": 3, "running": 1, "kv_usage": 0.5, "cpu_utilization": 0.2,
               "padding": "p" * 3000}
     worker = make_worker(dep, node, last_health=health)
-    raw = client_root.get(reverse("admin:nodes_worker_changelist")).content.decode()
+    raw = client_root.get(reverse("admin:inference_worker_changelist")).content.decode()
     match = re.search(r'<span class="cell-clip" title="([^"]*)">healthy · queue 3 · running 1 · KV 50% · CPU 20%',
                       raw)
     assert match, raw
@@ -157,23 +157,23 @@ def test_overlapping_pinning_is_warned(client_root: Client) -> None:
     elsewhere = make_worker(dep, other_node, role="prefill", cpu_ids=[1])  # CPU 1 of another host
     make_worker(dep, node, status="stopped", cpu_ids=[3])  # no process: no overlap
     expected = f"CPU pinning overlaps: node n1: workers {first.pk} and {second.pk} are both pinned to CPU 1."
-    text = page(client_root, reverse("admin:nodes_worker_changelist"))
+    text = page(client_root, reverse("admin:inference_worker_changelist"))
     assert expected in text
     assert text.count("CPU pinning overlaps") == 1
     assert '<span class="cpu-overlap"' in text and "⚠ 1-2" in text and "⚠ 1<" in text
     assert "⚠ 3-4" not in text and f">{apart.pk}</a>" in text and f">{elsewhere.pk}</a>" in text
     assert expected in page(client_root, reverse("admin:nodes_node_changelist"))
     Worker.objects.filter(pk=second.pk).update(cpu_ids=[2])
-    assert "CPU pinning overlaps" not in page(client_root, reverse("admin:nodes_worker_changelist"))
+    assert "CPU pinning overlaps" not in page(client_root, reverse("admin:inference_worker_changelist"))
 
 
 def test_deployment_page_loads_the_list_stylesheet(client_root: Client) -> None:
     dep = make_deployment(name="chat")
     text = page(client_root, reverse("admin:inference_deployment_change", args=[dep.pk]))
-    assert "nodes/admin_lists.css" in text
-    css = client_root.get("/static/nodes/admin_lists.css")
+    assert "inference/admin_lists.css" in text
+    css = client_root.get("/static/inference/admin_lists.css")
     assert css.status_code in (200, 404)  # served by runserver/whitenoise only; the finder below is what counts
     from django.contrib.staticfiles import finders
 
-    found = finders.find("nodes/admin_lists.css")
+    found = finders.find("inference/admin_lists.css")
     assert found and "#rules-group fieldset.module" in open(found).read()

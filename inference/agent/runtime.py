@@ -1,11 +1,11 @@
-"""The supervisor of this agent process, for the Celery tasks of `nodes.tasks` to reach."""
+"""The supervisor of this agent process, for the Celery tasks of `inference.agent.tasks` to reach."""
 from __future__ import annotations
 
 import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from nodes.agent.supervisor import Supervisor
+    from inference.agent.supervisor import Supervisor
 
 _lock = threading.Lock()
 _supervisor: Supervisor | None = None

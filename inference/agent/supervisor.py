@@ -16,7 +16,7 @@ Per worker, `tick()` moves through these phases (every wait is bounded by a sett
 A crash (the process exited while it should run) is restarted after `backoff_delay(n)` where n counts
 the crashes within `restart_window_s`; the (max_restarts + 1)-th crash in the window gives up: FAILED,
 and the controller re-places the replica. What happens is reported to the database through
-`nodes.actions` (conditional updates, so a late report never undoes a controller decision).
+`inference.worker_actions` (conditional updates, so a late report never undoes a controller decision).
 
 Every `sync_interval_s` the supervisor also compares its processes with the database: live workers of
 this node that it does not run are started (a lost Celery message), and processes of workers that the
@@ -50,9 +50,9 @@ import psutil
 from django.conf import settings
 from django.db import close_old_connections, connection
 
+from inference import worker_actions
+from inference.models import ACTIVE_WORKER_STATUSES, Worker, WorkerRole, WorkerStatus
 from inference.server.args import ServerArgs
-from nodes import actions
-from nodes.models import ACTIVE_WORKER_STATUSES, Worker, WorkerRole, WorkerStatus
 from nodes.resources import forget_process, process_metrics
 
 logger = logging.getLogger(__name__)
@@ -404,7 +404,7 @@ class Supervisor:
             managed = self._procs.get(worker_id)
             if managed is None:
                 # Nothing runs here for it (never started, or already gone): it is stopped.
-                actions.report_stopped(worker_id)
+                worker_actions.report_stopped(worker_id)
                 return "not running; marked stopped"
             serving = managed.phase in (Phase.RUNNING, Phase.UNHEALTHY, Phase.DRAINING)
             if managed.goal != Goal.STOP:
@@ -512,7 +512,7 @@ class Supervisor:
         workers = (
             Worker.objects.select_related("deployment__model", "node")
             .filter(node_id=self.node_id)
-            .exclude(status__in=actions.FINAL_WORKER_STATUSES, pid__isnull=True)
+            .exclude(status__in=worker_actions.FINAL_WORKER_STATUSES, pid__isnull=True)
         )
         now = self._clock()
         with self._lock:
@@ -520,7 +520,7 @@ class Supervisor:
                 alive = worker.pid is not None and worker_process_matches(
                     worker.pid, worker.port, worker.process_started_at
                 )
-                if worker.status in actions.FINAL_WORKER_STATUSES:
+                if worker.status in worker_actions.FINAL_WORKER_STATUSES:
                     if alive and worker.pid is not None:
                         orphan = Managed(
                             spec=WorkerSpec.from_worker(worker, self.config.bind_host),
@@ -530,13 +530,13 @@ class Supervisor:
                         with contextlib.suppress(psutil.Error):
                             orphan.adopted = psutil.Process(worker.pid)
                         self._procs[worker.pk] = orphan
-                        actions.report_reaping(worker.pk, pid=worker.pid, node_name=worker.node.name)
+                        worker_actions.report_reaping(worker.pk, pid=worker.pid, node_name=worker.node.name)
                         outcome["reaped"].append(worker.pk)
                     else:
-                        actions.report_stopped(worker.pk)
+                        worker_actions.report_stopped(worker.pk)
                     continue
                 if not alive and worker.status in (WorkerStatus.DRAINING, WorkerStatus.STOPPING):
-                    actions.report_stopped(worker.pk)
+                    worker_actions.report_stopped(worker.pk)
                     outcome["stopped"].append(worker.pk)
                     continue
                 managed = Managed(
@@ -555,7 +555,7 @@ class Supervisor:
                         managed.goal = Goal.DRAIN
                     elif worker.status == WorkerStatus.STOPPING:
                         managed.goal = Goal.STOP
-                    actions.report_adopted(worker.pk, pid=worker.pid, node_name=worker.node.name)
+                    worker_actions.report_adopted(worker.pk, pid=worker.pid, node_name=worker.node.name)
                     outcome["adopted"].append(worker.pk)
                 else:
                     managed.count_next_launch_as_restart = worker.pid is not None or worker.restarts > 0
@@ -570,7 +570,7 @@ class Supervisor:
         """Align with the database: start live workers nobody runs, stop the ones the controller gave up on."""
         rows = dict(
             Worker.objects.filter(node_id=self.node_id)
-            .exclude(status__in=actions.FINAL_WORKER_STATUSES)
+            .exclude(status__in=worker_actions.FINAL_WORKER_STATUSES)
             .values_list("pk", "status")
         )
         with self._lock:
@@ -591,7 +591,7 @@ class Supervisor:
                 logger.info("worker #%s (%s) is not running here yet; starting it", worker_id, status)
                 self.request_start(worker_id)
             else:  # DRAINING/STOPPING without a process here: it is gone
-                actions.report_stopped(worker_id)
+                worker_actions.report_stopped(worker_id)
 
     # ------------------------------------------------------------------------------- state machine
     def _step(self, m: Managed) -> None:
@@ -631,7 +631,7 @@ class Supervisor:
                 if isinstance(info.get("kv_port"), int):
                     kv_port = int(info["kv_port"])
                     m.kv_port_reported = True
-            running = actions.report_healthy(wid, health=health, kv_port=kv_port)
+            running = worker_actions.report_healthy(wid, health=health, kv_port=kv_port)
             if m.phase != Phase.RUNNING:
                 logger.info("worker #%s healthy on %s (pid %s)", wid, m.spec.base_url, m.pid)
             m.phase = Phase.RUNNING
@@ -649,7 +649,7 @@ class Supervisor:
             m.phase = Phase.UNHEALTHY
             m.unhealthy_since = now
             logger.warning("worker #%s unhealthy: %s", wid, why)
-            actions.report_unhealthy(wid, error=f"{why} ({m.health_failures} times in a row)")
+            worker_actions.report_unhealthy(wid, error=f"{why} ({m.health_failures} times in a row)")
         elif m.phase == Phase.UNHEALTHY and m.unhealthy_since is not None:
             if now - m.unhealthy_since > self.config.unhealthy_timeout_s:
                 self._kill_now(m.pid, m.popen)
@@ -664,7 +664,7 @@ class Supervisor:
             m.phase = Phase.DRAINING
             m.drain_deadline = now + self.config.drain_timeout_s
             m.health_failures = 0
-            actions.report_draining(wid)
+            worker_actions.report_draining(wid)
             logger.info("worker #%s draining (at most %.0fs)", wid, self.config.drain_timeout_s)
         health = probe_json(m.spec.base_url + "/health", self.config.health_timeout_s)
         if health is None:
@@ -739,7 +739,7 @@ class Supervisor:
         m.kv_port_reported = m.spec.kv_port is not None
         logger.info("worker #%s launched (pid %s): %s", wid, popen.pid, " ".join(cmd))
         started_at = process_start_time(popen.pid)
-        if not actions.report_launched(wid, pid=popen.pid, restart=restart, started_at=started_at):
+        if not worker_actions.report_launched(wid, pid=popen.pid, restart=restart, started_at=started_at):
             # Given up on while we launched it (e.g. the node was marked offline): undo.
             m.goal = Goal.STOP
 
@@ -756,7 +756,7 @@ class Supervisor:
         detail = f"{error}\n--- last lines of {m.log_path} ---\n{tail}" if tail else error
         if len(m.crashes) > self.config.max_restarts:
             logger.error("worker #%s: %s; %d crashes within %.0fs, giving up", wid, error, len(m.crashes), window)
-            actions.report_failed(
+            worker_actions.report_failed(
                 wid, error=f"gave up after {len(m.crashes)} crashes within {window:.0f}s; last: {detail}"
             )
             del self._procs[wid]
@@ -767,7 +767,7 @@ class Supervisor:
         m.count_next_launch_as_restart = True
         logger.warning("worker #%s: %s; restarting in %.1fs (crash %d of at most %d in %.0fs)",
                        wid, error, delay, len(m.crashes), self.config.max_restarts, window)
-        actions.report_crashed(
+        worker_actions.report_crashed(
             wid, error=f"{detail}\nrestart in {delay:.1f}s (crash {len(m.crashes)}, at most "
                        f"{self.config.max_restarts} restarts within {window:.0f}s)"
         )
@@ -779,13 +779,13 @@ class Supervisor:
         m.term_sent_at = now
         m.kill_sent = False
         if report:
-            actions.report_stopping(m.spec.worker_id)
+            worker_actions.report_stopping(m.spec.worker_id)
 
     def _forget(self, m: Managed, *, error: str | None) -> None:
         """The worker's process is gone on purpose: report STOPPED and stop tracking it."""
         if m.pid is not None:
             forget_process(m.pid)
-        actions.report_stopped(m.spec.worker_id, error=error)
+        worker_actions.report_stopped(m.spec.worker_id, error=error)
         self._procs.pop(m.spec.worker_id, None)
         logger.info("worker #%s stopped", m.spec.worker_id)
 

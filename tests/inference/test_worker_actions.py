@@ -1,4 +1,5 @@
-"""nodes.actions: registration, heartbeats, offline/drain, restart requests and the agents' conditional reports."""
+"""nodes.actions (registration, heartbeats) and inference.worker_actions (offline/drain, restart requests and the
+agents' conditional reports)."""
 from __future__ import annotations
 
 import uuid
@@ -7,8 +8,10 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from nodes import actions
-from nodes.models import Node, NodeStatus, Worker, WorkerStatus
+from inference import worker_actions
+from inference.models import Worker, WorkerStatus
+from nodes import actions as node_actions
+from nodes.models import Node, NodeStatus
 from nodes.resources import NodeResources
 from tests.support.celery_capture import SentTasks, sent_tasks  # noqa: F401  (fixture)
 from tests.support.control_plane import make_deployment, make_node, make_worker
@@ -21,36 +24,36 @@ RES = NodeResources(hostname="h1", cpu_count=16, memory_bytes=64 * 2**30,
 
 
 def test_register_creates_then_updates_and_keeps_a_drain() -> None:
-    node = actions.register_node(name="n1", address="10.0.0.1", resources=RES, port_range=(31000, 31099),
+    node = node_actions.register_node(name="n1", address="10.0.0.1", resources=RES, port_range=(31000, 31099),
                                  labels={"roles": ["prefill"]})
     assert (node.status, node.cpu_count, node.port_range_start, node.port_range_end) == ("online", 16, 31000, 31099)
     assert node.gpus[0]["name"] == "H100" and node.rdma_note == "no verbs" and node.labels == {"roles": ["prefill"]}
     assert node.last_heartbeat is not None and node.queue_name == "node.n1"
     Node.objects.filter(pk=node.pk).update(status=NodeStatus.DRAINING)
-    again = actions.register_node(name="n1", address="10.0.0.2", resources=RES)
+    again = node_actions.register_node(name="n1", address="10.0.0.2", resources=RES)
     assert again.pk == node.pk and again.address == "10.0.0.2"
     assert again.status == NodeStatus.DRAINING  # an agent restart does not undo an operator's drain
     assert again.labels == {"roles": ["prefill"]}  # labels=None keeps them
     Node.objects.filter(pk=node.pk).update(status=NodeStatus.OFFLINE)
-    assert actions.register_node(name="n1", address="10.0.0.2", resources=RES).status == NodeStatus.ONLINE
+    assert node_actions.register_node(name="n1", address="10.0.0.2", resources=RES).status == NodeStatus.ONLINE
     with pytest.raises(ValueError):
-        actions.register_node(name="n2", address="x", resources=RES, port_range=(10, 5))
+        node_actions.register_node(name="n2", address="x", resources=RES, port_range=(10, 5))
 
 
 def test_heartbeat_stamps_and_brings_an_offline_node_back() -> None:
     node = make_node(status=NodeStatus.OFFLINE, last_heartbeat=timezone.now() - timedelta(hours=1))
-    assert actions.heartbeat(node.pk, metrics={"cpu_utilization": 0.5})
+    assert node_actions.heartbeat(node.pk, metrics={"cpu_utilization": 0.5})
     node.refresh_from_db()
     assert node.status == NodeStatus.ONLINE
     assert node.last_metrics == {"cpu_utilization": 0.5}
     assert timezone.now() - node.last_heartbeat < timedelta(seconds=5)
-    assert actions.heartbeat(10**9) is False  # deleted node
+    assert node_actions.heartbeat(10**9) is False  # deleted node
     unreachable = make_node(status=NodeStatus.UNREACHABLE, last_heartbeat=timezone.now() - timedelta(hours=1))
-    assert actions.heartbeat(unreachable.pk)
+    assert node_actions.heartbeat(unreachable.pk)
     unreachable.refresh_from_db()
     assert unreachable.status == NodeStatus.ONLINE  # its agent is back (and adopts the workers)
     draining = make_node(status=NodeStatus.DRAINING)
-    assert actions.mark_node_unreachable(draining, reason="silent") == []
+    assert worker_actions.mark_node_unreachable(draining, reason="silent") == []
     assert Node.objects.get(pk=draining.pk).status == NodeStatus.DRAINING  # an operator's drain is kept
 
 
@@ -63,7 +66,7 @@ def test_mark_offline_stops_live_workers_and_reconciles(
     pending = make_worker(dep, node, status="pending", role="decode")
     old = make_worker(dep, node, status="failed")
     with django_capture_on_commit_callbacks(execute=True):
-        given_up = actions.mark_node_offline(node, reason="silent")
+        given_up = worker_actions.mark_node_offline(node, reason="silent")
     assert {w.pk for w in given_up} == {running.pk, pending.pk}
     node.refresh_from_db()
     assert node.status == NodeStatus.OFFLINE
@@ -83,7 +86,7 @@ def test_drain_node(sent_tasks: SentTasks, django_capture_on_commit_callbacks) -
     running = make_worker(dep, node, status="running")
     starting = make_worker(dep, node, status="starting")
     with django_capture_on_commit_callbacks(execute=True):
-        actions.drain_node(node)
+        worker_actions.drain_node(node)
     node.refresh_from_db()
     assert node.status == NodeStatus.DRAINING
     running.refresh_from_db()
@@ -96,71 +99,71 @@ def test_drain_node(sent_tasks: SentTasks, django_capture_on_commit_callbacks) -
         ({"worker_id": starting.pk, "drain": False}, node.queue_name),
     ]
     assert sent_tasks.named("reconcile_deployment") == [({"deployment_id": dep.pk}, None)]
-    assert actions.activate_node(node).status == NodeStatus.ONLINE
+    assert node_actions.activate_node(node).status == NodeStatus.ONLINE
 
 
 def test_restart_worker_goes_to_the_node_queue(sent_tasks: SentTasks, django_capture_on_commit_callbacks) -> None:  # noqa: F811
     node = make_node()
     worker = make_worker(make_deployment(), node)
     with django_capture_on_commit_callbacks(execute=True):
-        actions.restart_worker(worker)
+        worker_actions.restart_worker(worker)
     assert sent_tasks.named("restart_worker") == [({"worker_id": worker.pk}, node.queue_name)]
     Worker.objects.filter(pk=worker.pk).update(status=WorkerStatus.STOPPED)
     with pytest.raises(ValueError, match="stopped"):
-        actions.restart_worker(worker)
+        worker_actions.restart_worker(worker)
     live = make_worker(worker.deployment, make_node(status=NodeStatus.OFFLINE))
     with pytest.raises(ValueError, match="offline"):
-        actions.restart_worker(live)
+        worker_actions.restart_worker(live)
 
 
 def test_reports_are_conditional() -> None:
     node = make_node()
     worker = make_worker(make_deployment(), node, status="pending", pid=None, role="decode")
-    assert actions.report_launched(worker.pk, pid=111, restart=False)
+    assert worker_actions.report_launched(worker.pk, pid=111, restart=False)
     worker.refresh_from_db()
     assert (worker.status, worker.pid, worker.restarts) == ("starting", 111, 0)
     health = {"status": "healthy", "running": 0, "queue_depth": 0}
-    assert actions.report_healthy(worker.pk, health=health, kv_port=31234)
+    assert worker_actions.report_healthy(worker.pk, health=health, kv_port=31234)
     worker.refresh_from_db()
     assert (worker.status, worker.kv_port, worker.last_health) == ("running", 31234, health)
     assert worker.last_seen is not None
-    assert actions.report_unhealthy(worker.pk, error="no answer")
-    assert actions.report_healthy(worker.pk, health=health)  # UNHEALTHY → RUNNING again
-    assert actions.report_crashed(worker.pk, error="exit -9")
+    assert worker_actions.report_unhealthy(worker.pk, error="no answer")
+    assert worker_actions.report_healthy(worker.pk, health=health)  # UNHEALTHY → RUNNING again
+    assert worker_actions.report_crashed(worker.pk, error="exit -9")
     worker.refresh_from_db()
     assert (worker.status, worker.pid) == ("unhealthy", None)
-    assert actions.report_launched(worker.pk, pid=222, restart=True)
+    assert worker_actions.report_launched(worker.pk, pid=222, restart=True)
     worker.refresh_from_db()
     assert (worker.pid, worker.restarts) == (222, 1)
 
     # The controller started draining it: health answers do not make it RUNNING again.
     Worker.objects.filter(pk=worker.pk).update(status=WorkerStatus.DRAINING)
-    assert actions.report_healthy(worker.pk, health=health) is False
+    assert worker_actions.report_healthy(worker.pk, health=health) is False
     assert Worker.objects.get(pk=worker.pk).status == WorkerStatus.DRAINING
     # Given up on (node offline): a late launch report does not revive it.
     Worker.objects.filter(pk=worker.pk).update(status=WorkerStatus.STOPPED)
-    assert actions.report_launched(worker.pk, pid=333, restart=True) is False
-    assert actions.report_crashed(worker.pk, error="x") is False
+    assert worker_actions.report_launched(worker.pk, pid=333, restart=True) is False
+    assert worker_actions.report_crashed(worker.pk, error="x") is False
     assert Worker.objects.get(pk=worker.pk).status == WorkerStatus.STOPPED
-    assert actions.report_stopped(worker.pk)
+    assert worker_actions.report_stopped(worker.pk)
     assert Worker.objects.get(pk=worker.pk).pid is None
 
 
 def test_report_failed_reconciles(sent_tasks: SentTasks, django_capture_on_commit_callbacks) -> None:  # noqa: F811
     worker = make_worker(make_deployment(), make_node(), status="unhealthy")
     with django_capture_on_commit_callbacks(execute=True):
-        assert actions.report_failed(worker.pk, error="gave up after 6 crashes")
+        assert worker_actions.report_failed(worker.pk, error="gave up after 6 crashes")
     worker.refresh_from_db()
     assert (worker.status, worker.pid) == ("failed", None)
     assert "gave up" in worker.last_error
     assert sent_tasks.named("reconcile_deployment") == [({"deployment_id": worker.deployment_id}, None)]
     # FAILED stays FAILED when the agent later reports the process gone.
-    actions.report_stopped(worker.pk)
+    worker_actions.report_stopped(worker.pk)
     assert Worker.objects.get(pk=worker.pk).status == WorkerStatus.FAILED
 
 
 def test_node_tasks_are_routed_to_the_node_queue() -> None:
-    from nodes.tasks import route_node_task
+    from inference.agent.tasks import route_node_task
 
     node = make_node(name="router-test")
     worker = make_worker(make_deployment(), node)
@@ -171,6 +174,19 @@ def test_node_tasks_are_routed_to_the_node_queue() -> None:
     assert route_node_task("nodes.tasks.start_worker", (), {"worker_id": 10**9}, {}) is None
 
 
+def test_task_names_survive_the_move_to_inference() -> None:
+    """Agents and queued messages name the agent tasks nodes.tasks.*, beat schedules inference.tasks.*:
+    the Celery app registers both under those names (the agent tasks from inference.agent.tasks)."""
+    from config.celery import app
+    from inference.management.commands.setup_schedules import SCHEDULES
+
+    app.loader.import_default_modules()  # what a Celery worker does at start: autodiscovery
+    for name in ("nodes.tasks.start_worker", "nodes.tasks.stop_worker", "nodes.tasks.restart_worker"):
+        assert app.tasks[name].__module__ == "inference.agent.tasks"
+    for _, task_name, _, _ in SCHEDULES:
+        assert app.tasks[task_name].__module__ == "inference.tasks"
+
+
 @pytest.mark.django_db(transaction=True)
 def test_start_request_reaches_the_node_queue_on_the_real_broker() -> None:
     """Through the configured broker (Redis with REDIS_URL, else the filesystem one): queue node.<name>."""
@@ -179,7 +195,7 @@ def test_start_request_reaches_the_node_queue_on_the_real_broker() -> None:
     name = f"q-{uuid.uuid4().hex[:8]}"
     node = make_node(name=name)
     worker = make_worker(make_deployment(), node, status="pending")
-    actions.request_start(worker)  # autocommit: sent at once
+    worker_actions.request_start(worker)  # autocommit: sent at once
     with app.connection_for_read() as conn:
         queue = conn.SimpleQueue(node.queue_name)
         try:

@@ -1,4 +1,8 @@
-"""Admin of nodes and workers: live status lists, and the drain / restart actions."""
+"""Admin of nodes and workers: live status lists, and the drain / restart actions.
+
+Node is a model of the `nodes` app, but its admin shows the workers on it (inline, counts, CPU pinning
+overlaps) and its actions move workers, so it is registered here, in the layer that knows both.
+"""
 from __future__ import annotations
 
 import json
@@ -17,12 +21,15 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.text import Truncator
 
-from nodes.models import ACTIVE_WORKER_STATUSES, Node, NodeStatus, Worker, WorkerStatus
-from nodes.pinning import CpuOverlap, live_cpu_overlaps, overlapping_worker_ids
+from inference import worker_actions
+from inference.models import ACTIVE_WORKER_STATUSES, Worker, WorkerStatus
+from inference.pinning import CpuOverlap, live_cpu_overlaps, overlapping_worker_ids
+from nodes import actions as node_actions
+from nodes.models import Node, NodeStatus
 
 # The stylesheet that keeps the node and worker lists (and the deployment page's inlines) within the
 # window: compact cells, long text cut with an ellipsis and shown whole on hover.
-LIST_CSS = "nodes/admin_lists.css"
+LIST_CSS = "inference/admin_lists.css"
 # Characters of a worker's last /health JSON shown in the hover title of its list cell.
 HEALTH_TITLE_CHARS = 1500
 
@@ -355,17 +362,15 @@ class NodeAdmin(admin.ModelAdmin):
     @admin.display(description="workers", ordering="live_workers")
     def worker_count(self, node: Node) -> SafeString:
         """Live workers on the node, linking to the worker list filtered by it."""
-        url = reverse("admin:nodes_worker_changelist") + f"?node__id__exact={node.pk}"
+        url = reverse("admin:inference_worker_changelist") + f"?node__id__exact={node.pk}"
         return format_html('<a href="{}">{}</a>', url, getattr(node, "live_workers", 0))
 
     @admin.action(description="Drain node", permissions=["change"])
     def drain_nodes(self, request: HttpRequest, queryset: QuerySet) -> None:
-        """Drain each selected node through nodes.actions.drain_node."""
-        from nodes.actions import drain_node  # the agent/controller side's module; imported when used
-
+        """Drain each selected node through inference.worker_actions.drain_node."""
         for node in queryset:
             try:
-                drain_node(node)
+                worker_actions.drain_node(node)
             except Exception as exc:  # report each node's failure and carry on with the others
                 self.message_user(request, f"Could not drain {node.name}: {exc}", messages.ERROR)
             else:
@@ -374,26 +379,22 @@ class NodeAdmin(admin.ModelAdmin):
     @admin.action(description="Activate node (undo a drain)", permissions=["change"])
     def activate_nodes(self, request: HttpRequest, queryset: QuerySet) -> None:
         """Put each selected draining node back into service through nodes.actions.activate_node."""
-        from nodes.actions import activate_node  # the agent/controller side's module; imported when used
-
         for node in queryset:
             if node.status != NodeStatus.DRAINING:
                 self.message_user(request, f"{node.name} is {node.status}, not draining.", messages.WARNING)
                 continue
-            activate_node(node)
+            node_actions.activate_node(node)
             self.message_user(request, f"{node.name} takes new workers again.", messages.SUCCESS)
 
     @admin.action(description="Mark offline (re-place its workers elsewhere)", permissions=["change"])
     def mark_nodes_offline(self, request: HttpRequest, queryset: QuerySet) -> None:
-        """Give up on each selected node through nodes.actions.mark_node_offline (for a host known gone:
+        """Give up on each selected node through inference.worker_actions.mark_node_offline (for a host known gone:
         an UNREACHABLE node's workers otherwise stay as long as their /health answers)."""
-        from nodes.actions import mark_node_offline  # the agent/controller side's module; imported when used
-
         for node in queryset:
             if node.status == NodeStatus.OFFLINE:
                 self.message_user(request, f"{node.name} is offline already.", messages.WARNING)
                 continue
-            given_up = mark_node_offline(node, reason=f"marked offline by {request.user}")
+            given_up = worker_actions.mark_node_offline(node, reason=f"marked offline by {request.user}")
             self.message_user(
                 request, f"{node.name} is offline; {len(given_up)} worker(s) re-placed elsewhere.", messages.SUCCESS
             )
@@ -414,7 +415,7 @@ class WorkerChangeList(ChangeList):
 class WorkerAdmin(admin.ModelAdmin):
     """Worker processes: deployment, node, role, URL, status, pid, restarts, health, last error."""
 
-    change_list_template = "admin/nodes/worker/change_list.html"
+    change_list_template = "admin/inference/worker/change_list.html"
 
     class Media:
         css = {"all": [LIST_CSS]}
@@ -532,13 +533,11 @@ class WorkerAdmin(admin.ModelAdmin):
 
     @admin.action(description="Restart worker", permissions=["change"])
     def restart_workers(self, request: HttpRequest, queryset: QuerySet) -> None:
-        """Restart each selected worker through nodes.actions.restart_worker."""
-        from nodes.actions import restart_worker  # the agent side's module; imported when used
-
+        """Restart each selected worker through inference.worker_actions.restart_worker."""
         done: list[str] = []
         for worker in queryset.select_related("deployment", "node"):
             try:
-                restart_worker(worker)
+                worker_actions.restart_worker(worker)
             except Exception as exc:  # report each worker's failure and carry on with the others
                 self.message_user(request, f"Could not restart worker {worker.pk}: {exc}", messages.ERROR)
             else:

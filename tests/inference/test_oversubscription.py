@@ -10,7 +10,7 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from inference import controller
-from nodes import actions
+from nodes import actions as node_actions
 from nodes.models import Node
 from nodes.resources import NodeResources
 from tests.support.control_plane import make_deployment, make_node, make_worker
@@ -21,10 +21,10 @@ RES = NodeResources(hostname="h1", cpu_count=2, memory_bytes=8 * 2**30, gpus=[],
 
 
 def test_off_for_a_new_node_and_kept_when_the_agent_registers_again() -> None:
-    node = actions.register_node(name="n1", address="10.0.0.1", resources=RES)
+    node = node_actions.register_node(name="n1", address="10.0.0.1", resources=RES)
     assert node.allow_cpu_oversubscription is False
     Node.objects.filter(pk=node.pk).update(allow_cpu_oversubscription=True)
-    again = actions.register_node(name="n1", address="10.0.0.1", resources=RES)  # the agent restarts
+    again = node_actions.register_node(name="n1", address="10.0.0.1", resources=RES)  # the agent restarts
     assert again.allow_cpu_oversubscription is True  # an operator's setting, not a detected resource
 
 

@@ -1,9 +1,13 @@
 """Celery tasks run by a node's agent, on its own queue `node.<name>` (never on "control").
 
-The control side sends them through `nodes.actions` (request_start/request_stop/restart_worker), which
+They keep the names they were registered under when the agent lived in the `nodes` app
+(`nodes.tasks.start_worker`, ...): messages already queued and agents of the previous release name them
+so. config/celery.py registers this module (it is not an app's `tasks` module).
+
+The control side sends them through `inference.worker_actions` (request_start/request_stop/restart_worker), which
 names the node's queue; `route_node_task` (CELERY_TASK_ROUTES) routes them there too when someone calls
 `.delay()` directly. The tasks only hand the request to this process's supervisor, which does the work
-in its own thread (nodes.agent.supervisor), so they return at once.
+in its own thread (inference.agent.supervisor), so they return at once.
 """
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ from typing import Any
 
 from celery import shared_task
 
-from nodes.agent.runtime import get_supervisor
+from inference.agent.runtime import get_supervisor
+from inference.models import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +54,6 @@ def route_node_task(
         return None
     queue = options.get("queue")
     if str(getattr(queue, "name", queue) or "").startswith("node."):
-        return None  # nodes.actions named the queue already
-    from nodes.models import Worker
-
+        return None  # inference.worker_actions named the queue already
     node_name = Worker.objects.filter(pk=kwargs["worker_id"]).values_list("node__name", flat=True).first()
     return {"queue": f"node.{node_name}"} if node_name else None

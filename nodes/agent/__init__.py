@@ -1,5 +1,0 @@
-"""The per-host agent: a supervisor of worker processes, a heartbeat, and (in the command) a Celery worker.
-
-`nodes.agent.supervisor.Supervisor` does the process work; `nodes.agent.runtime` holds the supervisor of
-this process so that the Celery tasks in `nodes.tasks` (run by the agent's own Celery worker) reach it.
-"""
