@@ -428,8 +428,7 @@ class WorkerAdmin(admin.ModelAdmin):
         "url_link",
         "status_badge",
         "cpus",
-        "pid",
-        "restarts",
+        "process",
         "health",
         "error",
         "seen",
@@ -504,12 +503,17 @@ class WorkerAdmin(admin.ModelAdmin):
             )
         return text
 
+    @admin.display(description="pid · restarts", ordering="pid")
+    def process(self, worker: Worker) -> str:
+        """Process id and restart count in one column (the list must fit 1,400 px)."""
+        return f"{worker.pid if worker.pid is not None else '–'} · {worker.restarts}"
+
     @admin.display(description="status", ordering="status")
     def status_badge(self, worker: Worker) -> SafeString:
         """The status as a coloured badge."""
         return status_badge(worker.status, worker.get_status_display())
 
-    @admin.display(description="last health")
+    @admin.display(description="health")
     def health(self, worker: Worker) -> SafeString | str:
         """Summary of the last /health answer; the whole JSON on hover."""
         summary = health_summary(worker.last_health)
@@ -518,7 +522,7 @@ class WorkerAdmin(admin.ModelAdmin):
             return summary
         return format_html('<span class="cell-clip" title="{}">{}</span>', title, summary)
 
-    @admin.display(description="last error")
+    @admin.display(description="error")
     def error(self, worker: Worker) -> SafeString | str:
         """The last error's first line (full text on hover)."""
         if not worker.last_error:
@@ -526,7 +530,7 @@ class WorkerAdmin(admin.ModelAdmin):
         first = worker.last_error.strip().splitlines()[0] if worker.last_error.strip() else ""
         return format_html('<span class="cell-clip" title="{}">{}</span>', worker.last_error, first[:200])
 
-    @admin.display(description="last seen", ordering="last_seen")
+    @admin.display(description="seen", ordering="last_seen")
     def seen(self, worker: Worker) -> SafeString | str:
         """Age of the agent's last report on the worker."""
         return age_text(worker.last_seen, stale_after_s=heartbeat_timeout_s())

@@ -215,6 +215,17 @@ def _assert_charts(browser: BrowserSession, payload: dict[str, Any], workers: li
         assert _values(load, "decode") == pytest.approx([v for v in seeded if v is not None])
 
 
+# Boxes of the page (and the page itself) whose content is wider than the box, with the excess in px.
+OVERFLOW_JS = """() => {
+  const wide = [];
+  for (const el of [document.documentElement, ...document.querySelectorAll('.results, .tabular, fieldset.module')]) {
+    const excess = el.scrollWidth - el.clientWidth;
+    if (excess > 0) wide.push(`${el.tagName.toLowerCase()}.${el.className || el.id}: ${excess}`);
+  }
+  return wide;
+}"""
+
+
 def test_admin_console_in_chromium(
     browser: BrowserSession, live_server: Any, console: Console, traffic: list[Worker],
     sent_tasks: SentTasks,  # noqa: F811
@@ -244,6 +255,19 @@ def test_admin_console_in_chromium(
         assert row.locator("td.field-worker_count").inner_text() == "1"
         assert "8 CPUs, 35% busy" in row.inner_text()
         page.get_by_text(re.compile(r"Refreshing in \d+s")).wait_for()  # autorefresh.js loaded and running
+
+    with browser.step("lists-fit"):
+        # Regression: the workers list cut LAST HEALTH off at 1,400 px and the scaling rules table
+        # overflowed the deployment page. At the fixture's 1,400 px nothing scrolls sideways.
+        for path in ("/admin/inference/worker/", "/admin/nodes/node/",
+                     f"/admin/inference/deployment/{deployment.pk}/change/"):
+            page.goto(f"{base}{path}")
+            # The admin scrolls wide tables inside their box (`.results`, inline `.tabular`): a column
+            # cut off there is as hidden as one past the window's edge.
+            overflow = page.evaluate(OVERFLOW_JS)
+            assert not overflow, f"{path} does not fit 1,400 px: {overflow}"
+        page.goto(f"{base}/admin/inference/worker/")
+        assert page.locator("#result_list tbody tr").count() >= 1
 
     with browser.step("metrics"):
         page.goto(f"{base}/admin/inference/deployment/{deployment.pk}/change/")
@@ -326,7 +350,8 @@ def test_admin_console_in_chromium(
         _assert_charts(browser, data.value.json(), traffic, "role")
         assert [e["reason"] for e in data.value.json()["events"]][-1] == f"admin action decode +1 by {USERNAME}"
 
-    steps = ["login", "nodes", "metrics", "metrics-per-worker", "rule-edited", "scaled-decode", "metrics-after-scale"]
+    steps = ["login", "nodes", "lists-fit", "metrics", "metrics-per-worker", "rule-edited", "scaled-decode",
+             "metrics-after-scale"]
     assert [path.name for path in browser.screenshots] == [
         f"admin-console-{n:02d}-{name}.png" for n, name in enumerate(steps, 1)
     ]
