@@ -318,23 +318,30 @@ def worker_process_matches(pid: int, port: int, started_at: float | None = None)
     All three are checked because a pid alone may have been reused by an unrelated process since the
     worker ran (after a reboot, say); the start time also tells apart a later launch_server on that port.
     """
+    return process_mismatch(pid, port, started_at) is None
+
+
+def process_mismatch(pid: int, port: int, started_at: float | None = None) -> str | None:
+    """Why `pid` is not the worker's process (see `worker_process_matches`), or None when it is."""
     try:
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
-            return False
+            return "the process is a zombie"
         cmdline = proc.cmdline()
         created = proc.create_time()
-    except (psutil.Error, OSError):
-        return False
+    except (psutil.Error, OSError) as exc:
+        return f"no such process ({type(exc).__name__})"
     # create_time is derived from boot time and clock ticks: equal for one process, to well under this.
     if started_at is not None and abs(created - started_at) > START_TIME_TOLERANCE_S:
-        return False
+        return f"started at {created:.3f}, not {started_at:.3f}"
     if "inference.launch_server" not in cmdline:
-        return False
+        return "not a launch_server process"
     try:
-        return cmdline[cmdline.index("--port") + 1] == str(port)
+        if cmdline[cmdline.index("--port") + 1] == str(port):
+            return None
     except (ValueError, IndexError):
-        return False
+        return "no --port on its command line"
+    return f"it serves another port than {port}"
 
 
 def signal_process(pid: int, sig: int) -> None:
@@ -517,9 +524,13 @@ class Supervisor:
         now = self._clock()
         with self._lock:
             for worker in workers:
-                alive = worker.pid is not None and worker_process_matches(
+                mismatch = None if worker.pid is None else process_mismatch(
                     worker.pid, worker.port, worker.process_started_at
                 )
+                alive = worker.pid is not None and mismatch is None
+                if worker.pid is not None and mismatch is not None:
+                    # Said once per worker at agent start: the reason a running worker was not adopted.
+                    logger.info("worker #%s: pid %s is not its process: %s", worker.pk, worker.pid, mismatch)
                 if worker.status in worker_actions.FINAL_WORKER_STATUSES:
                     if alive and worker.pid is not None:
                         orphan = Managed(

@@ -31,6 +31,7 @@ from inference.agent.supervisor import (
     WorkerSpec,
     backoff_delay,
     is_idle,
+    process_mismatch,
 )
 from inference.models import ScaleEvent, Worker, WorkerStatus
 from nodes.models import Node
@@ -461,3 +462,15 @@ def test_recover_does_not_adopt_a_process_with_another_start_time(tmp_path: Path
     finally:
         other.kill()
         other.wait()
+
+
+def test_process_mismatch_says_why_a_pid_is_not_the_workers() -> None:
+    """The reason a restarted agent logs for a worker it does not adopt."""
+    import psutil
+
+    here = psutil.Process(os.getpid())
+    assert process_mismatch(os.getpid(), 1234) == "not a launch_server process"
+    assert "started at" in str(process_mismatch(os.getpid(), 1234, here.create_time() + 5))
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=30)
+    assert str(process_mismatch(child.pid, 1234)).startswith("no such process")
