@@ -460,7 +460,10 @@ class Worker:
             stream = self.async_engine.stream(request_id)
             while True:
                 try:
-                    out = await asyncio.wait_for(anext(stream), timeout=OUTPUT_TIMEOUT_S)
+                    # asyncio.timeout arms a timer; wait_for would also wrap each token's wait in a
+                    # task of its own (once per generated token, on the loop that also handles aborts).
+                    async with asyncio.timeout(OUTPUT_TIMEOUT_S):
+                        out = await anext(stream)
                 except StopAsyncIteration:
                     break
                 now = time.perf_counter()
