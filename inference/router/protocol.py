@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -402,13 +402,6 @@ def final_body(parsed: ParsedRequest, result: Collected, model: str) -> dict[str
     }
 
 
-def sse_preamble(parsed: ParsedRequest, model: str) -> bytes:
-    """What a stream starts with before its first token: the assistant role chunk for chat, else nothing."""
-    if parsed.kind == "chat":
-        return sse(_chunk(parsed, model, {"role": "assistant", "content": ""}, None, None))
-    return b""
-
-
 def sse_event(parsed: ParsedRequest, event: Event, model: str) -> tuple[bytes, bool]:
     """The Server-Sent Event bytes for one event, and whether it ends the stream.
 
@@ -459,8 +452,10 @@ class SseFormatter:
             self._suffix = b"}]" + (b',"usage":null' if parsed.include_usage else b"") + b"}\n\n"
 
     def preamble(self) -> bytes:
-        """What the stream starts with (the assistant role chunk for chat)."""
-        return sse_preamble(self.parsed, self.model)
+        """What the stream starts with before its first token: the assistant role chunk for chat."""
+        if self.parsed.kind == "chat":
+            return sse(_chunk(self.parsed, self.model, {"role": "assistant", "content": ""}, None, None))
+        return b""
 
     def event(self, event: Event) -> tuple[bytes, bool]:
         """The bytes for `event`, and whether it ends the stream (see `sse_event`)."""
@@ -471,33 +466,6 @@ class SseFormatter:
         if self.parsed.kind == "generate":
             return b'data: {"text":' + text + b',"token_ids":' + ids + b"}\n\n", False
         return self._prefix + text + self._close_text + b',"token_ids":' + ids + self._suffix, False
-
-
-async def sse_stream(
-    parsed: ParsedRequest, first: Event | None, events: AsyncIterator[Event], model: str
-) -> AsyncGenerator[bytes, None]:
-    """Server-Sent Events for a streamed request, ending with `data: [DONE]`.
-
-    `first` is the already received first event (the view waits for it so that errors before
-    the first token still get their HTTP status). Closing this generator closes `events`, which
-    aborts the request on its workers. (The gateway inlines this loop; see `sse_event`.)
-    """
-    try:
-        preamble = sse_preamble(parsed, model)
-        if preamble:
-            yield preamble
-        event = first
-        while event is not None:  # bounded by the client generator, whose waits all time out
-            chunk, last = sse_event(parsed, event, model)
-            yield chunk
-            if last:
-                return
-            event = await anext(events, None)
-        yield SSE_DONE
-    finally:
-        closer = getattr(events, "aclose", None)
-        if closer is not None:
-            await closer()
 
 
 def _chunk(

@@ -15,7 +15,6 @@ from inference.router.protocol import (
     parse_completion,
     parse_generate,
     sse_event,
-    sse_stream,
 )
 
 
@@ -106,8 +105,15 @@ def _stream(kind: str, body: dict[str, Any], items: list[Event]) -> list[Any]:
     source = _events(items)
 
     async def collect() -> list[bytes]:
-        first = await anext(source)
-        return [chunk async for chunk in sse_stream(parsed, first, source, "m")]
+        # What the gateway's streaming loop writes: the preamble, then each event until the last.
+        formatter = SseFormatter(parsed, "m")
+        out = [formatter.preamble()]
+        async for event in source:
+            chunk, last = formatter.event(event)
+            out.append(chunk)
+            if last:
+                break
+        return out
 
     # One chunk may carry several events (the last event and `[DONE]` go out in one write).
     chunks = [event + b"\n\n" for event in b"".join(asyncio.run(collect())).split(b"\n\n") if event]
