@@ -216,11 +216,19 @@ def plan_manual_scale(
             deployment=locked, role=role, replicas=target, ends_at=override_until, rule=rule,
             source=source, created_by=actor, reason=reason.strip(),
         )  # fmt: skip
-    if rule is not None and rule.target_replicas is not None:
-        held = min(max(rule.target_replicas, low), high)
-        if held != target:
-            raise ScheduleConflict(rule, role, target, held)
+    conflict = _conflict_with(rule, locked, role, target)
+    if conflict is not None:
+        raise conflict
     return None
+
+
+def _conflict_with(rule: ScalingRule | None, deployment: Deployment, role: str, target: int) -> ScheduleConflict | None:
+    """The conflict between a schedule rule holding `role` and a manual count `target` (both clamped)."""
+    if rule is None or rule.target_replicas is None:
+        return None
+    low, high = deployment.bounds(role)
+    held = min(max(rule.target_replicas, low), high)
+    return ScheduleConflict(rule, role, target, held) if held != target else None
 
 
 def replica_edit_conflict(deployment: Deployment, role: str, replicas: int,
@@ -237,11 +245,7 @@ def replica_edit_conflict(deployment: Deployment, role: str, replicas: int,
         return None
     low, high = deployment.bounds(role)
     target = min(max(int(replicas), low), high)
-    rule = schedule_rule_holding(deployment, role, now)
-    if rule is None or rule.target_replicas is None:
-        return None
-    held = min(max(rule.target_replicas, low), high)
-    return ScheduleConflict(rule, role, target, held) if held != target else None
+    return _conflict_with(schedule_rule_holding(deployment, role, now), deployment, role, target)
 
 
 def override_note(override: ScaleOverride | None) -> str:
