@@ -19,7 +19,6 @@ from django.utils.safestring import SafeString
 
 from inference import actions, selectors
 from inference.models import (
-    ACTIVE_WORKER_STATUSES,
     Deployment,
     MetricSample,
     RouterEndpoint,
@@ -33,7 +32,7 @@ from inference.models import (
     WorkerStatus,
 )
 from inference.models import Model as ServedModel
-from inference.node_admin import age_text, health_summary, status_badge
+from inference.node_admin import LiveWorkerInline, age_text, health_summary, status_badge
 
 RECENT_EVENTS = 20
 
@@ -132,29 +131,14 @@ class ScaleEventInline(admin.TabularInline):
         return False
 
 
-class DeploymentWorkerInline(admin.TabularInline):
+class DeploymentWorkerInline(LiveWorkerInline):
     """The deployment's live workers, read-only (the controller places them)."""
 
-    model = Worker
     fk_name = "deployment"
-    extra = 0
-    can_delete = False
-    show_change_link = True
+    related = ("node",)
     verbose_name_plural = "live workers"
     fields = ["role", "node", "worker_url", "worker_status", "pid", "restarts", "health", "seen"]
     readonly_fields = fields
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Scale the deployment instead: the controller places workers."""
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Read-only: agents report these fields."""
-        return False
-
-    def get_queryset(self, request: HttpRequest) -> QuerySet:
-        """Live workers only, with their nodes."""
-        return super().get_queryset(request).filter(status__in=ACTIVE_WORKER_STATUSES).select_related("node")
 
     @admin.display(description="URL")
     def worker_url(self, worker: Worker) -> str:

@@ -211,28 +211,36 @@ class WorkerStateFilter(admin.SimpleListFilter):
         return queryset.exclude(status=WorkerStatus.STOPPED)
 
 
-class WorkerInline(admin.TabularInline):
-    """The node's workers, read-only (the controller and the agent own them)."""
+class LiveWorkerInline(admin.TabularInline):
+    """Live workers of a node or a deployment, read-only: the controller places them and the agents
+    report their fields; stopped ones accumulate over time and are listed on the worker page."""
 
     model = Worker
-    fk_name = "node"
     extra = 0
     can_delete = False
     show_change_link = True
-    fields = ["deployment", "role", "port", "status", "pid", "restarts", "last_seen"]
-    readonly_fields = fields
+    related: tuple[str, ...] = ()  # select_related for the columns shown
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Workers are placed by the controller, not added by hand."""
+        """Workers are placed by the controller (scale the deployment), not added by hand."""
         return False
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Read-only: the agent reports these fields."""
+        """Read-only: the agents report these fields."""
         return False
 
     def get_queryset(self, request: HttpRequest) -> QuerySet:
-        """Only live workers: stopped ones accumulate over time and are listed on the worker page."""
-        return super().get_queryset(request).filter(status__in=ACTIVE_WORKER_STATUSES).select_related("deployment")
+        """Only live workers."""
+        return super().get_queryset(request).filter(status__in=ACTIVE_WORKER_STATUSES).select_related(*self.related)
+
+
+class WorkerInline(LiveWorkerInline):
+    """The node's live workers."""
+
+    fk_name = "node"
+    related = ("deployment",)
+    fields = ["deployment", "role", "port", "status", "pid", "restarts", "last_seen"]
+    readonly_fields = fields
 
 
 @admin.register(Node)
