@@ -10,11 +10,9 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +34,7 @@ from inference.agent.supervisor import (
 from inference.models import ScaleEvent, Worker, WorkerStatus
 from nodes.models import Node
 from tests.support.control_plane import make_deployment, make_model, make_node, make_worker
+from tests.support.http_stub import QuietHandler, serving
 from tests.support.processes import free_port
 
 pytestmark = pytest.mark.django_db
@@ -283,31 +282,17 @@ def test_crash_loop_backs_off_then_fails(tmp_path: Path, monkeypatch: pytest.Mon
     assert not sup.managed()
 
 
-class _BusyHealth(BaseHTTPRequestHandler):
+class _BusyHealth(QuietHandler):
     """/health of a worker that never becomes idle."""
 
     def do_GET(self) -> None:  # noqa: N802
-        body = json.dumps({"status": "healthy", "running": 1, "queue_depth": 0, "kv_usage": 0.2}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+        self.reply(200, json.dumps({"status": "healthy", "running": 1, "queue_depth": 0, "kv_usage": 0.2}).encode())
 
 
 @pytest.fixture
 def busy_health() -> Iterator[int]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _BusyHealth)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield int(server.server_address[1])
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(_BusyHealth) as port:
+        yield port
 
 
 def test_drain_is_bounded_and_sigterm_escalates_to_sigkill(tmp_path: Path, busy_health: int) -> None:

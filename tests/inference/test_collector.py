@@ -7,10 +7,8 @@ over real tiny-model workers under a burst that the router answers partly with 4
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +22,7 @@ from inference.router.metrics import RouterMetrics
 from inference.server.metrics import WorkerMetrics
 from tests.inference.router.stand_ins import Cluster
 from tests.support.control_plane import make_deployment, make_node, make_worker
+from tests.support.http_stub import QuietHandler, serving
 from tests.support.processes import Proc, start_router, start_worker
 
 CONTEXT = 256
@@ -137,28 +136,16 @@ def fake_worker() -> Iterator[tuple[int, dict[str, Any]]]:
                              "health": {"status": "healthy", "role": "decode", "queue_depth": 1, "running": 3,
                                         "kv_usage": 0.5, "cpu_utilization": 0.25}}
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:  # noqa: N802
             if self.path == "/metrics":
                 status, body = state["metrics_status"], state["metrics"].render()
             else:
                 status, body = 200, json.dumps(state["health"]).encode()
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.reply(status, body)
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield int(server.server_address[1]), state
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(Handler) as port:
+        yield port, state
 
 
 @pytest.mark.django_db

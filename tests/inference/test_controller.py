@@ -5,7 +5,6 @@ import json
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -17,6 +16,7 @@ from inference.models import Deployment, MetricSample, ScaleEvent, Worker, Worke
 from nodes.models import Node, NodeStatus
 from tests.support.celery_capture import SentTasks, sent_tasks  # noqa: F401  (fixture)
 from tests.support.control_plane import make_deployment, make_node, make_worker
+from tests.support.http_stub import QuietHandler, serving
 
 pytestmark = pytest.mark.django_db
 
@@ -677,29 +677,15 @@ class FakeWorkerState:
 def fake_worker() -> Iterator[tuple[int, FakeWorkerState]]:
     state = FakeWorkerState()
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:  # noqa: N802
             if self.path == "/metrics":
-                body, kind = state.metrics().encode(), "text/plain"
+                self.reply(200, state.metrics().encode(), "text/plain")
             else:
-                body, kind = json.dumps(state.health).encode(), "application/json"
-            self.send_response(200)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+                self.reply(200, json.dumps(state.health).encode())
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield int(server.server_address[1]), state
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(Handler) as port:
+        yield port, state
 
 
 def test_collect_metrics_turns_counter_deltas_into_samples(fake_worker: tuple[int, FakeWorkerState]) -> None:
