@@ -23,9 +23,7 @@ from inference.server.metrics import WorkerMetrics
 from tests.inference.router.stand_ins import Cluster
 from tests.support.control_plane import make_deployment, make_node, make_worker
 from tests.support.http_stub import QuietHandler, serving
-from tests.support.processes import Proc, start_router, start_worker
-
-CONTEXT = 256
+from tests.support.processes import start_router
 
 
 def _state(metrics: RouterMetrics, at: float) -> dict[str, Any]:
@@ -271,27 +269,10 @@ def test_router_sample_from_a_real_router(stand_ins: Cluster, stand_in_router: s
 
 # ------------------------------------------------------------- real workers under a burst
 @pytest.fixture(scope="module")
-def real_cluster(tiny_model_dir: Path, log_dir: Path) -> Iterator[dict[str, Any]]:
+def real_cluster(saturable_deployment: dict[str, str]) -> dict[str, str]:
     """A real prefill and decode worker (tiny model, decode --batch-size 2) and a router whose short
-    queue (0.5 s, 4 places) turns a burst partly into 429s."""
-    procs: list[Proc] = []
-    try:
-        common = ["--context-length", str(CONTEXT), "--block-size", "8"]
-        prefill, prefill_url = start_worker("prefill", tiny_model_dir, log_dir, extra=common)
-        procs.append(prefill)
-        decode, decode_url = start_worker(
-            "decode", tiny_model_dir, log_dir,
-            extra=[*common, "--batch-size", "2", "--max-sequence-length", str(CONTEXT)],
-        )  # fmt: skip
-        procs.append(decode)
-        router, router_url = start_router(
-            [prefill_url], [decode_url], log_dir, extra=["--queue-timeout", "0.5", "--max-queue", "4"]
-        )
-        procs.append(router)
-        yield {"router": router_url, "prefill": prefill_url, "decode": decode_url}
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
+    queue turns a burst partly into 429s."""
+    return saturable_deployment
 
 
 @pytest.mark.django_db

@@ -10,43 +10,22 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.processes import Proc, start_router, start_worker
+from tests.inference.conftest import SATURABLE_QUEUE_TIMEOUT_S
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
-QUEUE_TIMEOUT_S = 0.5
-CONTEXT = 256
+QUEUE_TIMEOUT_S = SATURABLE_QUEUE_TIMEOUT_S
 
 
 @pytest.fixture(scope="module")
-def deployment(tiny_model_dir: Path, log_dir: Path) -> Iterator[dict[str, str]]:
+def deployment(saturable_deployment: dict[str, str]) -> dict[str, str]:
     """One prefill, one decode (--batch-size 2) and a router with a short queue."""
-    procs: list[Proc] = []
-    try:
-        common = ["--context-length", str(CONTEXT), "--block-size", "8"]
-        prefill, prefill_url = start_worker("prefill", tiny_model_dir, log_dir, extra=common)
-        procs.append(prefill)
-        decode, decode_url = start_worker(
-            "decode", tiny_model_dir, log_dir,
-            extra=[*common, "--batch-size", "2", "--max-sequence-length", str(CONTEXT)],
-        )
-        procs.append(decode)
-        router, router_url = start_router(
-            [prefill_url], [decode_url], log_dir,
-            extra=["--queue-timeout", str(QUEUE_TIMEOUT_S), "--max-queue", "4"],
-        )
-        procs.append(router)
-        yield {"router": router_url, "decode": decode_url, "prefill": prefill_url}
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
+    return saturable_deployment
 
 
 def _post(router: str) -> tuple[int, float, dict[str, Any], str | None]:
