@@ -173,6 +173,13 @@ class GatewayConsumer(AsyncHttpConsumer):  # type: ignore[misc]
             await self.error(exc)
             return None
 
+    async def admitted_service(self, *, auth: bool) -> RouterService | None:
+        """This process's router once the method (and, with `auth`, the API key) is accepted; None
+        after answering 405, 401 or 503."""
+        if not await self.method_allowed() or (auth and not await self.authorized()):
+            return None
+        return await self.router_or_503()
+
     async def method_allowed(self) -> bool:
         """405 with Allow unless the request uses one of `methods`."""
         if self.scope.get("method") in self.methods:
@@ -344,9 +351,7 @@ class HealthConsumer(GatewayConsumer):
 
     async def handle(self, body: bytes) -> None:
         """Answer from the pool's state."""
-        if not await self.method_allowed():
-            return
-        service = await self.router_or_503()
+        service = await self.admitted_service(auth=False)
         if service is None:
             return
         pool = service.pool
@@ -379,9 +384,7 @@ class StatusConsumer(GatewayConsumer):
 
     async def handle(self, body: bytes) -> None:
         """Answer the full status."""
-        if not await self.method_allowed() or not await self.authorized():
-            return
-        service = await self.router_or_503()
+        service = await self.admitted_service(auth=True)
         if service is None:
             return
         await self.json(200, service.status())
@@ -392,9 +395,7 @@ class MetricsConsumer(GatewayConsumer):
 
     async def handle(self, body: bytes) -> None:
         """Render the registry."""
-        if not await self.method_allowed():
-            return
-        service = await self.router_or_503()
+        service = await self.admitted_service(auth=False)
         if service is None:
             return
         from inference.router.metrics import CONTENT_TYPE
