@@ -1,12 +1,14 @@
 """Fixtures for the router and gateway tests: a cluster of stand-in workers shared by a module
-(tests with their own `cluster` of real workers, like test_disaggregated_e2e, override it), and a
-small real deployment that a burst saturates."""
+(tests with their own `cluster` of real workers, like test_disaggregated_e2e, override it), a
+small real deployment that a burst saturates, and an admin test client."""
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from django.contrib.auth import get_user_model
+from django.test import Client
 
 from tests.inference.router.stand_ins import Cluster
 from tests.support.processes import Proc, start_router, start_worker
@@ -56,3 +58,12 @@ def saturable_deployment(tiny_model_dir: Path, log_dir: Path) -> Iterator[dict[s
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+@pytest.fixture
+def client_root() -> Client:
+    """A Django test client logged in as the superuser "root" (the admin tests)."""
+    user = get_user_model().objects.create_superuser("root", "root@example.com", None)
+    client = Client()
+    client.force_login(user)
+    return client

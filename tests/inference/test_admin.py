@@ -21,15 +21,6 @@ MODELS = ["model", "deployment", "scalingrule", "scaleevent", "metricsample", "w
 
 
 @pytest.fixture
-def admin_client_logged_in() -> Client:
-    """A test client logged in as a superuser."""
-    user = get_user_model().objects.create_superuser("root", "root@example.com", None)
-    client = Client()
-    client.force_login(user)
-    return client
-
-
-@pytest.fixture
 def populated() -> Deployment:
     """A deployment with a rule, a worker, an event and metric samples, so every page has rows."""
     deployment = make_deployment(name="chat")
@@ -71,13 +62,13 @@ def _deployment_form(deployment: Deployment, **changes: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_changelists_render(admin_client_logged_in: Client, populated: Deployment, model: str) -> None:
-    response = admin_client_logged_in.get(reverse(f"admin:inference_{model}_changelist"))
+def test_changelists_render(client_root: Client, populated: Deployment, model: str) -> None:
+    response = client_root.get(reverse(f"admin:inference_{model}_changelist"))
     assert response.status_code == 200
 
 
-def test_change_pages_render(admin_client_logged_in: Client, populated: Deployment) -> None:
-    client = admin_client_logged_in
+def test_change_pages_render(client_root: Client, populated: Deployment) -> None:
+    client = client_root
     for model, obj in [
         ("model", populated.model),
         ("deployment", populated),
@@ -95,10 +86,10 @@ def test_change_pages_render(admin_client_logged_in: Client, populated: Deployme
 
 
 def test_deployment_page_shows_rules_workers_events_and_metrics_link(
-    admin_client_logged_in: Client, populated: Deployment
+    client_root: Client, populated: Deployment
 ) -> None:
     url = reverse("admin:inference_deployment_change", args=[populated.pk])
-    page = admin_client_logged_in.get(url).content.decode()
+    page = client_root.get(url).content.decode()
     assert 'name="rules-0-threshold"' in page  # editable rule inline
     assert "Recent scale events" in page and "seed" in page
     assert "Live workers" in page and "healthy · queue 1 · running 2" in page
@@ -106,8 +97,8 @@ def test_deployment_page_shows_rules_workers_events_and_metrics_link(
     assert reverse("admin:inference_deployment_metrics", args=[populated.pk]) in page
 
 
-def test_deployment_list_shows_replicas_and_running(admin_client_logged_in: Client, populated: Deployment) -> None:
-    page = admin_client_logged_in.get(reverse("admin:inference_deployment_changelist")).content.decode()
+def test_deployment_list_shows_replicas_and_running(client_root: Client, populated: Deployment) -> None:
+    page = client_root.get(reverse("admin:inference_deployment_changelist")).content.decode()
     assert "2 [1–4] · 0 running" in page  # decode: desired 2, no running decode worker
     assert "1 [1–4] · 1 running" in page  # prefill: the running prefill worker
 
@@ -122,10 +113,10 @@ def test_deployment_list_shows_replicas_and_running(admin_client_logged_in: Clie
     ],
 )
 def test_scale_actions(
-    admin_client_logged_in: Client, action: str, role: str, start: int, expected: int
+    client_root: Client, action: str, role: str, start: int, expected: int
 ) -> None:
     deployment = make_deployment(**{f"{role}_replicas": start})
-    response = admin_client_logged_in.post(
+    response = client_root.post(
         reverse("admin:inference_deployment_changelist"),
         {"action": action, "_selected_action": [deployment.pk]},
         follow=True,
@@ -139,9 +130,9 @@ def test_scale_actions(
     assert f"{start} → {expected}" in response.content.decode()
 
 
-def test_scale_action_at_bound_records_nothing(admin_client_logged_in: Client) -> None:
+def test_scale_action_at_bound_records_nothing(client_root: Client) -> None:
     deployment = make_deployment(decode_replicas=4, decode_max=4)
-    response = admin_client_logged_in.post(
+    response = client_root.post(
         reverse("admin:inference_deployment_changelist"),
         {"action": "scale_decode_up", "_selected_action": [deployment.pk]},
         follow=True,
@@ -150,22 +141,22 @@ def test_scale_action_at_bound_records_nothing(admin_client_logged_in: Client) -
     assert not ScaleEvent.objects.exists()
 
 
-def test_change_form_keeps_a_concurrent_autoscale(admin_client_logged_in: Client, populated: Deployment) -> None:
+def test_change_form_keeps_a_concurrent_autoscale(client_root: Client, populated: Deployment) -> None:
     """The form still says decode=2 but the autoscaler moved it to 3: saving the batch size keeps 3."""
     form = _deployment_form(populated, batch_size=8)
     actions.scale_deployment(populated, "decode", 3, source="threshold", reason="load")
     actions.scale_deployment(populated, "prefill", 2, source="threshold", reason="load")  # events arrived meanwhile
-    response = admin_client_logged_in.post(reverse("admin:inference_deployment_change", args=[populated.pk]), form)
+    response = client_root.post(reverse("admin:inference_deployment_change", args=[populated.pk]), form)
     assert response.status_code == 302, response.context["adminform"].form.errors if response.context else ""
     fresh = Deployment.objects.get(pk=populated.pk)
     assert (fresh.batch_size, fresh.decode_replicas, fresh.prefill_replicas) == (8, 3, 2)
 
 
 def test_change_form_replica_edit_is_a_manual_scale_event(
-    admin_client_logged_in: Client, populated: Deployment
+    client_root: Client, populated: Deployment
 ) -> None:
     form = _deployment_form(populated, prefill_replicas=3)
-    response = admin_client_logged_in.post(reverse("admin:inference_deployment_change", args=[populated.pk]), form)
+    response = client_root.post(reverse("admin:inference_deployment_change", args=[populated.pk]), form)
     assert response.status_code == 302
     event = ScaleEvent.objects.filter(deployment=populated, role="prefill").get()
     assert (event.from_replicas, event.to_replicas, event.source) == (1, 3, "manual")
@@ -173,7 +164,7 @@ def test_change_form_replica_edit_is_a_manual_scale_event(
 
 
 def test_change_form_replica_edit_inside_a_schedule_window_is_refused_naming_the_rule(
-    admin_client_logged_in: Client, populated: Deployment
+    client_root: Client, populated: Deployment
 ) -> None:
     """Regression: the edit saved, and the schedule rule set the count back at its next run, silently."""
     from inference.selectors import local_time
@@ -184,19 +175,19 @@ def test_change_form_replica_edit_inside_a_schedule_window_is_refused_naming_the
         start_time=local_time(now - timedelta(hours=1)), end_time=local_time(now + timedelta(hours=1)),
     )  # fmt: skip
     url = reverse("admin:inference_deployment_change", args=[populated.pk])
-    refused = admin_client_logged_in.post(url, _deployment_form(populated, prefill_replicas=3))
+    refused = client_root.post(url, _deployment_form(populated, prefill_replicas=3))
     assert refused.status_code == 200  # re-rendered with the error on the field
     assert "schedule rule &#x27;night&#x27;" in refused.content.decode()
     assert Deployment.objects.get(pk=populated.pk).prefill_replicas == 1
     assert not ScaleEvent.objects.filter(deployment=populated, role="prefill").exists()
     # Other fields still save; the held count is no conflict.
-    saved = admin_client_logged_in.post(url, _deployment_form(populated, batch_size=8))
+    saved = client_root.post(url, _deployment_form(populated, batch_size=8))
     assert saved.status_code == 302
 
 
-def test_change_form_validates_bounds_and_rules(admin_client_logged_in: Client, populated: Deployment) -> None:
+def test_change_form_validates_bounds_and_rules(client_root: Client, populated: Deployment) -> None:
     url = reverse("admin:inference_deployment_change", args=[populated.pk])
-    bad_bounds = admin_client_logged_in.post(url, _deployment_form(populated, prefill_min=3, prefill_max=2))
+    bad_bounds = client_root.post(url, _deployment_form(populated, prefill_min=3, prefill_max=2))
     assert bad_bounds.status_code == 200  # re-rendered with the error
     assert "prefill_min (3) exceeds prefill_max (2)" in bad_bounds.content.decode()
 
@@ -211,24 +202,24 @@ def test_change_form_validates_bounds_and_rules(admin_client_logged_in: Client, 
         "rules-1-role": "decode", "rules-1-comparison": "above", "rules-1-duration_s": "60",
         "rules-1-cooldown_s": "300", "rules-1-step": "1",
     })  # fmt: skip
-    missing = admin_client_logged_in.post(url, form)
+    missing = client_root.post(url, form)
     assert missing.status_code == 200 and "required for a schedule rule" in missing.content.decode()
     form.update({"rules-1-start_time": "22:00", "rules-1-end_time": "07:00", "rules-1-target_replicas": "1"})
     ScalingRule.objects.filter(pk=rule.pk).update(breach_started_at=timezone.now())
-    saved = admin_client_logged_in.post(url, form)
+    saved = client_root.post(url, form)
     assert saved.status_code == 302
     assert sorted(populated.rules.values_list("name", flat=True)) == ["hot", "night"]
     rule.refresh_from_db()
     assert rule.threshold == 0.9 and rule.breach_started_at is None  # changed condition: timer restarts
 
 
-def test_deployment_with_live_workers_cannot_be_deleted(admin_client_logged_in: Client, populated: Deployment) -> None:
-    response = admin_client_logged_in.get(reverse("admin:inference_deployment_delete", args=[populated.pk]))
+def test_deployment_with_live_workers_cannot_be_deleted(client_root: Client, populated: Deployment) -> None:
+    response = client_root.get(reverse("admin:inference_deployment_delete", args=[populated.pk]))
     assert response.status_code == 403
 
 
-def test_metrics_page_and_json(admin_client_logged_in: Client, populated: Deployment) -> None:
-    page = admin_client_logged_in.get(reverse("admin:inference_deployment_metrics", args=[populated.pk]))
+def test_metrics_page_and_json(client_root: Client, populated: Deployment) -> None:
+    page = client_root.get(reverse("admin:inference_deployment_metrics", args=[populated.pk]))
     assert page.status_code == 200
     html = page.content.decode()
     for chart in selectors.CHARTS:  # a figure per chart, uPlot and its CSS served from here (no CDN)
@@ -242,7 +233,7 @@ def test_metrics_page_and_json(admin_client_logged_in: Client, populated: Deploy
 
     data_url = reverse("admin:inference_deployment_metrics_data", args=[populated.pk])
     assert data_url in html
-    response = admin_client_logged_in.get(data_url + "?minutes=5")
+    response = client_root.get(data_url + "?minutes=5")
     assert response.status_code == 200 and "no-store" in response["Cache-Control"]
     data = response.json()
     assert data["series"]["decode"]["itl_s"] == [0.02]
@@ -251,10 +242,10 @@ def test_metrics_page_and_json(admin_client_logged_in: Client, populated: Deploy
     assert data["deployment"]["replicas"]["decode"]["desired"] == 2
     assert [e["reason"] for e in data["events"]] == ["seed"]
     assert data["charts"] == selectors.CHARTS and data["workers"] == [] and data["router"]["t"] == []
-    bad = admin_client_logged_in.get(data_url + "?minutes=abc")
+    bad = client_root.get(data_url + "?minutes=abc")
     assert bad.status_code == 400 and "minutes" in bad.json()["error"]
     missing = reverse("admin:inference_deployment_metrics_data", args=[999999])
-    assert admin_client_logged_in.get(missing).status_code == 404
+    assert client_root.get(missing).status_code == 404
 
 
 def test_metrics_json_is_admin_only(populated: Deployment) -> None:
@@ -270,19 +261,19 @@ def test_metrics_json_is_admin_only(populated: Deployment) -> None:
     assert client.get(data_url).status_code == 403  # staff without the deployment view permission
 
 
-def test_model_with_deployments_shows_count(admin_client_logged_in: Client) -> None:
+def test_model_with_deployments_shows_count(client_root: Client) -> None:
     model = make_model(name="smol")
     make_deployment(model=model)
-    page = admin_client_logged_in.get(reverse("admin:inference_model_changelist")).content.decode()
+    page = client_root.get(reverse("admin:inference_model_changelist")).content.decode()
     assert "smol" in page and 'class="field-deployment_count">1<' in page
 
 
-def test_routers_are_registered_on_the_deployment_page(admin_client_logged_in: Client, populated: Deployment) -> None:
+def test_routers_are_registered_on_the_deployment_page(client_root: Client, populated: Deployment) -> None:
     """The router the metrics collector scrapes is added in the deployment's "routers" inline."""
     form = _deployment_form(populated)
     form.update({"routers-TOTAL_FORMS": "1", "routers-0-url": "http://127.0.0.1:8000", "routers-0-enabled": "on"})
-    response = admin_client_logged_in.post(reverse("admin:inference_deployment_change", args=[populated.pk]), form)
+    response = client_root.post(reverse("admin:inference_deployment_change", args=[populated.pk]), form)
     assert response.status_code == 302, response.context["adminform"].form.errors if response.context else ""
     assert list(populated.routers.values_list("url", "enabled")) == [("http://127.0.0.1:8000", True)]
-    page = admin_client_logged_in.get(reverse("admin:inference_deployment_metrics", args=[populated.pk]))
+    page = client_root.get(reverse("admin:inference_deployment_metrics", args=[populated.pk]))
     assert "No router of this deployment is registered" not in page.content.decode()

@@ -6,7 +6,6 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from django.contrib.auth import get_user_model
 from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
@@ -16,15 +15,6 @@ from nodes.models import Node
 from tests.support.control_plane import make_deployment, make_node, make_worker
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def client_root() -> Client:
-    """A test client logged in as a superuser."""
-    user = get_user_model().objects.create_superuser("root", "root@example.com", None)
-    client = Client()
-    client.force_login(user)
-    return client
 
 
 @pytest.fixture
