@@ -523,7 +523,7 @@ class DisaggregatedClient:
             # client that could not yet see (or hang up on) its stream. The answer finishes in the
             # background (bounded by the request deadline); its timings fill the done event if in.
             if not prefiller.done():
-                self._keep(prefiller)
+                self._spawn(prefiller)
                 attempt.prefill_answer = prefiller
                 kept = True
             return line
@@ -768,19 +768,16 @@ class DisaggregatedClient:
                 attempt.holds_decode_slot = False
                 self.admission.release(attempt.decode)
 
-    def _keep(self, task: asyncio.Future[Any]) -> None:
-        """Let `task` finish in the background; its outcome no longer matters (errors are logged)."""
+    def _spawn(self, work: Any) -> asyncio.Future[None]:
+        """Run `work` (a coroutine, or a task already running) in the background, referenced until it
+        ends; an error it ends with is logged, since nobody awaits it."""
+        task: asyncio.Future[None] = asyncio.ensure_future(work)
         self._background.add(task)
 
-        def done(t: asyncio.Future[Any]) -> None:
+        def done(t: asyncio.Future[None]) -> None:
             self._background.discard(t)
             if not t.cancelled() and (exc := t.exception()) is not None:
-                logger.info("prefill answer after the first token: %s", exc)
+                logger.info("background router call failed: %s", exc)
 
         task.add_done_callback(done)
-
-    def _spawn(self, coro: Any) -> asyncio.Future[None]:
-        task: asyncio.Future[None] = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
         return task
