@@ -14,19 +14,43 @@ from .sequence import RequestOutput
 logger = logging.getLogger(__name__)
 
 
+# Outputs a request may have waiting for its consumer before its sequence is paused (flow control).
+DEFAULT_STREAM_WINDOW = 8
+
+# Safety net for the idle wait while every running sequence is paused: a consumer that catches up
+# wakes the thread at once; this bounds the wait should a wake-up ever be missed.
+PAUSED_WAIT_S = 1.0
+
+
 class _Stream:
     """Output channel of one request: an asyncio.Queue fed from the engine thread.
 
     A reserved request gets its channel before any event loop is known (reserve() may run in a plain
     thread); outputs are buffered until `stream()` binds the loop.
+
+    Flow control: `backlog` counts outputs handed over and not yet taken by the consumer. When it
+    reaches `window` (0: off), the request id joins `paused`, the set the scheduler consults, and the
+    sequence stops decoding (it keeps its blocks); once the consumer is down to `window // 2`, it is
+    removed again. Both changes happen under `lock`, so a pause and a resume never cross.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
-        """Bind to `loop` now, or later via `bind`."""
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop | None,
+        request_id: str = "",
+        window: int = 0,
+        paused: set[str] | None = None,
+    ) -> None:
+        """Bind to `loop` now, or later via `bind`; pause into `paused` past `window` outputs."""
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.buffer: list[RequestOutput] = []
         self.lock = threading.Lock()
+        self.request_id = request_id
+        self.window = window if paused is not None else 0
+        self.paused_ids = paused if paused is not None else set()
+        self.backlog = 0
+        self.paused = False
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Attach the consumer's loop (called on that loop) and flush buffered outputs into the queue."""
@@ -37,8 +61,12 @@ class _Stream:
             self.buffer.clear()
 
     def deliver(self, out: RequestOutput) -> None:
-        """Hand an output to the consumer (from any thread)."""
+        """Hand an output to the consumer (from any thread); pause the sequence if the consumer is behind."""
         with self.lock:
+            self.backlog += 1
+            if self.window and not self.paused and not out.finished and self.backlog >= self.window:
+                self.paused = True
+                self.paused_ids.add(self.request_id)
             if self.loop is None:
                 self.buffer.append(out)
                 return
@@ -46,6 +74,16 @@ class _Stream:
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
             except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
                 pass
+
+    def taken(self) -> bool:
+        """The consumer took one output; True when that un-paused the sequence (wake the engine)."""
+        with self.lock:
+            self.backlog -= 1
+            if self.paused and self.backlog <= self.window // 2:
+                self.paused = False
+                self.paused_ids.discard(self.request_id)
+                return True
+            return False
 
 
 def _error_output(request_id: str, message: str) -> RequestOutput:
@@ -70,12 +108,28 @@ class AsyncEngine:
     engine thread drains before each step. `reserve()` and `kv_received()` return results, so they
     take the engine lock directly (blocking for at most one step); call them from a worker thread
     (e.g. `asyncio.to_thread`) when that matters.
+
+    Flow control: a request whose consumer has `stream_window` outputs not taken yet is paused (left
+    out of decode steps, keeping its blocks and batch slot) until the consumer is down to half of
+    that, so a decode worker never generates far ahead of what its streams deliver (a client that
+    stops reading, or hangs up, costs at most about a window of tokens). The engine thread never waits
+    for a consumer: it only reads the paused set when planning a step. `stream_window=0` turns it off.
     """
 
-    def __init__(self, engine: LLMEngine, *, idle_poll_s: float = 0.02) -> None:
+    def __init__(
+        self, engine: LLMEngine, *, idle_poll_s: float = 0.02, stream_window: int = DEFAULT_STREAM_WINDOW
+    ) -> None:
         """Wrap `engine` and start the stepping thread."""
+        if stream_window < 0 or stream_window == 1:
+            # A window of 1 would pause after every output and resume only at 0: no batching at all.
+            raise ValueError("stream_window must be 0 (off) or at least 2")
         self.engine = engine
         self.idle_poll_s = idle_poll_s
+        self.stream_window = stream_window
+        # Request ids whose consumer is behind; written under each stream's lock, read by the
+        # scheduler (membership only) on the engine thread.
+        self._paused: set[str] = set()
+        engine.scheduler.paused = self._paused
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
         self._inbox: list[Callable[[], None]] = []
@@ -112,7 +166,7 @@ class AsyncEngine:
         with self._streams_lock:
             if request_id in self._streams:
                 raise ValueError(f"request {request_id!r} already exists")
-            self._streams[request_id] = _Stream(None)
+            self._streams[request_id] = self._new_stream(request_id, None)
         try:
             return self.engine.reserve(request_id, prompt_token_ids, params)
         except BaseException:
@@ -175,9 +229,13 @@ class AsyncEngine:
         with self._streams_lock:
             if request_id in self._streams:
                 raise ValueError(f"request {request_id!r} already exists")
-            stream = _Stream(loop)
+            stream = self._new_stream(request_id, loop)
             self._streams[request_id] = stream
             return stream
+
+    def _new_stream(self, request_id: str, loop: asyncio.AbstractEventLoop | None) -> _Stream:
+        """A channel with this engine's flow-control window."""
+        return _Stream(loop, request_id, self.stream_window, self._paused)
 
     def _close(self, request_id: str) -> None:
         """Drop a request's channel."""
@@ -190,14 +248,23 @@ class AsyncEngine:
         try:
             while True:
                 out = await stream.queue.get()
+                if stream.taken():
+                    self._wake.set()  # the sequence was paused and may decode again
                 finished = out.finished
                 yield out
                 if finished:
                     return
         finally:
             self._close(request_id)
-            if not finished:
-                self.abort(request_id)
+            if finished:
+                self._paused.discard(request_id)
+            else:
+                # Stays paused until the abort is applied (same inbox, in order): no step in between.
+                def abort() -> None:
+                    self.engine.abort(request_id)
+                    self._paused.discard(request_id)
+
+                self._submit(abort, None)
 
     def _submit(self, action: Callable[[], None], request_id: str | None) -> None:
         """Queue an engine mutation for the stepping thread; a failure fails `request_id`'s stream."""
@@ -252,6 +319,10 @@ class AsyncEngine:
                     logger.exception("could not fail requests cleanly")
                     outputs = []
             self._dispatch(outputs)
-            if not outputs and engine.num_running == 0 and not engine.last_step_ran:
-                # Waiting requests that cannot be admitted yet (blocks held by transfers): poll slowly.
-                self._wake.wait(self.idle_poll_s)
+            if not outputs and not engine.last_step_ran:
+                if engine.num_queued or engine.num_running == 0:
+                    # Waiting requests that cannot be admitted yet (blocks held by transfers): poll slowly.
+                    self._wake.wait(self.idle_poll_s)
+                else:
+                    # Every running sequence is paused: a consumer catching up (or any new work) wakes us.
+                    self._wake.wait(PAUSED_WAIT_S)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, block_hashes
@@ -32,6 +33,10 @@ class Scheduler:
     waiting one whose blocks fit goes into this step's prefill batch); when no prefill was admitted it
     decodes every running sequence. A decode that needs a new block while none is free preempts the
     newest running sequence (its blocks are freed and it is recomputed later).
+
+    `paused` names running sequences to leave out of decode steps (flow control: their consumer is
+    behind). A paused sequence keeps its blocks and its batch slot and is never preempted; the owner
+    of the set (AsyncEngine) may change it from another thread, so it is only read here, per step.
     """
 
     def __init__(
@@ -60,6 +65,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.ready: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.paused: Set[str] = frozenset()
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens of KV."""
@@ -111,7 +117,9 @@ class Scheduler:
         if self._decode_next and self.running:
             self._decode_next = False
             self._plan_decode(out)
-            return out
+            if out.decode:
+                return out
+            # Every running sequence is paused: the next chunk may run right away.
         self._admit(out)
         if out.prefill:
             self._decode_next = any(s.chunk for s in out.prefill)
@@ -192,15 +200,23 @@ class Scheduler:
         return self.block_manager.lookup(seq.block_hashes[:usable])
 
     def _plan_decode(self, out: SchedulerOutput) -> None:
-        """Make sure every running sequence has a slot for its next token, preempting when the pool is dry."""
+        """Make sure every running sequence that is not paused has a slot for its next token, preempting
+        (never a paused sequence) when the pool is dry."""
         bm = self.block_manager
         bs = self.block_size
+        running = self.running
+        held: list[Sequence] = []
+        if self.paused:
+            # One pass: the set may change on another thread while this step is planned.
+            running = []
+            for seq in self.running:
+                (held if seq.request_id in self.paused else running).append(seq)
         # Fast path, most steps: every sequence has a slot for its next token already (a new block is
         # needed once every `block_size` tokens), so nothing is allocated or preempted.
-        if all(len(s.prompt_token_ids) + len(s.output_token_ids) <= len(s.block_ids) * bs for s in self.running):
-            out.decode = list(self.running)
+        if all(len(s.prompt_token_ids) + len(s.output_token_ids) <= len(s.block_ids) * bs for s in running):
+            out.decode = list(running)
             return
-        queue = deque(self.running)  # sorted by arrival: oldest first
+        queue = deque(running)  # sorted by arrival: oldest first
         scheduled: list[Sequence] = []
         while queue:
             seq = queue.popleft()
@@ -219,7 +235,8 @@ class Scheduler:
             else:
                 # Nothing left to preempt but itself (the rest of the pool is held by transfers).
                 self._preempt(seq, out)
-        self.running = scheduled
+        # Paused sequences stay in the batch (blocks and slot kept), in arrival order.
+        self.running = sorted(scheduled + held, key=lambda s: s.arrival) if held else scheduled
         out.decode = list(scheduled)  # a copy: the engine removes finished sequences from running
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
