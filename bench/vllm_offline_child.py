@@ -1,0 +1,57 @@
+"""vLLM's offline ``LLM`` API measured in-process: the child that bench/engine_vs_vllm.py runs with the
+Python of bench/.venv-vllm (``-P``, so the repository is not importable: stdlib + vllm only).
+
+    bench/.venv-vllm/bin/python -P bench/vllm_offline_child.py CONFIG.json
+
+CONFIG: {"model", "dtype", "prompts" (token-id lists), "max_tokens", "concurrency" (list), "waves",
+"rounds", "max_model_len", "max_num_seqs"}. Prints one line ``RESULT {json}``: per concurrency the
+output tokens/s of each round. Each wave is one ``LLM.generate`` call of exactly `concurrency` prompts
+(greedy, ``ignore_eos``), so the batch is as wide as ours in the same benchmark.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+
+def main() -> int:
+    """Load the model once, then time the waves of every concurrency for every round."""
+    with open(sys.argv[1]) as f:
+        cfg: dict[str, Any] = json.load(f)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    started = time.perf_counter()
+    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"],
+              max_num_seqs=cfg["max_num_seqs"], seed=0)
+    load_s = time.perf_counter() - started
+    params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in cfg["prompts"]]
+    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+    rounds: list[dict[str, Any]] = []
+    for _ in range(cfg["rounds"]):
+        row: dict[str, Any] = {}
+        for c in cfg["concurrency"]:
+            waves = max(1, math.ceil(cfg["waves_min_requests"] / c))
+            tokens = 0
+            t = time.perf_counter()
+            for w in range(waves):
+                wave = [prompts[(w * c + i) % len(prompts)] for i in range(c)]
+                for out in llm.generate(wave, params, use_tqdm=False):
+                    tokens += len(out.outputs[0].token_ids)
+            elapsed = time.perf_counter() - t
+            row[str(c)] = {"output_tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+        rounds.append(row)
+    first = llm.generate(prompts[:4], params, use_tqdm=False)
+    print("RESULT " + json.dumps({"load_s": load_s, "rounds": rounds,
+                                  "greedy_tokens": [list(o.outputs[0].token_ids) for o in first]}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

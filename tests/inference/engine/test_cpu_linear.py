@@ -1,0 +1,57 @@
+"""Prepacked oneDNN bf16 linears (cpu_linear.py): same outputs as nn.Linear, used by bf16 CPU engines."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from inference.engine.cpu_linear import PrepackedLinear, prepack_linears, prepacked_linear_available
+
+from .conftest import TinyModel
+
+pytestmark = pytest.mark.skipif(
+    not prepacked_linear_available(torch.bfloat16, torch.device("cpu")), reason="torch built without oneDNN"
+)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+def test_prepacked_linear_equals_linear(bias: bool, rows: int) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
+    packed = PrepackedLinear(lin, batch_hint=32)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(packed(x), lin(x))
+        assert torch.equal(packed(x.view(1, rows, 96)), lin(x).view(1, rows, 160))  # leading dims kept
+
+
+def test_prepack_keeps_parameters_and_ties() -> None:
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 50, bias=False)).to(torch.bfloat16)
+    model[1].weight = model[0].weight  # a tied LM head
+    assert prepack_linears(model) == 1
+    head = model[1]
+    assert isinstance(head, PrepackedLinear)
+    assert head.weight is model[0].weight
+    assert "1.weight" in model.state_dict() and "1.packed_weight" not in model.state_dict()
+
+
+def test_fp32_is_not_prepacked() -> None:
+    assert not prepacked_linear_available(torch.float32, torch.device("cpu"))
+
+
+def test_bf16_engine_prepacks_and_generates_the_same_tokens(llama_variant: TinyModel,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prepacking changes no output: greedy tokens equal those of the same bf16 engine with plain
+    linears (llama_variant has biases and a tied LM head)."""
+    from inference.engine import LLMEngine, SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    packed = LLMEngine(llama_variant.path, num_blocks=64, dtype="bfloat16")
+    assert any(isinstance(m, PrepackedLinear) for m in packed.model.modules())
+    assert packed.model.lm_head.weight is packed.model.embed_tokens.weight
+    got = [r.token_ids for r in packed.generate(llama_variant.prompts, params)]
+    monkeypatch.setattr("inference.engine.model_runner.prepacked_linear_available", lambda *a: False)
+    plain = LLMEngine(llama_variant.path, num_blocks=64, dtype="bfloat16")
+    assert not any(isinstance(m, PrepackedLinear) for m in plain.model.modules())
+    assert got == [r.token_ids for r in plain.generate(llama_variant.prompts, params)]
