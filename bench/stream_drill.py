@@ -118,6 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=100)
     p.add_argument("--concurrency", type=int, default=20)
     p.add_argument("--hangups", type=int, default=1000)
+    p.add_argument("--stream-window", type=int, default=None,
+                   help="decode workers' --stream-window (default: theirs; 0: flow control off)")
+    p.add_argument("--only", choices=["kill", "hangup"], default=None, help="run one drill only")
+    p.add_argument("--decode-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment of the decode workers (experiments; repeatable)")
+    p.add_argument("--router-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment of the router (experiments; repeatable)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(p, argv)
     if args.quick:
@@ -128,32 +135,46 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     common = ["--block-size", "8", "--context-length", "1024", "--num-threads", "1"]
+    window = [] if args.stream_window is None else ["--stream-window", str(args.stream_window)]
     procs: list[Proc] = []
     try:
         prefill, prefill_url = start_worker("prefill", model, log_dir, extra=common)
         procs.append(prefill)
-        decodes = [start_worker("decode", model, log_dir, extra=common) for _ in range(2)]
+        decode_env = dict(item.split("=", 1) for item in args.decode_env)
+        decodes = [start_worker("decode", model, log_dir, extra=common + window, env=decode_env) for _ in range(2)]
         procs += [proc for proc, _ in decodes]
-        router, router_url = start_router([prefill_url], [url for _, url in decodes], log_dir)
+        router_env = dict(item.split("=", 1) for item in args.router_env)
+        router, router_url = start_router([prefill_url], [url for _, url in decodes], log_dir, env=router_env or None)
         procs.append(router)
-        hangup = asyncio.run(_hangup_drill(router_url, [url for _, url in decodes], args.hangups, args.concurrency))
-        log(f"hang-ups: {hangup}")
-        kill = asyncio.run(_kill_drill(router_url, decodes[0][0], args.streams, args.concurrency, 200))
-        log(f"kill: {kill}")
+        hangup: dict[str, Any] | None = None
+        kill: dict[str, Any] | None = None
+        if args.only != "kill":
+            hangup = asyncio.run(
+                _hangup_drill(router_url, [url for _, url in decodes], args.hangups, args.concurrency)
+            )
+            log(f"hang-ups: {hangup}")
+        if args.only != "hangup":
+            kill = asyncio.run(_kill_drill(router_url, decodes[0][0], args.streams, args.concurrency, 200))
+            log(f"kill: {kill}")
     finally:
         for proc in reversed(procs):
             proc.stop()
-    print(markdown_table(
-        ["drill", "streams", "completed", "lost", "equal to an unbroken run"],
-        [["decode worker SIGKILLed", kill["streams"], kill["completed"], kill["lost"], kill["equal_to_unbroken"]]],
-    ))
-    print(markdown_table(
-        ["drill", "streams", "ran to completion anyway", "tokens generated for nobody"],
-        [["client hangs up after the first token", hangup["hangups"], hangup["ran_to_completion"],
-          hangup["tokens_generated"]]],
-    ))
+    if kill is not None:
+        print(markdown_table(
+            ["drill", "streams", "completed", "lost", "equal to an unbroken run"],
+            [["decode worker SIGKILLed", kill["streams"], kill["completed"], kill["lost"],
+              kill["equal_to_unbroken"]]],
+        ))
+    if hangup is not None:
+        print(markdown_table(
+            ["drill", "streams", "ran to completion anyway", "tokens generated for nobody"],
+            [["client hangs up after the first token", hangup["hangups"], hangup["ran_to_completion"],
+              hangup["tokens_generated"]]],
+        ))
     name = "stream_drill_quick" if args.quick else "stream_drill"
-    path = write_result(args.out_dir, name, "bench.stream_drill", argv, {"kill": kill, "hangup": hangup})
+    result = {"kill": kill, "hangup": hangup, "stream_window": args.stream_window,
+              "decode_env": args.decode_env, "router_env": args.router_env}
+    path = write_result(args.out_dir, name, "bench.stream_drill", argv, result)
     log(f"result: {path}")
     return 0
 

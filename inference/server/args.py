@@ -77,6 +77,8 @@ class ServerArgs:
     served_model_name: str | None
     shared_secret: str
     log_level: str
+    # Decode: engine outputs a stream may have waiting before its sequence pauses (0: off).
+    stream_window: int = 8
 
     @property
     def kv_cache_bytes(self) -> int | None:
@@ -233,6 +235,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=256, help="requests queued before answering 429")
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted")
     p.add_argument("--served-model-name", default=None, help="model name in /v1/models (default: folder)")
+    p.add_argument(
+        "--stream-window",
+        type=int,
+        default=8,
+        help="flow control: a stream with this many engine outputs not yet sent pauses (keeps its KV) "
+        "until it is down to half of them, so a stalled or gone client costs a few tokens, not the "
+        "whole answer (default 8; 0: off)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -272,6 +282,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         parser.error(f"--gpu-memory-utilization must be in (0, 1], got {ns.gpu_memory_utilization}")
     if ns.kv_lease_timeout <= 0:
         parser.error("--kv-lease-timeout must be > 0")
+    if ns.stream_window < 0 or ns.stream_window == 1:
+        parser.error(f"--stream-window must be 0 (off) or >= 2, got {ns.stream_window}")
     if ns.base_cpu_id is not None:
         cpus = os.cpu_count() or 1
         if ns.base_cpu_id >= cpus:
@@ -326,4 +338,5 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         served_model_name=ns.served_model_name,
         shared_secret=shared_secret,
         log_level=ns.log_level,
+        stream_window=ns.stream_window,
     )

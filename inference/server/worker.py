@@ -127,7 +127,7 @@ class Worker:
         # Windowed readings for the autoscaler (a 5 s sample of the queue alone misses short prompts).
         self.signals = LoadSignals()
         self.layout = KVLayout.from_dict(self.engine.kv_cache.layout())
-        self.async_engine = AsyncEngine(self.engine)
+        self.async_engine = AsyncEngine(self.engine, stream_window=args.stream_window)
         self._kv_waiters: dict[str, _KVWaiter] = {}
         self.receiver: KVReceiver | None = None
         self.sender: KVSender | None = None

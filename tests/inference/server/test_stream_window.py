@@ -1,0 +1,30 @@
+"""`--stream-window`: the decode worker's flow-control window (AsyncEngine.stream_window)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from inference.server.args import ServerArgs, parse_args
+
+
+def _base(model: Path) -> list[str]:
+    return ["--model-path", str(model), "--service-type", "decode"]
+
+
+def test_stream_window_parses_round_trips_and_defaults(tiny_model_dir: Path) -> None:
+    """Default 8; 0 turns flow control off; the agent's command line carries it."""
+    assert parse_args(_base(tiny_model_dir)).stream_window == 8
+    args = parse_args([*_base(tiny_model_dir), "--stream-window", "0"])
+    assert args.stream_window == 0
+    assert parse_args(args.to_argv()) == args
+    assert ServerArgs.with_defaults(model_path=tiny_model_dir, service_type="decode").stream_window == 8
+
+
+@pytest.mark.parametrize("value", ["1", "-2"])
+def test_stream_window_refuses_one_and_negatives(tiny_model_dir: Path, value: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A window of 1 could never batch two steps of a stream; the error names the flag."""
+    with pytest.raises(SystemExit):
+        parse_args([*_base(tiny_model_dir), "--stream-window", value])
+    assert "--stream-window" in capsys.readouterr().err
