@@ -50,6 +50,17 @@ class DecodeBucket:
     max_k: int
     gather_rows: torch.Tensor  # layer-0 K row of every key position, `[n * max_k]`
     mask: torch.Tensor | None
+    _head_rows: torch.Tensor | None = field(default=None, repr=False)
+
+    def head_rows(self, num_kv_heads: int) -> torch.Tensor:
+        """Layer-0 K rows of `KVCache.head_rows` (one row per token and KV head) in head-major order
+        `[n, kv_heads, max_k]`, flattened: gathering them yields keys already laid out for a batched
+        matmul (no transposing copy per layer). Built on first use and kept for the step's other layers."""
+        if self._head_rows is None:
+            n = self.end - self.start
+            heads = torch.arange(num_kv_heads, device=self.gather_rows.device).view(1, num_kv_heads, 1)
+            self._head_rows = (self.gather_rows.view(n, 1, self.max_k) * num_kv_heads + heads).flatten()
+        return self._head_rows
 
 
 @dataclass

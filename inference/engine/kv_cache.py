@@ -41,6 +41,10 @@ class KVCache:
         # A flat [rows, kv_heads, head_dim] view of the same storage: writes and gathers use row indices
         # computed once per step (see `slot_rows`), so each layer only adds a constant offset.
         self.rows = self.data.view(-1, num_kv_heads, head_dim)
+        # The same storage as one row per (token, KV head): decode attention on a CPU gathers keys and
+        # values head-major from it (see `DecodeBucket.head_rows`); offsets there are `rows` offsets
+        # times num_kv_heads.
+        self.head_rows = self.data.view(-1, head_dim)
         self.layer_stride = 2 * block_size  # rows between layer l and l+1 inside one block
         self.block_stride = num_layers * 2 * block_size  # rows between block b and b+1
 
