@@ -52,14 +52,16 @@ class DecodeBucket:
     mask: torch.Tensor | None
     _head_rows: torch.Tensor | None = field(default=None, repr=False)
 
-    def head_rows(self, num_kv_heads: int) -> torch.Tensor:
-        """Layer-0 K rows of `KVCache.head_rows` (one row per token and KV head) in head-major order
-        `[n, kv_heads, max_k]`, flattened: gathering them yields keys already laid out for a batched
-        matmul (no transposing copy per layer). Built on first use and kept for the step's other layers."""
+    def head_rows(self, num_kv_heads: int, v_offset: int) -> torch.Tensor:
+        """Layer-0 rows of `KVCache.head_rows` (one row per token and KV head) of the keys in head-major
+        order `[n, kv_heads, max_k]`, then those of the values (`v_offset` rows further), flattened: one
+        gather per layer yields keys and values already laid out for a batched matmul (no transposing
+        copy per layer). Built on first use and kept for the step's other layers."""
         if self._head_rows is None:
             n = self.end - self.start
             heads = torch.arange(num_kv_heads, device=self.gather_rows.device).view(1, num_kv_heads, 1)
-            self._head_rows = (self.gather_rows.view(n, 1, self.max_k) * num_kv_heads + heads).flatten()
+            k_rows = (self.gather_rows.view(n, 1, self.max_k) * num_kv_heads + heads).flatten()
+            self._head_rows = torch.cat((k_rows, k_rows + v_offset))
         return self._head_rows
 
 
