@@ -170,7 +170,7 @@ async def throughput(plat: Platform, prompts: list[list[int]], max_tokens: int, 
     """Closed loop: `concurrency` clients send requests back to back for `seconds` on one path."""
     import aiohttp
 
-    path = PATHS[name]
+    path = LATENCY_PATHS[name]
     lat: list[float] = []
     errors = 0
     async with _session(concurrency) as client:
@@ -194,7 +194,8 @@ async def throughput(plat: Platform, prompts: list[list[int]], max_tokens: int, 
         after = _cpu(plat)
     n = len(lat)
     return {
-        "path": name, "concurrency": concurrency, "seconds": wall, "requests": n, "errors": errors,
+        "path": name, "concurrency": concurrency, "max_tokens": max_tokens, "seconds": wall, "requests": n,
+        "errors": errors,
         "requests_per_s": n / wall, "p50_ms": _ms(median(lat)), "p99_ms": _ms(percentile(lat, 99)),
         "cpu_ms_per_request": {k: (after[k] - before.get(k, 0.0)) * 1000 / n for k in after} if n else {},
     }
@@ -213,6 +214,18 @@ def _per_token(latencies: list[dict[str, Any]]) -> dict[str, Any]:
         if a is not None and b is not None:
             out[f"{name}_cpu_us_per_token"] = (b - a) * 1000 / (max(by_tokens) - min(by_tokens))
     return out
+
+
+def _per_token_streams(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Router CPU per streamed token at 16 concurrent SSE streams (64- vs 1-token requests)."""
+    by_tokens = {run["max_tokens"]: run for run in runs}
+    if len(by_tokens) < 2:
+        return {}
+    a = by_tokens[min(by_tokens)]["cpu_ms_per_request"].get("router")
+    b = by_tokens[max(by_tokens)]["cpu_ms_per_request"].get("router")
+    if a is None or b is None:
+        return {}
+    return {"router_sse_16_streams_cpu_us_per_token": (b - a) * 1000 / (max(by_tokens) - min(by_tokens))}
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -314,8 +327,15 @@ def main(argv: list[str] | None = None) -> int:
                 result["throughput"].append(asyncio.run(throughput(plat, prompts, 2, c, seconds, name)))
                 t = result["throughput"][-1]
                 log(f"{name} c={c}: {t['requests_per_s']:.1f} req/s")
+        result["streams"] = []
+        if not args.quick:
+            # CPU per streamed token with many streams at once (tokens of different streams share
+            # loop wake-ups): 16 closed-loop SSE clients at 1 and at 64 tokens per request.
+            for m in (1, 64):
+                if not deadline.expired():
+                    result["streams"].append(asyncio.run(throughput(plat, prompts, m, 16, seconds, "router_sse")))
     result["throughput_max_tokens"] = 2
-    result["per_token"] = _per_token(result["latency"])
+    result["per_token"] = _per_token(result["latency"]) | _per_token_streams(result["streams"])
     name = "router_overhead_quick" if args.quick else "router_overhead"
     print_header("router overhead")
     print(_tables(result))

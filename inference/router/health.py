@@ -36,17 +36,6 @@ def describe_exception(exc: BaseException) -> str:
 KEEPALIVE_S = 3.0
 
 
-def stale_connection(exc: BaseException) -> bool:
-    """Whether `exc` is a pooled connection the worker closed just as it was reused (safe to resend).
-
-    The request never reached the worker's application: it was refused while being written, or the
-    connection closed before any answer. A refused connect is not stale: the worker is down.
-    """
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return False
-    return isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError)
-
-
 def new_session(headers: Mapping[str, str] | None = None) -> aiohttp.ClientSession:
     """An HTTP session for worker traffic (call inside the loop that will use it).
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Any
+from typing import Any, Protocol
 
-import aiohttp
 import orjson
 
 # A worker's line is a token or a small control object; anything this long is a broken stream.
@@ -30,10 +29,23 @@ def parse_line(raw: bytes) -> dict[str, Any]:
     return obj
 
 
-class NdjsonReader:
-    """Lines of an aiohttp response body, as dicts."""
+class BodyStream(Protocol):
+    """What a response body must offer (aiohttp's StreamReader and upstream.UpstreamResponse do)."""
 
-    def __init__(self, content: aiohttp.StreamReader) -> None:
+    async def readany(self) -> bytes:
+        """The next part of the body; b"" at its end."""
+
+    def read_nowait(self) -> bytes:
+        """What has arrived, without waiting (b"" when nothing)."""
+
+    def set_exception(self, exc: BaseException) -> None:
+        """Fail pending and later reads."""
+
+
+class NdjsonReader:
+    """Lines of a response body, as dicts."""
+
+    def __init__(self, content: BodyStream) -> None:
         self._content = content
         self._partial = b""
         self._lines: collections.deque[bytes] = collections.deque()

@@ -46,11 +46,12 @@ from inference.router.failures import (
     kv_timeout_message,
     raise_for_status,
 )
-from inference.router.health import describe_exception, stale_connection
+from inference.router.health import describe_exception
 from inference.router.metrics import RouterMetrics
 from inference.router.migration import resumed_request
 from inference.router.ndjson import NdjsonReader
 from inference.router.pool import WorkerPool
+from inference.router.upstream import UpstreamResponse
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class _Attempt:
 
     request_id: str
     decode: Endpoint
-    response: aiohttp.ClientResponse | None = None
+    response: UpstreamResponse | None = None
     reader: NdjsonReader | None = None
     prompt_tokens: int = 0
     prompt_ids: list[int] = field(default_factory=list)
@@ -88,26 +89,6 @@ class _Attempt:
     # True when the decode worker certainly holds nothing for this request (it could not be
     # reached, or it refused the request with an error status): no abort is sent to it.
     decode_untouched: bool = False
-
-
-async def _post_once_more_if_stale(
-    session: aiohttp.ClientSession, url: str, body: bytes, connect_timeout_s: float
-) -> aiohttp.ClientResponse:
-    """POST `body`; sent again once if a pooled connection turned out closed by the worker.
-
-    Without this, a worker's idle keep-alive connection closing just as it is reused fails a request
-    the worker never saw (seen under load as "Can not write request body"), and with one worker of
-    a role that is a 502.
-    """
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
-    headers = {"Content-Type": "application/json"}
-    try:
-        return await session.post(url, data=body, headers=headers, timeout=timeout)
-    except _TRANSPORT_ERRORS as exc:
-        if not stale_connection(exc):
-            raise
-        logger.info("%s: pooled connection closed by the worker (%s); sending again", url, exc)
-        return await session.post(url, data=body, headers=headers, timeout=timeout)
 
 
 def _token_ids(line: dict[str, Any]) -> list[int]:
@@ -434,15 +415,15 @@ class DisaggregatedClient:
 
     async def _open_decode(self, attempt: _Attempt, req: GenerateRequest, deadline: float) -> dict[str, Any]:
         """POST /internal/decode and read its descriptor line."""
-        session = self.pool.session()
+        upstream = self.pool.upstream()
         wait = self._remaining(deadline, self.descriptor_timeout_s)
         body = orjson.dumps(req.decode_body(attempt.request_id))
         try:
             async with asyncio.timeout(wait):
-                # The asyncio timeouts here and in the streaming loop are the real bounds; aiohttp's
-                # own covers only the connect.
-                response = await _post_once_more_if_stale(session, f"{attempt.decode.url}/internal/decode", body,
-                                                          self.connect_timeout_s)
+                # The asyncio timeouts here and in the streaming loop are the real bounds; the
+                # client's own covers only the connect.
+                response = await upstream.post(f"{attempt.decode.url}/internal/decode", body,
+                                               connect_timeout_s=self.connect_timeout_s)
                 attempt.response = response
                 if response.status != 200:
                     attempt.decode_untouched = True
@@ -604,8 +585,8 @@ class DisaggregatedClient:
         wait = self._remaining(deadline)
         try:
             async with asyncio.timeout(wait):
-                response = await _post_once_more_if_stale(self.pool.session(), f"{prefill.url}/internal/prefill",
-                                                          body, self.connect_timeout_s)
+                response = await self.pool.upstream().post(f"{prefill.url}/internal/prefill", body,
+                                                           connect_timeout_s=self.connect_timeout_s)
                 async with response:
                     raw = await response.read()
                     status = response.status

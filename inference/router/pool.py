@@ -15,8 +15,9 @@ from typing import Any
 import aiohttp
 
 from inference.router.endpoint import ROLES, Endpoint
-from inference.router.health import HealthChecker, check_endpoint, new_session
+from inference.router.health import KEEPALIVE_S, HealthChecker, check_endpoint, new_session
 from inference.router.policies import Policy, canonical_policy_name, make_policy
+from inference.router.upstream import UpstreamClient
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ class WorkerPool:
         self._endpoints: dict[str, list[Endpoint]] = {role: [] for role in ROLES}
         self._http: aiohttp.ClientSession | None = None
         self._http_loop: asyncio.AbstractEventLoop | None = None
+        self._upstream: UpstreamClient | None = None
+        self._upstream_loop: asyncio.AbstractEventLoop | None = None
         self._checker: HealthChecker | None = None
         self._info_cache: tuple[float, list[dict[str, Any]]] | None = None
         self.started_at = time.time()
@@ -161,6 +164,15 @@ class WorkerPool:
             self._http_loop = loop
         return self._http
 
+    def upstream(self) -> UpstreamClient:
+        """The pool's client for the two requests of every generation (decode stream, prefill), for
+        the running event loop: leaner than the aiohttp session (inference/router/upstream.py)."""
+        loop = asyncio.get_running_loop()
+        if self._upstream is None or self._upstream_loop is not loop or self._upstream.closed:
+            self._upstream = UpstreamClient(self.headers, keepalive_s=KEEPALIVE_S)
+            self._upstream_loop = loop
+        return self._upstream
+
     def start_health_checks(self) -> None:
         """Start the health-check thread (idempotent).
 
@@ -222,6 +234,9 @@ class WorkerPool:
         session, self._http = self._http, None
         if session is not None and self._http_loop is asyncio.get_running_loop():
             await session.close()
+        upstream, self._upstream = self._upstream, None
+        if upstream is not None and self._upstream_loop is asyncio.get_running_loop():
+            upstream.close()
 
     # ----------------------------------------------------------------------------------------
     # Reporting
