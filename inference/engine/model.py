@@ -297,10 +297,12 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, kv_cache: KVCache | None) -> torch.Tensor:
-        """Logits `[batch, vocab]` (fp32) for the last token of each sequence in the flat batch."""
+        """Logits `[batch, vocab]` in the model's dtype for the last token of each sequence in the flat
+        batch (the sampler casts the rows it samples to fp32; greedy rows take the argmax as they are,
+        which picks the same token: casting to fp32 is exact)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, meta, kv_cache)
         x = self.norm(x[meta.last_index])
-        return self.lm_head(x).float()
+        return self.lm_head(x)
