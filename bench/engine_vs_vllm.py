@@ -14,10 +14,12 @@ on a second core; our engine is one process).
 
     .venv/bin/python -m bench.engine_vs_vllm                        # tiny hd64 + SmolLM2, bf16 and fp32
     .venv/bin/python -m bench.engine_vs_vllm --models tiny --dtypes bfloat16 --rounds 1
+    .venv/bin/python -m bench.engine_vs_vllm --cpus 1      # both confined to one core
 """
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -80,13 +82,21 @@ print("RESULT " + json.dumps({"load_s": load_s, "rounds": rounds, "dtype": str(e
 MODELS = {"tiny": "tiny-llama-hd64", "smollm2": "SmolLM2-135M"}
 
 
-def _run_child(args: list[str], cfg: dict[str, Any], env: dict[str, str], cwd: Path, timeout: float) -> dict[str, Any]:
-    """Run one measuring child with `cfg` in a temporary JSON file; its RESULT line, parsed."""
+def _run_child(args: list[str], cfg: dict[str, Any], env: dict[str, str], cwd: Path, timeout: float,
+               cpus: set[int] | None = None) -> dict[str, Any]:
+    """Run one measuring child with `cfg` in a temporary JSON file (pinned to `cpus`, with every process
+    it starts, when given); its RESULT line, parsed."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(cfg, f)
         path = f.name
+
+    def pin() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
     try:
-        proc = subprocess.run([*args, path], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+        proc = subprocess.run([*args, path], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout,
+                              preexec_fn=pin)
     finally:
         Path(path).unlink(missing_ok=True)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -97,7 +107,7 @@ def _run_child(args: list[str], cfg: dict[str, Any], env: dict[str, str], cwd: P
 
 def measure_pair(model_dir: Path, dtype: str, vllm_dtype: str, concurrency: list[int], max_tokens: int,
                  prompt_len: int, min_requests: int, rounds: int, threads: int, deadline: Deadline,
-                 venv: Path = VLLM_VENV) -> dict[str, Any]:
+                 venv: Path = VLLM_VENV, cpus: set[int] | None = None) -> dict[str, Any]:
     """Alternating rounds of our engine and vLLM on one checkpoint; per concurrency the per-round
     tok/s of both and the median of ours ÷ vLLM."""
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
@@ -116,12 +126,12 @@ def measure_pair(model_dir: Path, dtype: str, vllm_dtype: str, concurrency: list
             log("time budget spent, stopping rounds")
             break
         ours.append(_run_child([sys.executable, "-c", OURS_CHILD], cfg | {"dtype": dtype},
-                               base_env | {"PYTHONPATH": str(ROOT)}, ROOT, 900))
+                               base_env | {"PYTHONPATH": str(ROOT)}, ROOT, 900, cpus))
         log(f"round {r + 1} ours ({ours[-1]['dtype']}): "
             + ", ".join(f"c={c} {v['tokens_per_s']:.0f}" for c, v in ours[-1]["rounds"][0].items()))
         # -P and cwd outside the repository: vLLM's venv must not import this repository's packages.
         theirs.append(_run_child([str(venv / "bin" / "python"), "-P", str(VLLM_CHILD)], cfg | {"dtype": vllm_dtype},
-                                 vllm_env, Path(tempfile.gettempdir()), 1200))
+                                 vllm_env, Path(tempfile.gettempdir()), 1200, cpus))
         log(f"round {r + 1} vLLM ({vllm_dtype}, loaded in {theirs[-1]['load_s']:.0f} s): "
             + ", ".join(f"c={c} {v['tokens_per_s']:.0f}" for c, v in theirs[-1]["rounds"][0].items()))
     rows = []
@@ -134,7 +144,8 @@ def measure_pair(model_dir: Path, dtype: str, vllm_dtype: str, concurrency: list
                      # Best round of each: on a shared machine interference only ever slows a run down.
                      "ratio_best": max(o) / max(v) if o and v else None})
     same_greedy = bool(ours and theirs and ours[0]["greedy_tokens"] == theirs[0]["greedy_tokens"])
-    return {"model_dir": str(model_dir), "dtype": dtype, "vllm_dtype": vllm_dtype, "rounds": len(theirs),
+    return {"model_dir": str(model_dir), "cpus": sorted(cpus) if cpus else "all",
+            "dtype": dtype, "vllm_dtype": vllm_dtype, "rounds": len(theirs),
             "prompt_tokens": prompt_len, "max_tokens": max_tokens, "rows": rows,
             "greedy_tokens_equal_first_4": same_greedy, "ours_runs": ours, "vllm_runs": theirs}
 
@@ -163,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=1500.0)
     p.add_argument("--vllm-venv", type=Path, default=VLLM_VENV)
     p.add_argument("--name", default="engine_vs_vllm_inprocess", help="result file name (without .json)")
+    p.add_argument("--cpus", default=None,
+                   help="pin both systems (all their processes) to these CPUs, e.g. 1: vLLM runs its scheduler "
+                   "and model worker in separate processes, so unpinned it can use a second core; ours cannot")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(p, argv)
     deadline = Deadline(args.budget_s)
@@ -185,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             if deadline.expired():
                 break
             res = measure_pair(model_dir, dtype, dtype, concurrency, max_tokens, 32, min_requests,
-                               1 if args.quick else args.rounds, args.threads, deadline, args.vllm_venv)
+                               1 if args.quick else args.rounds, args.threads, deadline, args.vllm_venv,
+                               {int(c) for c in args.cpus.split(",")} if args.cpus else None)
             res["model"] = MODELS[key]
             results.append(res)
     print_header("our engine vs vLLM offline, both in-process")
