@@ -119,6 +119,8 @@ def measure_pair(model_dir: Path, dtype: str, vllm_dtype: str, concurrency: list
                 "OMP_NUM_THREADS": str(threads)}
     vllm_env = base_env | {"VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                            "CUDA_VISIBLE_DEVICES": "", "VLLM_CPU_KVCACHE_SPACE": "2", "HOME": str(Path.home())}
+    if cpus:  # vLLM's own "auto" binding would pick its cores (and reserve one) by itself
+        vllm_env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in sorted(cpus))
     ours: list[dict[str, Any]] = []
     theirs: list[dict[str, Any]] = []
     for r in range(rounds):
