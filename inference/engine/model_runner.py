@@ -27,7 +27,7 @@ from .memory import (
     plan_pool,
 )
 from .model import LlamaForCausalLM
-from .sampler import sample
+from .sampler import row_argmax, sample
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 from .weights import load_model
@@ -171,7 +171,7 @@ class ModelRunner:
         input_ids, meta = self.prepare(seqs, is_prefill)
         logits = self.model(input_ids, meta, self.kv_cache)
         if greedy:
-            sampled = logits.argmax(dim=-1).tolist()
+            sampled = row_argmax(logits).tolist()
         else:
             sampled = sample(logits, [s.params for s in seqs],
                              [s.params.seed_offset + len(s.output_token_ids) for s in seqs])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from inference.engine import SamplingParams
-from inference.engine.sampler import sample
+from inference.engine.sampler import row_argmax, sample
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 
@@ -73,3 +73,13 @@ def test_rows_are_independent_of_the_batch_they_are_in() -> None:
 def test_all_greedy_batch_is_argmax() -> None:
     logits = torch.randn(5, 50)
     assert sample(logits, [SamplingParams(temperature=0.0)] * 5, [0] * 5) == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_is_argmax_with_first_index_on_ties(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(16, 5000).to(dtype)
+    x[3, 10] = x[3, 4000] = 100.0  # a tie: the first index wins, as with torch.argmax
+    x[7, :] = 0.0  # a row of equal values
+    assert torch.equal(row_argmax(x), torch.argmax(x, dim=-1))
+    assert row_argmax(x)[3] == 10 and row_argmax(x)[7] == 0
