@@ -1,8 +1,9 @@
-"""HTTP client of the router: httpx against aiohttp, CPU per request and per streamed line.
+"""HTTP client of the router: httpx, aiohttp and the router's own upstream client, CPU per request and line.
 
 The router makes two calls per generation (the decode stream and the prefill POST) and reads one
-NDJSON line per token; what that costs the router process is mostly its HTTP client. Both clients
-run the same work against one local uvicorn server (Starlette, as the workers are), alternating in
+NDJSON line per token; what that costs the router process is mostly its HTTP client. The clients
+(httpx, aiohttp, and inference/router/upstream.py, which the router uses now) run the same work
+against one local uvicorn server (Starlette, as the workers are), alternating in
 rounds so drift of the shared machine hits both alike:
 
 - ``post``: ``POST /json`` with a small JSON body, JSON answer (the prefill call);
@@ -27,8 +28,11 @@ from typing import Any
 
 import aiohttp
 import httpx
+import orjson
 
 from bench.common import LOOPBACK, base_parser, fmt, log, markdown_table, parse_args, write_result
+from inference.router.ndjson import NdjsonReader
+from inference.router.upstream import UpstreamClient
 
 _SERVER = """
 import json, sys
@@ -87,6 +91,8 @@ async def _measure(base: str, n_lines: int, concurrency: int, total: int, rounds
     body = {"request_id": "req-1", "sampling": {"max_tokens": 16, "temperature": 0.0}, "prompt_token_ids": [1] * 64}
     hx = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64), trust_env=False)
     ah = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=0), trust_env=False)
+    up = UpstreamClient()
+    raw = orjson.dumps(body)
 
     async def hx_post() -> int:
         r = await hx.post(f"{base}/json", json=body)
@@ -112,8 +118,21 @@ async def _measure(base: str, n_lines: int, concurrency: int, total: int, rounds
                 n += 1
         return n
 
-    cases = {("httpx", "post"): hx_post, ("aiohttp", "post"): ah_post,
-             ("httpx", "stream"): hx_stream, ("aiohttp", "stream"): ah_stream}
+    async def up_post() -> int:
+        async with await up.post(f"{base}/json", raw, connect_timeout_s=3) as r:
+            orjson.loads(await r.read())
+        return 0
+
+    async def up_stream() -> int:
+        async with await up.post(f"{base}/stream?n={n_lines}", raw, connect_timeout_s=3) as r:
+            reader = NdjsonReader(r.content)
+            n = 0
+            while await reader.next() is not None:  # bounded by the stream's end
+                n += 1
+        return n
+
+    cases = {("httpx", "post"): hx_post, ("aiohttp", "post"): ah_post, ("upstream", "post"): up_post,
+             ("httpx", "stream"): hx_stream, ("aiohttp", "stream"): ah_stream, ("upstream", "stream"): up_stream}
     cpu: dict[tuple[str, str], float] = {k: 0.0 for k in cases}
     lines: dict[tuple[str, str], int] = {k: 0 for k in cases}
     try:
@@ -127,6 +146,7 @@ async def _measure(base: str, n_lines: int, concurrency: int, total: int, rounds
     finally:
         await hx.aclose()
         await ah.close()
+        up.close()
     out: dict[str, Any] = {}
     for (lib, kind), seconds in cpu.items():
         requests = total * rounds
@@ -167,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     for kind in ("post", "stream"):
         ratio = result[f"httpx/{kind}"]["cpu_us_per_request"] / result[f"aiohttp/{kind}"]["cpu_us_per_request"]
         log(f"{kind}: httpx costs {ratio:.2f}x aiohttp's CPU per request")
+        ratio = result[f"aiohttp/{kind}"]["cpu_us_per_request"] / result[f"upstream/{kind}"]["cpu_us_per_request"]
+        log(f"{kind}: aiohttp costs {ratio:.2f}x the upstream client's CPU per request")
     write_result(args.out_dir, "http_clients", "bench.http_clients", sys.argv[1:] if argv is None else argv,
                  {"concurrency": args.concurrency, "lines": args.lines, "results": result})
     return 0
