@@ -11,6 +11,7 @@ sequence among 31 short ones: the case where padding every sequence to the longe
 
     .venv/bin/python -m bench.engine_ab --baseline 16df5f7          # tiny + SmolLM2, ~10 minutes
     .venv/bin/python -m bench.engine_ab --baseline 16df5f7 --quick  # tiny only, one round
+    .venv/bin/python -m bench.engine_ab --baseline b8b05b5 --baseline-dtype auto --variants auto --tiny hd64
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from bench.common import (
     parse_args,
     print_header,
     smollm2_dir,
+    tiny_llama_hd64_dir,
     tiny_model_dir,
     write_result,
 )
@@ -95,9 +97,10 @@ def measure(tree: Path, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def compare(name: str, model: Path, baseline: Path, current: Path, variants: list[str], rounds: int,
-            levels: list[int], max_tokens: int, steps: int) -> dict[str, Any]:
-    """Alternate baseline (fp32) and each current-tree variant for `rounds` rounds."""
-    sides = [("baseline float32", baseline, "float32")] + [(f"current {v}", current, v) for v in variants]
+            levels: list[int], max_tokens: int, steps: int, baseline_dtype: str = "float32") -> dict[str, Any]:
+    """Alternate the baseline (in `baseline_dtype`) and each current-tree variant for `rounds` rounds."""
+    base_label = f"baseline {baseline_dtype}"
+    sides = [(base_label, baseline, baseline_dtype)] + [(f"current {v}", current, v) for v in variants]
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in sides}
     for r in range(rounds):
         for label, tree, dtype in sides:
@@ -110,7 +113,7 @@ def compare(name: str, model: Path, baseline: Path, current: Path, variants: lis
     for label, _, _ in sides:
         summary[label] = {m: median([run[m] for run in runs[label]]) for m in metrics}
         summary[label]["dtype"] = runs[label][0]["dtype"]
-        base = runs["baseline float32"]
+        base = runs[base_label]
         summary[label]["ratio_vs_baseline"] = {
             m: median([run[m] / b[m] for run, b in zip(runs[label], base, strict=True)]) for m in metrics
         }
@@ -127,17 +130,22 @@ def main(argv: list[str] | None = None) -> int:
                    "not change during the run)")
     p.add_argument("--variants", default="float32,auto", help="dtypes of the current tree to measure")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--baseline-dtype", default="float32", help="dtype of the baseline engine (e.g. auto)")
+    p.add_argument("--tiny", choices=["hd16", "hd64"], default="hd16",
+                   help="tiny model: hidden 64 / head_dim 16 (default) or hidden 256 / head_dim 64 (vLLM runs it)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(p, argv)
     baseline = baseline_tree(args.baseline)
     current = baseline_tree(args.current) if args.current else ROOT
     variants = [v for v in args.variants.split(",") if v]
-    models: list[tuple[str, Path, list[int], int, int]] = [("tiny-llama", tiny_model_dir(), [8, 32, 64], 64, 40)]
+    tiny = ("tiny-llama-hd64", tiny_llama_hd64_dir()) if args.tiny == "hd64" else ("tiny-llama", tiny_model_dir())
+    models: list[tuple[str, Path, list[int], int, int]] = [(*tiny, [8, 32, 64], 64, 40)]
     smol = smollm2_dir()
     if smol is not None and not args.quick:
         models.append(("SmolLM2-135M", smol, [8, 32], 16, 8))
     rounds = 1 if args.quick else args.rounds
-    results = [compare(n, m, baseline, current, variants, rounds, lv, mt, st) for n, m, lv, mt, st in models]
+    results = [compare(n, m, baseline, current, variants, rounds, lv, mt, st, args.baseline_dtype)
+               for n, m, lv, mt, st in models]
     print_header(f"engine A/B against {args.baseline}")
     for res in results:
         metrics = [f"tok_s_c{c}" for c in res["levels"]] + ["mixed_step_ms"]
