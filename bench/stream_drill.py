@@ -10,8 +10,13 @@ Real processes on loopback (tiny model): one prefill worker, two decode workers,
   the decode worker afterwards: how many still ran to completion (``worker_requests_total
   {outcome="ok"}``) and how many tokens it generated meanwhile.
 
+- *throughput* (``--only throughput``, not part of the default run): ``--streams`` full streams by
+  well-behaved clients, tokens per second; compare ``--stream-window 0`` (flow control off) with the
+  default to see what flow control costs when nobody falls behind.
+
     .venv/bin/python -m bench.stream_drill                 # about a minute
     .venv/bin/python -m bench.stream_drill --quick
+    .venv/bin/python -m bench.stream_drill --only hangup --stream-window 0
 """
 from __future__ import annotations
 
@@ -112,6 +117,29 @@ async def _hangup_drill(router: str, decode_urls: list[str], hangups: int, concu
     }
 
 
+async def _throughput_drill(router: str, streams: int, concurrency: int, max_tokens: int) -> dict[str, Any]:
+    """Well-behaved clients (read every token): completed streams and generated tokens per second, to
+    check that flow control costs nothing when nobody falls behind."""
+    semaphore = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        async def one(i: int) -> dict[str, Any]:
+            async with semaphore:
+                return await _stream(session, router, PROMPTS[i % len(PROMPTS)], max_tokens)
+
+        await one(0)  # warm-up
+        started = time.perf_counter()
+        results = await asyncio.gather(*(one(i) for i in range(streams)))
+        elapsed = time.perf_counter() - started
+    tokens = sum(len(r["tokens"]) for r in results)
+    return {
+        "streams": streams,
+        "completed": sum(1 for r in results if r["finish_reason"] == "length" and r["error"] is None),
+        "tokens": tokens,
+        "seconds": round(elapsed, 3),
+        "tokens_per_s": round(tokens / elapsed, 1),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     """Start the processes, run both drills, print and write the result."""
     p = base_parser(__doc__.splitlines()[0] if __doc__ else "stream drill")
@@ -120,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hangups", type=int, default=1000)
     p.add_argument("--stream-window", type=int, default=None,
                    help="decode workers' --stream-window (default: theirs; 0: flow control off)")
-    p.add_argument("--only", choices=["kill", "hangup"], default=None, help="run one drill only")
+    p.add_argument("--only", choices=["kill", "hangup", "throughput"], default=None,
+                   help="run one drill only (throughput: --streams full streams, no kill; not run otherwise)")
     p.add_argument("--decode-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment of the decode workers (experiments; repeatable)")
     p.add_argument("--router-env", action="append", default=[], metavar="KEY=VALUE",
@@ -148,12 +177,16 @@ def main(argv: list[str] | None = None) -> int:
         procs.append(router)
         hangup: dict[str, Any] | None = None
         kill: dict[str, Any] | None = None
-        if args.only != "kill":
+        throughput: dict[str, Any] | None = None
+        if args.only == "throughput":
+            throughput = asyncio.run(_throughput_drill(router_url, args.streams, args.concurrency, 200))
+            log(f"throughput: {throughput}")
+        if args.only in (None, "hangup"):
             hangup = asyncio.run(
                 _hangup_drill(router_url, [url for _, url in decodes], args.hangups, args.concurrency)
             )
             log(f"hang-ups: {hangup}")
-        if args.only != "hangup":
+        if args.only in (None, "kill"):
             kill = asyncio.run(_kill_drill(router_url, decodes[0][0], args.streams, args.concurrency, 200))
             log(f"kill: {kill}")
     finally:
@@ -172,7 +205,13 @@ def main(argv: list[str] | None = None) -> int:
               hangup["tokens_generated"]]],
         ))
     name = "stream_drill_quick" if args.quick else "stream_drill"
-    result = {"kill": kill, "hangup": hangup, "stream_window": args.stream_window,
+    if throughput is not None:
+        print(markdown_table(
+            ["drill", "streams", "completed", "tokens", "seconds", "tokens/s"],
+            [["well-behaved clients", throughput["streams"], throughput["completed"], throughput["tokens"],
+              throughput["seconds"], throughput["tokens_per_s"]]],
+        ))
+    result = {"kill": kill, "hangup": hangup, "throughput": throughput, "stream_window": args.stream_window,
               "decode_env": args.decode_env, "router_env": args.router_env}
     path = write_result(args.out_dir, name, "bench.stream_drill", argv, result)
     log(f"result: {path}")
