@@ -230,11 +230,12 @@ class Attention(nn.Module):
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         # Scaling q (a strided view of the fused projection) also makes it contiguous: one kernel for both.
         qg = q.view(n, kvh, self.num_heads // kvh, hd) * self.scale
-        scores = torch.matmul(qg, keys.transpose(2, 3))  # [n, kv, group, k]
+        # Mask and softmax in fp32: torch's CPU element-wise and softmax kernels are slower on bf16 than a
+        # cast plus the fp32 kernel (measured [64, 4, 1, 55]: softmax 40 us in bf16, 22 us cast + fp32).
+        scores = torch.matmul(qg, keys.transpose(2, 3)).float()  # [n, kv, group, k]
         if bk.mask is not None:
             scores = scores + bk.mask
-        # CPU softmax accumulates in fp32 for half-precision inputs, so no explicit casts around it.
-        probs = torch.softmax(scores, dim=-1)
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
         return torch.matmul(probs, values).reshape(n, self.q_size)
 
 
