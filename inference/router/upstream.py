@@ -173,8 +173,9 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         if self.response is not None:
             self.response.status = self._parser.get_status_code()
-        if self._headers_done is not None and not self._headers_done.done():
-            self._headers_done.set_result(None)
+        done, self._headers_done = self._headers_done, None
+        if done is not None and not done.done():
+            done.set_result(None)
 
     def on_body(self, body: bytes) -> None:
         if self.response is not None:
@@ -193,8 +194,9 @@ class _Connection(asyncio.Protocol):
     # ---- used by the pool and the response ----
 
     def _fail(self, exc: BaseException) -> None:
-        if self._headers_done is not None and not self._headers_done.done():
-            self._headers_done.set_exception(exc)
+        done, self._headers_done = self._headers_done, None
+        if done is not None and not done.done():
+            done.set_exception(exc)
         response, self.response = self.response, None
         if response is not None:
             response._finish(exc)
@@ -204,15 +206,16 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         response = UpstreamResponse(self)
         self.response = response
-        self._headers_done = asyncio.get_running_loop().create_future()
+        # Local: a short answer completes within one read, and the connection may already serve the
+        # next request (with its own future) by the time this one resumes.
+        headers_done = self._headers_done = asyncio.get_running_loop().create_future()
         self.transport.write(head + b"%d\r\n\r\n" % len(body) + body)
         try:
-            await self._headers_done
+            await headers_done
         except BaseException:
-            self.discard()  # cancelled or failed mid-request: the connection's state is unknown
+            if self.response is response:
+                self.discard()  # cancelled or failed mid-request: the connection's state is unknown
             raise
-        finally:
-            self._headers_done = None
         return response
 
     def pause(self) -> None:
@@ -293,7 +296,8 @@ class UpstreamClient:
         if pool is None:
             pool = _HostPool(parts.hostname, port, self._headers, self._keepalive_s)
             self._pools[(parts.hostname, port)] = pool
-        return pool, parts.path or "/"
+        target = parts.path or "/"
+        return pool, f"{target}?{parts.query}" if parts.query else target
 
     async def post(self, url: str, body: bytes, *, connect_timeout_s: float) -> UpstreamResponse:
         """POST `body` (JSON) and return once the status and headers arrived.

@@ -158,3 +158,34 @@ def test_non_http_url_is_refused() -> None:
             await UpstreamClient().post("https://127.0.0.1:1/x", b"{}", connect_timeout_s=1)
 
     asyncio.run(scenario())
+
+
+def test_concurrent_short_requests_all_answered() -> None:
+    """A short answer completes within one read and its connection goes back to the pool before
+    the caller resumes; the next request taking that connection must still get its own answer."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:  # bounded: the client's requests
+            try:
+                _, body = await _read_request(reader)
+            except asyncio.IncompleteReadError:
+                break
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+        writer.close()
+
+    async def scenario(base: str) -> None:
+        client = UpstreamClient()
+
+        async def one(n: int) -> bytes:
+            async with await client.post(f"{base}/x", b"%d" % n, connect_timeout_s=3) as r:
+                return await r.read()
+
+        async def closed_loop(k: int) -> list[bytes]:
+            return [await one(k * 100 + i) for i in range(20)]
+
+        answers = await asyncio.wait_for(asyncio.gather(*(closed_loop(k) for k in range(16))), 20)
+        assert answers == [[b"%d" % (k * 100 + i) for i in range(20)] for k in range(16)]
+        client.close()
+
+    asyncio.run(_with_server(handler, scenario))
