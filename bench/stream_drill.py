@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import sys
 import time
 from pathlib import Path
@@ -97,11 +98,28 @@ async def _kill_drill(router: str, victim: Any, streams: int, concurrency: int, 
     }
 
 
-async def _hangup_drill(router: str, decode_urls: list[str], hangups: int, concurrency: int) -> dict[str, Any]:
+def _client_session(rcvbuf: int, timeout_s: float) -> aiohttp.ClientSession:
+    """The drill's HTTP client; with `rcvbuf`, a small socket receive buffer and read buffer (a client
+    whose own buffers cannot absorb a whole answer while its application lags)."""
+    if not rcvbuf:
+        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+    def small_socket(addr_info: Any) -> socket.socket:
+        family, type_, proto, _, _ = addr_info
+        sock = socket.socket(family=family, type=type_, proto=proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before connect: sets the window
+        return sock
+
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s), read_bufsize=2048,
+                                 connector=aiohttp.TCPConnector(socket_factory=small_socket))
+
+
+async def _hangup_drill(router: str, decode_urls: list[str], hangups: int, concurrency: int,
+                        client_rcvbuf: int = 0) -> dict[str, Any]:
     ok_before = sum(_metric(u, "worker_requests_total", 'outcome="ok"') for u in decode_urls)
     tokens_before = sum(_metric(u, "worker_generation_tokens_total") for u in decode_urls)
     semaphore = asyncio.Semaphore(concurrency)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+    async with _client_session(client_rcvbuf, 120) as session:
         async def one(i: int) -> None:
             async with semaphore:
                 await _stream(session, router, PROMPTS[i % len(PROMPTS)], 200, hang_up=True)
@@ -150,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="decode workers' --stream-window (default: theirs; 0: flow control off)")
     p.add_argument("--only", choices=["kill", "hangup", "throughput"], default=None,
                    help="run one drill only (throughput: --streams full streams, no kill; not run otherwise)")
+    p.add_argument("--client-rcvbuf", type=int, default=0,
+                   help="hang-up drill: SO_RCVBUF of the client's sockets (0: the kernel's default)")
     p.add_argument("--decode-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment of the decode workers (experiments; repeatable)")
     p.add_argument("--router-env", action="append", default=[], metavar="KEY=VALUE",
@@ -183,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"throughput: {throughput}")
         if args.only in (None, "hangup"):
             hangup = asyncio.run(
-                _hangup_drill(router_url, [url for _, url in decodes], args.hangups, args.concurrency)
+                _hangup_drill(router_url, [url for _, url in decodes], args.hangups, args.concurrency,
+                              args.client_rcvbuf)
             )
             log(f"hang-ups: {hangup}")
         if args.only in (None, "kill"):
@@ -212,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
               throughput["seconds"], throughput["tokens_per_s"]]],
         ))
     result = {"kill": kill, "hangup": hangup, "throughput": throughput, "stream_window": args.stream_window,
+              "client_rcvbuf": args.client_rcvbuf,
               "decode_env": args.decode_env, "router_env": args.router_env}
     path = write_result(args.out_dir, name, "bench.stream_drill", argv, result)
     log(f"result: {path}")
