@@ -52,6 +52,7 @@ class NdjsonReader:
         self._deadline = 0.0  # loop time by which the wait in progress must end
         self._waiting = False
         self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _feed(self, data: bytes) -> None:
         *complete, self._partial = (self._partial + data).split(b"\n")
@@ -81,7 +82,9 @@ class NdjsonReader:
         """
         if self._lines:
             return parse_line(self._lines.popleft())
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:  # once per stream: get_running_loop() is a getpid() system call in 3.11
+            loop = self._loop = asyncio.get_running_loop()
         self._deadline = loop.time() + seconds
         if self._timer is None:
             self._timer = loop.call_at(self._deadline, self._expire)
@@ -96,7 +99,7 @@ class NdjsonReader:
         self._timer = None
         if not self._waiting:
             return  # the next wait arms a fresh timer
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()
         if loop.time() < self._deadline:
             self._timer = loop.call_at(self._deadline, self._expire)
             return

@@ -93,7 +93,7 @@ class UpstreamResponse:
             data = self.read_nowait()
             if data or self._eof:
                 return data
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._conn.loop.create_future()
             await self._waiter
 
     def set_exception(self, exc: BaseException) -> None:
@@ -137,6 +137,9 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, pool: _HostPool) -> None:
         self._pool = pool
+        # Made in its loop (create_connection's factory); asyncio.get_running_loop() per token was
+        # a getpid() system call each time (CPython 3.11 checks the pid).
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self.response: UpstreamResponse | None = None
@@ -208,7 +211,7 @@ class _Connection(asyncio.Protocol):
         self.response = response
         # Local: a short answer completes within one read, and the connection may already serve the
         # next request (with its own future) by the time this one resumes.
-        headers_done = self._headers_done = asyncio.get_running_loop().create_future()
+        headers_done = self._headers_done = self.loop.create_future()
         self.transport.write(head + b"%d\r\n\r\n" % len(body) + body)
         try:
             await headers_done
