@@ -14,7 +14,10 @@ from .sequence import RequestOutput
 logger = logging.getLogger(__name__)
 
 
-# Outputs a request may have waiting for its consumer before its sequence is paused (flow control).
+# A good flow-control window (outputs a request may have waiting for its consumer before its sequence
+# is paused) once the worker's and router's socket buffers are small; off by default: measured on a
+# busy 2-core machine with today's buffers, it cost ~7% tokens/s for clients that read everything and
+# did not clearly reduce hang-up waste (docs/benchmarks.md, issue 9).
 DEFAULT_STREAM_WINDOW = 8
 
 # Safety net for the idle wait while every running sequence is paused: a consumer that catches up
@@ -113,11 +116,12 @@ class AsyncEngine:
     out of decode steps, keeping its blocks and batch slot) until the consumer is down to half of
     that, so a decode worker never generates far ahead of what its streams deliver (a client that
     stops reading, or hangs up, costs at most about a window of tokens). The engine thread never waits
-    for a consumer: it only reads the paused set when planning a step. `stream_window=0` turns it off.
+    for a consumer: it only reads the paused set when planning a step. `stream_window=0` (the default)
+    turns it off; `DEFAULT_STREAM_WINDOW` is the suggested value.
     """
 
     def __init__(
-        self, engine: LLMEngine, *, idle_poll_s: float = 0.02, stream_window: int = DEFAULT_STREAM_WINDOW
+        self, engine: LLMEngine, *, idle_poll_s: float = 0.02, stream_window: int = 0
     ) -> None:
         """Wrap `engine` and start the stepping thread."""
         if stream_window < 0 or stream_window == 1:

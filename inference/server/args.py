@@ -78,7 +78,7 @@ class ServerArgs:
     shared_secret: str
     log_level: str
     # Decode: engine outputs a stream may have waiting before its sequence pauses (0: off).
-    stream_window: int = 8
+    stream_window: int = 0
 
     @property
     def kv_cache_bytes(self) -> int | None:
@@ -238,10 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--stream-window",
         type=int,
-        default=8,
+        default=0,
         help="flow control: a stream with this many engine outputs not yet sent pauses (keeps its KV) "
         "until it is down to half of them, so a stalled or gone client costs a few tokens, not the "
-        "whole answer (default 8; 0: off)",
+        "whole answer (default 0: off; 8 suits small socket buffers, see inference/server/flow.py)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p

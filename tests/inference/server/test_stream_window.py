@@ -13,12 +13,12 @@ def _base(model: Path) -> list[str]:
 
 
 def test_stream_window_parses_round_trips_and_defaults(tiny_model_dir: Path) -> None:
-    """Default 8; 0 turns flow control off; the agent's command line carries it."""
-    assert parse_args(_base(tiny_model_dir)).stream_window == 8
-    args = parse_args([*_base(tiny_model_dir), "--stream-window", "0"])
-    assert args.stream_window == 0
+    """Default 0 (off); a window is carried by the agent's command line."""
+    assert parse_args(_base(tiny_model_dir)).stream_window == 0
+    args = parse_args([*_base(tiny_model_dir), "--stream-window", "8"])
+    assert args.stream_window == 8
     assert parse_args(args.to_argv()) == args
-    assert ServerArgs.with_defaults(model_path=tiny_model_dir, service_type="decode").stream_window == 8
+    assert ServerArgs.with_defaults(model_path=tiny_model_dir, service_type="decode").stream_window == 0
 
 
 @pytest.mark.parametrize("value", ["1", "-2"])
