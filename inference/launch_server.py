@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 
@@ -12,6 +13,7 @@ import uvicorn
 
 from inference.server.args import parse_args
 from inference.server.errors import StartupError
+from inference.server.flow import bounded_http_protocol
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,9 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     if worker.receiver is not None:
         log.info("KV transfers accepted on port %d (%s)", worker.receiver.port, args.kv_transport)  # type: ignore[attr-defined]
+    # With flow control on, the worker's connections get small send buffers too, so that a
+    # stream's send waits as soon as its reader falls behind (inference/server/flow.py).
+    http: type[asyncio.Protocol] | str = bounded_http_protocol() if args.stream_window else "auto"
     config = uvicorn.Config(
         create_app(worker), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=5, http=http,
     )
     server = uvicorn.Server(config)
     try:

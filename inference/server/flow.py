@@ -29,8 +29,11 @@ DEFAULT_SNDBUF = 4096
 def bound_transport(transport: asyncio.BaseTransport, high_water: int, sndbuf: int) -> None:
     """Apply the write limits to one connection (best effort: a transport without a socket keeps its
     defaults)."""
-    if isinstance(transport, asyncio.WriteTransport) and high_water > 0:
-        transport.set_write_buffer_limits(high=high_water, low=high_water // 2)
+    # Duck-typed: uvloop's transports (what uvicorn runs on when it is installed) implement
+    # set_write_buffer_limits without subclassing asyncio.WriteTransport.
+    limits = getattr(transport, "set_write_buffer_limits", None)
+    if limits is not None and high_water > 0:
+        limits(high=high_water, low=high_water // 2)
     sock = transport.get_extra_info("socket")
     if sock is not None and sndbuf > 0:
         try:

@@ -85,3 +85,24 @@ def test_a_reader_that_stops_reading_stops_the_stream_within_a_few_kib() -> None
     stalled, received = asyncio.run(main())
     assert stalled < LINES // 10, f"{stalled} lines went out to a reader that read nothing"
     assert received == LINES
+
+
+def test_limits_apply_to_uvloop_transports() -> None:
+    """uvicorn runs on uvloop when it is installed, whose transports do not subclass asyncio's."""
+    import uvloop
+
+    from inference.server.flow import bound_transport
+
+    async def scenario() -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(asyncio.Protocol, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        transport, _ = await loop.create_connection(asyncio.Protocol, "127.0.0.1", port)
+        try:
+            bound_transport(transport, 1024, 4096)
+            return transport.get_write_buffer_limits()  # type: ignore[attr-defined, no-any-return]
+        finally:
+            transport.close()
+            server.close()
+
+    assert uvloop.run(scenario()) == (512, 1024)
