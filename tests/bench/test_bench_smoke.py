@@ -112,3 +112,13 @@ def test_run_all_rejects_unknown_names(capsys: pytest.CaptureFixture[str]) -> No
         run_all.main(["--only", "no_such_benchmark"])
     assert "unknown benchmark" in capsys.readouterr().err
     assert run_all.build_command("kv_transfer", True, Path("o"), Path("i"), [])[-1] == "--quick"
+
+
+def test_relay_floor_quick(tmp_path: Path) -> None:
+    from bench import relay_floor
+
+    assert relay_floor.main(["--quick", "--out-dir", str(tmp_path), "--gap-ms", "1"]) == 0
+    result = json.loads((tmp_path / "relay_floor_quick.json").read_text())
+    assert result["command"].startswith(".venv/bin/python -m bench.relay_floor")
+    (entry,) = result["results"]
+    assert entry["gap_ms"] == 1.0 and _positive(entry["median_us_per_token"])
