@@ -14,12 +14,6 @@ from .sequence import RequestOutput
 logger = logging.getLogger(__name__)
 
 
-# A good flow-control window (outputs a request may have waiting for its consumer before its sequence
-# is paused) once the worker's and router's socket buffers are small; off by default: measured on a
-# busy 2-core machine with today's buffers, it cost ~7% tokens/s for clients that read everything and
-# did not clearly reduce hang-up waste (docs/benchmarks.md, issue 9).
-DEFAULT_STREAM_WINDOW = 8
-
 # Safety net for the idle wait while every running sequence is paused: a consumer that catches up
 # wakes the thread at once; this bounds the wait should a wake-up ever be missed.
 PAUSED_WAIT_S = 1.0
@@ -117,7 +111,7 @@ class AsyncEngine:
     that, so a decode worker never generates far ahead of what its streams deliver (a client that
     stops reading, or hangs up, costs at most about a window of tokens). The engine thread never waits
     for a consumer: it only reads the paused set when planning a step. `stream_window=0` (the default)
-    turns it off; `DEFAULT_STREAM_WINDOW` is the suggested value.
+    turns it off (workers: `--stream-window`, where 8 is suggested).
     """
 
     def __init__(

@@ -102,10 +102,6 @@ class UpstreamResponse:
         self._conn.discard()
         self._wake()
 
-    def at_eof(self) -> bool:
-        """Whether the whole body was read."""
-        return self._eof and not self._chunks
-
     # ---- ClientResponse surface ----
 
     async def read(self) -> bytes:

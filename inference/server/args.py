@@ -8,6 +8,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+# A good --stream-window once the worker's send buffers are small (they are, with the flag on); off
+# by default: on a busy 2-core machine it cost ~7% tokens/s for clients that read everything and did
+# not clearly reduce hang-up waste (docs/benchmarks.md §8).
+SUGGESTED_STREAM_WINDOW = 8
+
 # vLLM's default share of the GPU (the engine's memory.DEFAULT_GPU_MEMORY_UTILIZATION; not imported
 # from there because the agent imports this module, and importing the engine package loads torch).
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -241,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="flow control: a stream with this many engine outputs not yet sent pauses (keeps its KV) "
         "until it is down to half of them, so a stalled or gone client costs a few tokens, not the "
-        "whole answer (default 0: off; 8 suits small socket buffers, see inference/server/flow.py)",
+        f"whole answer (default 0: off; {SUGGESTED_STREAM_WINDOW} suits the small send buffers it brings, "
+        "see inference/server/flow.py)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
