@@ -83,6 +83,13 @@ class _Stream:
             return False
 
 
+def _check_window(window: int) -> None:
+    """Refuse a flow-control window that cannot work."""
+    if window < 0 or window == 1:
+        # A window of 1 would pause after every output and resume only at 0: no batching at all.
+        raise ValueError("stream_window must be 0 (off) or at least 2")
+
+
 def _error_output(request_id: str, message: str) -> RequestOutput:
     """A final output that fails a request."""
     return RequestOutput(
@@ -118,9 +125,7 @@ class AsyncEngine:
         self, engine: LLMEngine, *, idle_poll_s: float = 0.02, stream_window: int = 0
     ) -> None:
         """Wrap `engine` and start the stepping thread."""
-        if stream_window < 0 or stream_window == 1:
-            # A window of 1 would pause after every output and resume only at 0: no batching at all.
-            raise ValueError("stream_window must be 0 (off) or at least 2")
+        _check_window(stream_window)
         self.engine = engine
         self.idle_poll_s = idle_poll_s
         self.stream_window = stream_window
@@ -158,13 +163,18 @@ class AsyncEngine:
         async for out in self._consume(request_id, stream):
             yield out
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+    def reserve(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream_window: int | None = None
+    ) -> list[int]:
         """Decode side: reserve blocks for the prompt KV (see `LLMEngine.reserve`); outputs start after
-        `kv_received` and are read with `stream()`. Raises NoFreeBlocks / ValueError."""
+        `kv_received` and are read with `stream()`. `stream_window` overrides the engine's flow-control
+        window for this request (a consumer that paces itself, e.g. by its router's credit, needs one
+        even where the engine's default is off). Raises NoFreeBlocks / ValueError."""
+        _check_window(stream_window if stream_window is not None else self.stream_window)
         with self._streams_lock:
             if request_id in self._streams:
                 raise ValueError(f"request {request_id!r} already exists")
-            self._streams[request_id] = self._new_stream(request_id, None)
+            self._streams[request_id] = self._new_stream(request_id, None, stream_window)
         try:
             return self.engine.reserve(request_id, prompt_token_ids, params)
         except BaseException:
@@ -231,9 +241,11 @@ class AsyncEngine:
             self._streams[request_id] = stream
             return stream
 
-    def _new_stream(self, request_id: str, loop: asyncio.AbstractEventLoop | None) -> _Stream:
-        """A channel with this engine's flow-control window."""
-        return _Stream(loop, request_id, self.stream_window, self._paused)
+    def _new_stream(
+        self, request_id: str, loop: asyncio.AbstractEventLoop | None, window: int | None = None
+    ) -> _Stream:
+        """A channel with `window` (default: this engine's flow-control window)."""
+        return _Stream(loop, request_id, self.stream_window if window is None else window, self._paused)
 
     def _close(self, request_id: str) -> None:
         """Drop a request's channel."""

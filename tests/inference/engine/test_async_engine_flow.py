@@ -116,3 +116,39 @@ def test_window_of_one_is_refused(llama: TinyModel) -> None:
     engine = LLMEngine(llama.path, block_size=16, num_blocks=8)
     with pytest.raises(ValueError, match="stream_window"):
         AsyncEngine(engine, stream_window=1)
+
+
+def test_a_reserved_request_can_carry_its_own_window(llama: TinyModel) -> None:
+    """Decode side with the engine's window off: a request reserved with a window of its own pauses
+    when its consumer stops reading (the router-credit case), and resumes to the greedy reference."""
+    prefill = LLMEngine(llama.path, block_size=16, num_blocks=16)
+    prompt = llama.prompts[0]
+    prefill.add_request("p", prompt, GREEDY, prefill_only=True)
+    outputs: list[RequestOutput] = []
+    while prefill.has_work():
+        outputs += prefill.step()
+    src = outputs[-1].block_ids
+    assert src is not None
+    engine = LLMEngine(llama.path, block_size=16, num_blocks=16)
+    aengine = AsyncEngine(engine, stream_window=0)
+
+    async def main() -> tuple[list[int], int]:
+        dst = await asyncio.to_thread(aengine.reserve, "p", prompt, GREEDY, WINDOW)
+        engine.kv_cache.data[dst] = prefill.kv_cache.data[src]
+        await asyncio.to_thread(aengine.kv_received, "p", outputs[-1].new_token_ids[0])
+        stream = aengine.stream("p")
+        first = await anext(stream)
+        await _wait_until(lambda: "p" in aengine._paused)
+        await asyncio.sleep(0.2)
+        held = _generated(engine, "p")
+        rest = [t async for o in stream for t in o.new_token_ids]
+        return first.new_token_ids + rest, held
+
+    try:
+        tokens, held = asyncio.run(main())
+        with pytest.raises(ValueError, match="stream_window"):
+            aengine.reserve("q", prompt, GREEDY, 1)
+    finally:
+        aengine.shutdown()
+    assert held <= 2 + WINDOW < NEW_TOKENS
+    assert tokens == llama.greedy[0]
