@@ -72,7 +72,10 @@ class BatchMetadata:
     - `positions`: position of each flat token.
     - `write_rows`: layer-0 K row in `KVCache.rows` for each new token (its slot in its block).
     - `last_index`: flat index of each sequence's last token (the only rows that get logits).
-    - exactly one of `prefill_groups` (a prefill step) and `decode_buckets` (a decode step) is set.
+    - exactly one of `prefill_groups` (a prefill step), `decode_buckets` (a decode step) and
+      `decode_slots` (a decode step for the CPU kernel, see cpu_attention.py) is set.
+    - `decode_slots` `[batch, width]`: the `slot_rows` of each sequence; `decode_lens` `[batch]`: its
+      keys, the new token included. The kernel writes the new K/V itself (`write_rows` is then unused).
     """
 
     positions: torch.Tensor
@@ -80,6 +83,8 @@ class BatchMetadata:
     last_index: torch.Tensor
     prefill_groups: list[PrefillGroup] = field(default_factory=list)
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
+    decode_slots: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
 
     @property
     def is_prefill(self) -> bool:
@@ -163,6 +168,16 @@ class DecodeSlotCache:
     def clear(self) -> None:
         """Forget the cached batch (and release its sequences)."""
         self._seqs, self._key, self._lens, self._slots = [], (), [], None
+
+
+def kernel_decode_metadata(seqs: list[Sequence], slots: torch.Tensor) -> tuple[torch.Tensor, BatchMetadata]:
+    """Input ids and metadata of a decode step over `seqs` for the CPU decode kernel: each sequence's
+    slot rows and length, nothing per bucket (any order of `seqs` works)."""
+    ctx_t = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64)
+    pos = ctx_t - 1
+    meta = BatchMetadata(positions=pos, write_rows=pos, last_index=torch.arange(len(seqs)),
+                         decode_slots=slots, decode_lens=ctx_t)
+    return torch.tensor([s.last_token_id for s in seqs], dtype=torch.int64), meta
 
 
 def decode_metadata(

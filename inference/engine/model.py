@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -117,7 +118,31 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attend for the flat tokens `x` `[num_tokens, hidden]`; writes their K/V into the cache."""
         q, k, v = self._project(x, cos, sin)
+        return self.attend(q, k, v, meta, kv_cache)
 
+    def forward_fused(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMetadata, kv_cache: KVCache | None,
+        ops: Any,
+    ) -> torch.Tensor:
+        """`forward` with the CPU kernels (cpu_kernels.py): RoPE in place on the fused projection, and
+        decode attention straight over the paged cache. `cos` / `sin` are `[n, head_dim]`."""
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        ops.rope_inplace(qkv, self.num_heads + self.num_kv_heads, cos, sin)
+        q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
+        if meta.decode_slots is not None and meta.decode_lens is not None and kv_cache is not None:
+            # Writes this token's K/V into its slot and attends over each sequence's own rows.
+            out = ops.paged_decode(q, k, v, kv_cache.rows, meta.decode_slots, meta.decode_lens,
+                                   self.layer_idx * kv_cache.layer_stride, kv_cache.block_size, self.scale)
+            return self.o_proj(out)
+        return self.attend(q, k, v, meta, kv_cache)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMetadata, kv_cache: KVCache | None
+    ) -> torch.Tensor:
+        """Write k/v into the cache, attend (prefill groups or decode buckets) and project the output."""
         if kv_cache is not None:
             k_rows = meta.write_rows + self.layer_idx * kv_cache.layer_stride
             kv_cache.rows.index_copy_(0, k_rows, k.to(kv_cache.dtype))
@@ -254,6 +279,10 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
+    def forward_fused(self, x: torch.Tensor, ops: Any) -> torch.Tensor:
+        """`forward` with the CPU kernels' SiLU·mul (one pass instead of split, silu, mul)."""
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block."""
@@ -278,6 +307,24 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: BatchMetadata,
+        kv_cache: KVCache | None,
+        ops: Any,
+    ) -> torch.Tensor:
+        """The same block with the CPU kernels, vLLM-style: `x` arrives normalised (`input_layernorm` of
+        `residual`), the attention output is added to `residual` in place and normalised in one pass,
+        and the MLP output is returned un-added (the next norm adds it)."""
+        h = self.self_attn.forward_fused(x, cos, sin, meta, kv_cache, ops)
+        post = self.post_attention_layernorm
+        ops.fused_add_rms_norm(h, residual, post.weight, post.eps)
+        return self.mlp.forward_fused(h, ops)
+
 
 class LlamaForCausalLM(nn.Module):
     """The decoder stack plus LM head; returns logits for the last token of each sequence only."""
@@ -291,6 +338,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
+        # The compiled CPU kernels (cpu_kernels.py) when the model runner enabled them; None: torch ops.
+        self.cpu_ops: Any = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -305,7 +354,29 @@ class LlamaForCausalLM(nn.Module):
         which picks the same token: casting to fp32 is exact)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
+        if self.cpu_ops is not None:
+            return self.lm_head(self._forward_fused(x, cos, sin, meta, kv_cache, self.cpu_ops))
         for layer in self.layers:
             x = layer(x, cos, sin, meta, kv_cache)
         x = self.norm(x[meta.last_index])
         return self.lm_head(x)
+
+    def _forward_fused(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMetadata, kv_cache: KVCache | None,
+        ops: Any,
+    ) -> torch.Tensor:
+        """The decoder stack with the CPU kernels: the residual stream is updated in place and each
+        residual add is fused into the norm that follows it. Returns the final norm of the last tokens."""
+        n = x.shape[0]
+        cos, sin = cos.view(n, -1), sin.view(n, -1)
+        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
+        residual = x
+        h = ops.rms_norm(residual, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
+        for layer, nxt in zip(layers, norms, strict=True):
+            h = layer.forward_fused(h, residual, cos, sin, meta, kv_cache, ops)
+            if nxt is self.norm and meta.last_index.shape[0] != n:
+                # A prefill: only each sequence's last token needs the final norm.
+                return ops.rms_norm((residual + h)[meta.last_index], nxt.weight, nxt.eps)  # type: ignore[no-any-return]
+            ops.fused_add_rms_norm(h, residual, nxt.weight, nxt.eps)
+        return h

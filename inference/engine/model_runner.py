@@ -11,9 +11,10 @@ import logging
 
 import torch
 
-from .batch import BatchMetadata, DecodeSlotCache, build_metadata, decode_metadata
+from .batch import BatchMetadata, DecodeSlotCache, build_metadata, decode_metadata, kernel_decode_metadata
 from .compile import check_compile_available, compile_model
 from .config import ModelConfig
+from .cpu_kernels import load_kernels
 from .cpu_linear import prepack_linears, prepacked_linear_available
 from .dtypes import dtype_name, resolve_dtype
 from .kv_cache import KVCache
@@ -109,10 +110,17 @@ class ModelRunner:
         self._slots = DecodeSlotCache(block_size, self.kv_cache.block_stride)
         if use_compile:
             compile_model(self.model)
+        # On a CPU the C++ kernels (decode attention over the paged cache, fused norms, RoPE, SiLU·mul)
+        # when they build here (cpu_kernels.py); torch ops otherwise, and with --compile (inductor fuses).
+        ops = None
+        if device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and not use_compile:
+            ops = load_kernels()
+        self.model.cpu_ops = ops
+        self.decode_kernel = ops is not None
         logger.info(
-            "model runner: %s on %s, KV cache %d blocks (%s), batch %d%s",
+            "model runner: %s on %s, KV cache %d blocks (%s), batch %d%s%s",
             dtype_name(self.dtype), device, num_blocks, format_bytes(self.kv_cache.nbytes), self.max_num_seqs,
-            ", compiled" if use_compile else "",
+            ", compiled" if use_compile else "", ", CPU kernels" if self.decode_kernel else "",
         )
 
     @torch.inference_mode()
@@ -151,6 +159,8 @@ class ModelRunner:
     def prepare(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, BatchMetadata]:
         """Input ids and metadata for `seqs`, which must be in `order`'s order."""
         if not is_prefill:
+            if self.decode_kernel:
+                return kernel_decode_metadata(seqs, self._slots.get(seqs))
             return decode_metadata(seqs, self._slots.get(seqs), self.dtype, self.device)
         return build_metadata(seqs, is_prefill, self.block_size, self.kv_cache.block_stride, self.dtype, self.device)
 
@@ -164,6 +174,14 @@ class ModelRunner:
     def run(self, batch: list[Sequence], is_prefill: bool) -> list[int]:
         """Forward `batch` (a prefill of whole prompts, or one decode token each) and sample one token
         per sequence; returns them in `batch` order."""
+        if not is_prefill and self.decode_kernel:
+            # The kernel attends per sequence: no length order needed, so no reordering either.
+            input_ids, meta = self.prepare(batch, is_prefill)
+            logits = self.model(input_ids, meta, self.kv_cache)
+            if all(s.params.greedy for s in batch):
+                return row_argmax(logits).tolist()  # type: ignore[no-any-return]
+            return sample(logits, [s.params for s in batch],
+                          [s.params.seed_offset + len(s.output_token_ids) for s in batch])
         order = self.order(batch)
         seqs = [batch[i] for i in order]
         # The common all-greedy batch needs neither the per-row parameters nor the sampler's tensors.
