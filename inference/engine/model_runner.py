@@ -179,7 +179,7 @@ class ModelRunner:
             input_ids, meta = self.prepare(batch, is_prefill)
             logits = self.model(input_ids, meta, self.kv_cache)
             if all(s.params.greedy for s in batch):
-                return row_argmax(logits).tolist()  # type: ignore[no-any-return]
+                return self.model.cpu_ops.argmax_rows(logits).tolist()  # type: ignore[no-any-return]
             return sample(logits, [s.params for s in batch],
                           [s.params.seed_offset + len(s.output_token_ids) for s in batch])
         order = self.order(batch)
@@ -189,7 +189,8 @@ class ModelRunner:
         input_ids, meta = self.prepare(seqs, is_prefill)
         logits = self.model(input_ids, meta, self.kv_cache)
         if greedy:
-            sampled = row_argmax(logits).tolist()
+            ops = self.model.cpu_ops
+            sampled = (row_argmax(logits) if ops is None else ops.argmax_rows(logits)).tolist()
         else:
             sampled = sample(logits, [s.params for s in seqs],
                              [s.params.seed_offset + len(s.output_token_ids) for s in seqs])

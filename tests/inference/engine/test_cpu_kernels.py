@@ -103,6 +103,21 @@ def test_norms_rope_and_silu_match_torch(dtype: torch.dtype) -> None:
     assert torch.isfinite(ops.silu_and_mul(gate_up)).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 63, 64, 1000, 49152])
+def test_argmax_rows_matches_torch_first_index_on_ties(dtype: torch.dtype, width: int) -> None:
+    torch.manual_seed(width)
+    x = torch.randn(9, width).to(dtype)
+    x[1] = 0.0  # all tied: index 0
+    if width > 3:
+        x[2, width // 3] = x[2, width - 1] = 100.0  # two tied maxima in different chunks: the first
+        x[3, -1] = 100.0  # the maximum in the ragged last chunk
+    x[4] = float("-inf")
+    x[4, width // 2] = -1e30
+    assert torch.equal(ops.argmax_rows(x), torch.argmax(x, dim=-1))
+    assert torch.equal(ops.argmax_rows(x[:, : max(1, width // 2)]), torch.argmax(x[:, : max(1, width // 2)], dim=-1))
+
+
 def _torch_ops(engine: object) -> None:
     """Switch an engine to the torch path (what a host without a compiler runs)."""
     runner = engine.runner  # type: ignore[attr-defined]
