@@ -41,17 +41,21 @@ def kernels_enabled() -> bool:
 
 
 def _build_name() -> str:
-    """The extension's name, per CPU feature set: the build uses -march=native, so a cache folder shared
-    by two hosts with different CPUs must not hand one host the other's binary."""
-    flags = ""
+    """The extension's name: a hash of the sources, the flags and the CPU's feature set. torch keeps one
+    build per name and rebuilds it whenever the sources differ, so two trees with different kernels (an
+    A/B run, a git worktree) would otherwise rebuild each other's on every start; and the build uses
+    -march=native, so a cache folder shared by hosts with different CPUs must not mix their binaries."""
+    digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    for path in SOURCES:
+        digest.update(path.read_bytes())
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                flags = line
+                digest.update(line.encode())
                 break
     except OSError:
         pass
-    return "inference_cpu_kernels_" + hashlib.sha256(flags.encode()).hexdigest()[:10]
+    return "inference_cpu_kernels_" + digest.hexdigest()[:12]
 
 
 def load_kernels() -> Any:
