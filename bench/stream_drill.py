@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import sys
 import time
@@ -66,8 +67,35 @@ async def _stream(session: aiohttp.ClientSession, router: str, prompt: str, max_
             tokens.extend(choice.get("token_ids") or [])
             finish = choice.get("finish_reason") or finish
             if hang_up and tokens:
+                delivered = _answer_end_received(response)
                 break  # leaving the block closes the connection
-    return {"status": 200, "finish_reason": finish, "tokens": tokens, "error": error}
+    return {"status": 200, "finish_reason": finish, "tokens": tokens, "error": error,
+            "delivered_before_hang_up": hang_up and bool(tokens) and delivered}
+
+
+_ANSWER_END = b"data: [DONE]"
+
+
+def _answer_end_received(response: aiohttp.ClientResponse) -> bool:
+    """Whether the end of the answer had already reached this client when it hangs up: in aiohttp's
+    buffer or unread in the socket (peeked, not consumed). Such a stream was complete, and sent,
+    before the hang-up: no abort could have stopped it."""
+    buffered = b"".join(getattr(response.content, "_buffer", ()))
+    if _ANSWER_END in buffered:
+        return True
+    connection = response.connection
+    transport = connection.transport if connection is not None else None
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return False
+    peek = socket.socket(fileno=os.dup(sock.fileno()))
+    try:
+        pending = peek.recv(1 << 20, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, OSError):
+        pending = b""
+    finally:
+        peek.close()
+    return _ANSWER_END in buffered + pending
 
 
 async def _kill_drill(router: str, victim: Any, streams: int, concurrency: int, max_tokens: int) -> dict[str, Any]:
@@ -120,16 +148,21 @@ async def _hangup_drill(router: str, decode_urls: list[str], hangups: int, concu
     tokens_before = sum(_metric(u, "worker_generation_tokens_total") for u in decode_urls)
     semaphore = asyncio.Semaphore(concurrency)
     async with _client_session(client_rcvbuf, 120) as session:
-        async def one(i: int) -> None:
+        async def one(i: int) -> dict[str, Any]:
             async with semaphore:
-                await _stream(session, router, PROMPTS[i % len(PROMPTS)], 200, hang_up=True)
+                return await _stream(session, router, PROMPTS[i % len(PROMPTS)], 200, hang_up=True)
 
-        await asyncio.gather(*(one(i) for i in range(hangups)))
+        results = await asyncio.gather(*(one(i) for i in range(hangups)))
     await asyncio.sleep(3)  # aborts land; a stream still running would finish 200 tokens in this time
+    completed = int(sum(_metric(u, "worker_requests_total", 'outcome="ok"') for u in decode_urls) - ok_before)
+    delivered = sum(1 for r in results if r.get("delivered_before_hang_up"))
     return {
         "hangups": hangups,
-        "ran_to_completion": int(sum(_metric(u, "worker_requests_total", 'outcome="ok"') for u in decode_urls)
-                                 - ok_before),
+        "ran_to_completion": completed,
+        # Complete, and delivered to the client, before it hung up (its process read the first
+        # token late): the rest ran on after the hang-up, for nobody.
+        "delivered_before_hang_up": delivered,
+        "ran_on_after_hang_up": completed - delivered,
         "tokens_generated": int(sum(_metric(u, "worker_generation_tokens_total") for u in decode_urls)
                                 - tokens_before),
     }
@@ -221,9 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         ))
     if hangup is not None:
         print(markdown_table(
-            ["drill", "streams", "ran to completion anyway", "tokens generated for nobody"],
+            ["drill", "streams", "ran to completion", "of them delivered before the hang-up",
+             "ran on after the hang-up", "tokens sent"],
             [["client hangs up after the first token", hangup["hangups"], hangup["ran_to_completion"],
-              hangup["tokens_generated"]]],
+              hangup["delivered_before_hang_up"], hangup["ran_on_after_hang_up"], hangup["tokens_generated"]]],
         ))
     name = "stream_drill_quick" if args.quick else "stream_drill"
     if throughput is not None:

@@ -187,6 +187,12 @@ ROUTER_MAX_INFLIGHT = env_int("ROUTER_MAX_INFLIGHT", 0, minimum=0)
 # A stream whose decode worker fails after its first token moves to another decode worker (prompt +
 # tokens so far are prefilled again) at most this many times; 0 ends it with an error event instead.
 ROUTER_MAX_MIGRATIONS = env_int("ROUTER_MAX_MIGRATIONS", 2, minimum=0)
+# Tokens a decode worker may generate past what this router has handed to the client (acknowledged
+# every half of it): a client that hangs up costs at most about this many tokens, however late
+# its abort lands. 0: off (the worker generates on until the abort).
+ROUTER_STREAM_CREDIT = env_int("ROUTER_STREAM_CREDIT", 32, minimum=0)
+if ROUTER_STREAM_CREDIT == 1:
+    raise ImproperlyConfigured("ROUTER_STREAM_CREDIT=1 would stall every stream after each token: use 0 (off) or >= 2")
 # Other names the OpenAI endpoints accept for the served model ("alias=served,..."); any other
 # unknown `model` is a 404 in OpenAI's error format.
 ROUTER_MODEL_ALIASES: dict[str, str] = {}

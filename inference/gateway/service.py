@@ -141,6 +141,7 @@ def build_service() -> RouterService:
         connect_timeout_s=connect_timeout,
         max_inflight=max_inflight or None,  # 0: bounded by the deployment's slots and the queue only
         max_migrations=int(settings.ROUTER_MAX_MIGRATIONS),
+        stream_credit=int(settings.ROUTER_STREAM_CREDIT),
     )
     deployment = getattr(settings, "ROUTER_DEPLOYMENT", None)
     if deployment:

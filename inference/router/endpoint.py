@@ -80,6 +80,12 @@ class Endpoint:
         value = (self.last_health or {}).get("batch_size")
         return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
+    def takes_credit(self) -> bool:
+        """Whether the worker takes credited decode streams: its health answer says so, or none came
+        yet (the first requests may precede the first check). A worker of an older version, whose
+        answer lacks the flag, would wait for the end of a body that stays open."""
+        return self.last_health is None or self.last_health.get("stream_credit") is True
+
     def record_success(self) -> None:
         """A request went through: the failure streak is over."""
         self.consecutive_failures = 0

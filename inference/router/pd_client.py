@@ -89,6 +89,8 @@ class _Attempt:
     # True when the decode worker certainly holds nothing for this request (it could not be
     # reached, or it refused the request with an error status): no abort is sent to it.
     decode_untouched: bool = False
+    # Tokens of this attempt's stream handed to the client (what a credited stream acknowledges).
+    relayed: int = 0
 
 
 def _token_ids(line: dict[str, Any]) -> list[int]:
@@ -130,6 +132,7 @@ class DisaggregatedClient:
         abort_timeout_s: float = 2.0,
         max_inflight: int | None = None,
         max_migrations: int = 2,
+        stream_credit: int = 0,
     ) -> None:
         if max_inflight is not None and max_inflight < 1:
             raise ValueError("max_inflight must be >= 1 (or None for no limit)")
@@ -139,6 +142,11 @@ class DisaggregatedClient:
         self.admission.metrics = self.metrics
         self.max_inflight = max_inflight
         self.max_migrations = max_migrations
+        if stream_credit < 0 or stream_credit == 1:
+            raise ValueError("stream_credit must be 0 (off) or at least 2")
+        self.stream_credit = stream_credit
+        # Acknowledge every half credit: a router that keeps up never stalls a stream.
+        self._ack_every = max(1, stream_credit // 2)
         self.inflight = 0
         self.request_timeout_s = request_timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -210,6 +218,11 @@ class DisaggregatedClient:
                             last_at = now
                             emitted.extend(ids)
                         yield TokenEvent(text=text, token_ids=ids)
+                        # The client has it (the consumer asked for the next event): credit the worker.
+                        attempt.relayed += len(ids)
+                        response = attempt.response
+                        if response is not None and attempt.relayed - response.acked >= self._ack_every:
+                            response.ack(attempt.relayed)
                     elif kind == "done":
                         finished = True
                         answer = attempt.prefill_answer
@@ -423,7 +436,8 @@ class DisaggregatedClient:
                 # The asyncio timeouts here and in the streaming loop are the real bounds; the
                 # client's own covers only the connect.
                 response = await upstream.post(f"{attempt.decode.url}/internal/decode", body,
-                                               connect_timeout_s=self.connect_timeout_s)
+                                               connect_timeout_s=self.connect_timeout_s,
+                                               credit=self.stream_credit if attempt.decode.takes_credit() else 0)
                 attempt.response = response
                 if response.status != 200:
                     attempt.decode_untouched = True

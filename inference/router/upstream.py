@@ -48,6 +48,9 @@ class UpstreamResponse:
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self.content = self
+        # A credited request's body stays open for acknowledgements until the response ends.
+        self.body_open = False
+        self.acked = 0
 
     # ---- fed by the connection (protocol callbacks) ----
 
@@ -101,6 +104,20 @@ class UpstreamResponse:
         self._exc = exc
         self._conn.discard()
         self._wake()
+
+    # ---- credit (inference/server/credit.py) ----
+
+    def ack(self, tokens: int) -> None:
+        """Tell the worker that `tokens` tokens of this stream reached the client (cumulative)."""
+        if self.body_open and tokens > self.acked:
+            self.acked = tokens
+            self._conn.write_chunk(b"%d\n" % tokens)
+
+    def end_body(self) -> None:
+        """End a credited request's body (its last chunk), once."""
+        if self.body_open:
+            self.body_open = False
+            self._conn.write_chunk(b"")
 
     # ---- ClientResponse surface ----
 
@@ -184,6 +201,8 @@ class _Connection(asyncio.Protocol):
         response, self.response = self.response, None
         keep = self._parser.should_keep_alive()
         if response is not None:
+            # Before the connection can carry the next request, this one's body must end.
+            response.end_body()
             response._finish()
         if keep and not self.closed:
             self._pool.put_back(self)
@@ -200,15 +219,21 @@ class _Connection(asyncio.Protocol):
         if response is not None:
             response._finish(exc)
 
-    async def request(self, head: bytes, body: bytes) -> UpstreamResponse:
-        """Send one request and wait for its status line and headers."""
+    async def request(self, head: bytes, body: bytes, credit: int = 0) -> UpstreamResponse:
+        """Send one request and wait for its status line and headers. With `credit`, the body is
+        chunked: `body` and a newline first, then acknowledgements (`UpstreamResponse.ack`)."""
         assert self.transport is not None
         response = UpstreamResponse(self)
         self.response = response
         # Local: a short answer completes within one read, and the connection may already serve the
         # next request (with its own future) by the time this one resumes.
         headers_done = self._headers_done = self.loop.create_future()
-        self.transport.write(head + b"%d\r\n\r\n" % len(body) + body)
+        if credit:
+            response.body_open = True
+            self.transport.write(head + b"Transfer-Encoding: chunked\r\nX-Stream-Credit: %d\r\n\r\n%x\r\n"
+                                 % (credit, len(body) + 1) + body + b"\n\r\n")
+        else:
+            self.transport.write(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
         try:
             await headers_done
         except BaseException:
@@ -216,6 +241,11 @@ class _Connection(asyncio.Protocol):
                 self.discard()  # cancelled or failed mid-request: the connection's state is unknown
             raise
         return response
+
+    def write_chunk(self, data: bytes) -> None:
+        """One chunk of a chunked request body (b"": the last one)."""
+        if not self.closed and self.transport is not None:
+            self.transport.write(b"%x\r\n%s\r\n" % (len(data), data) if data else b"0\r\n\r\n")
 
     def pause(self) -> None:
         if not self._paused and self.transport is not None:
@@ -248,11 +278,11 @@ class _HostPool:
         self.heads: dict[str, bytes] = {}
 
     def head(self, path: str) -> bytes:
-        """The request head of `path` up to the Content-Length value (encoded once per path)."""
+        """The request head of `path` up to its body's framing headers (encoded once per path)."""
         head = self.heads.get(path)
         if head is None:
             head = (f"POST {path} HTTP/1.1\r\nHost: {self.key.host}:{self.key.port}\r\n".encode("latin-1")
-                    + b"Content-Type: application/json\r\nAccept: */*\r\n" + self.headers + b"Content-Length: ")
+                    + b"Content-Type: application/json\r\nAccept: */*\r\n" + self.headers)
             self.heads[path] = head
         return head
 
@@ -298,8 +328,9 @@ class UpstreamClient:
         target = parts.path or "/"
         return pool, f"{target}?{parts.query}" if parts.query else target
 
-    async def post(self, url: str, body: bytes, *, connect_timeout_s: float) -> UpstreamResponse:
-        """POST `body` (JSON) and return once the status and headers arrived.
+    async def post(self, url: str, body: bytes, *, connect_timeout_s: float, credit: int = 0) -> UpstreamResponse:
+        """POST `body` (JSON) and return once the status and headers arrived. With `credit`, the
+        request is a credited decode stream (inference/server/credit.py): acknowledge with `ack`.
 
         A pooled connection the worker closed just as it was reused (the request never reached
         the worker) is retried once on a fresh connection. Raises aiohttp's ClientConnectorError
@@ -311,12 +342,12 @@ class UpstreamClient:
         conn, reused = pool.take()
         if conn is not None:
             try:
-                return await conn.request(head, body)
+                return await conn.request(head, body, credit)
             except aiohttp.ServerDisconnectedError:
                 if not reused:
                     raise
         conn = await self._connect(pool, connect_timeout_s)
-        return await conn.request(head, body)
+        return await conn.request(head, body, credit)
 
     async def _connect(self, pool: _HostPool, timeout_s: float) -> _Connection:
         loop = asyncio.get_running_loop()

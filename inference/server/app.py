@@ -13,6 +13,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from inference.server import credit
 from inference.server.errors import WorkerError, bad_request
 from inference.server.worker import Worker
 
@@ -56,6 +57,11 @@ async def _json_body(request: Request) -> dict[str, Any]:
     except ClientDisconnect as exc:
         raise _ClientGone from exc
     request.state.body_read = True
+    return _json_object(raw)
+
+
+def _json_object(raw: bytes | bytearray) -> dict[str, Any]:
+    """`raw` parsed as a JSON object (400 otherwise)."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep for the parser
@@ -65,10 +71,26 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return body
 
 
+async def _credited_body(request: Request) -> tuple[dict[str, Any], bytes]:
+    """A credited decode request's JSON (its body's first line) and the acknowledgement bytes that
+    came with it. The rest of the body is the credit stream: never drained before an answer."""
+    request.state.body_read = True
+    try:
+        line, more, request.state.body_ended = await credit.read_first_line(request.receive, MAX_BODY_BYTES)
+    except ClientDisconnect as exc:
+        raise _ClientGone from exc
+    except ValueError as exc:
+        raise WorkerError(413, f"request body over {MAX_BODY_BYTES} bytes", "request_too_large") from exc
+    return _json_object(line), more
+
+
 async def _drain(request: Request) -> bool:
     """Read and drop what is left of the body (bounded); False when it went past the bound."""
     if getattr(request.state, "body_read", False):
         return True
+    if credit.HEADER in request.headers:
+        # A credited body ends only after the response: draining first would wait forever.
+        return False
     dropped = 0
     try:
         async for chunk in request.stream():
@@ -136,14 +158,28 @@ def create_app(worker: Worker) -> Starlette:
     async def decode(request: Request) -> Response:
         if worker.role != "decode":
             raise WorkerError(404, "this is a prefill worker: /internal/decode lives on decode workers")
-        body = await _json_body(request)
+        credit_header = request.headers.get(credit.HEADER)
+        stream_credit = None
+        if credit_header is None:
+            body = await _json_body(request)
+        else:
+            try:
+                stream_credit = credit.StreamCredit(credit.parse_credit(credit_header))
+            except ValueError as exc:
+                raise bad_request(str(exc)) from exc
+            body, more = await _credited_body(request)
+            stream_credit.feed(more)
+            if request.state.body_ended:
+                stream_credit.close()
         server = request.scope.get("server") or ("127.0.0.1", 0)
-        events = await worker.open_decode(body, str(server[0]))
+        events = await worker.open_decode(body, str(server[0]), stream_credit)
 
         async def ndjson() -> AsyncIterator[bytes]:
             async for event in events:
                 yield (json.dumps(event, separators=(",", ":")) + "\n").encode()
 
+        if stream_credit is not None:
+            return credit.CreditedStreamResponse(ndjson(), stream_credit, media_type="application/x-ndjson")
         return StreamingResponse(ndjson(), media_type="application/x-ndjson")
 
     async def prefill(request: Request) -> Response:

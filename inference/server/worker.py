@@ -37,7 +37,8 @@ from inference.kv_transfer.rdma import RdmaKVReceiver, RdmaKVSender
 from inference.kv_transfer.receiver import kv_bind_host
 from inference.kv_transfer.tcp import TcpKVReceiver, TcpKVSender
 from inference.kv_transfer.verbs import VerbsDevice
-from inference.server.args import ServerArgs
+from inference.server.args import SUGGESTED_STREAM_WINDOW, ServerArgs
+from inference.server.credit import StreamCredit
 from inference.server.errors import StartupError, WorkerError, bad_request, overloaded
 from inference.server.load import LoadSignals
 from inference.server.metrics import WorkerMetrics
@@ -237,6 +238,8 @@ class Worker:
             kv_blocks=self.engine.kv_cache.num_blocks,
             kv_bytes=self.engine.kv_cache.nbytes,
         )
+        if self.role == "decode":
+            body["stream_credit"] = True  # takes credited decode streams (inference/server/credit.py)
         body.update(self.signals.snapshot())
         return body
 
@@ -370,9 +373,14 @@ class Worker:
         self.metrics.kv_transfer_seconds.observe(stats.seconds)
         waiter.loop.call_soon_threadsafe(waiter.event.set)
 
-    async def open_decode(self, body: dict[str, Any], server_host: str) -> AsyncIterator[dict[str, Any]]:
+    async def open_decode(
+        self, body: dict[str, Any], server_host: str, credit: StreamCredit | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
         """Validate and reserve; return the NDJSON event stream (descriptor first) of a decode request.
 
+        With `credit` (the router acknowledges what it relayed) the stream sends tokens only within
+        the credit, and the engine pauses the sequence once its outputs pile up (the worker's
+        `--stream-window`, or SUGGESTED_STREAM_WINDOW where that is off).
         Raises WorkerError (400/429) before anything is reserved, so the router sees a plain status.
         """
         received_at = time.perf_counter()
@@ -386,7 +394,8 @@ class Worker:
             self.metrics.outcome("rejected")
             raise overloaded(f"decode queue is full ({self.args.max_queue} waiting); retry later")
         try:
-            block_ids = await asyncio.to_thread(self.async_engine.reserve, request_id, ids, params)
+            window = (self.args.stream_window or SUGGESTED_STREAM_WINDOW) if credit is not None else None
+            block_ids = await asyncio.to_thread(self.async_engine.reserve, request_id, ids, params, window)
         except NoFreeBlocks as exc:
             self.metrics.outcome("rejected")
             raise overloaded(f"KV cache is full ({exc}); retry later") from exc
@@ -398,7 +407,7 @@ class Worker:
         assert self.receiver is not None
         descriptor = self.receiver.expect(request_id, block_ids, len(ids), self.args.kv_lease_timeout, host)
         self.metrics.prompt_tokens.inc(len(ids))
-        return self._decode_events(request_id, ids, descriptor, waiter, received_at, params.to_dict())
+        return self._decode_events(request_id, ids, descriptor, waiter, received_at, params.to_dict(), credit)
 
     async def _wait_for_kv(self, request_id: str, waiter: _KVWaiter) -> dict[str, Any] | None:
         """Wait for the prompt's KV for as long as the prefill worker keeps the lease alive.
@@ -436,6 +445,7 @@ class Worker:
         waiter: _KVWaiter,
         received_at: float,
         sampling: dict[str, Any],
+        credit: StreamCredit | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         finished = False
         outcome = "aborted"
@@ -459,6 +469,16 @@ class Worker:
             completion_tokens = 0
             stream = self.async_engine.stream(request_id)
             while True:
+                if credit is not None and not credit.allows(completion_tokens):
+                    # Outputs wait in the engine's channel meanwhile; past its window the sequence
+                    # pauses. Bounded: a router that stopped acknowledging has closed or aborted.
+                    try:
+                        async with asyncio.timeout(OUTPUT_TIMEOUT_S):
+                            await credit.wait(completion_tokens)
+                    except TimeoutError:
+                        outcome = "error"
+                        yield {"type": "error", "message": f"no credit from the router for {OUTPUT_TIMEOUT_S:.0f}s"}
+                        return
                 try:
                     # asyncio.timeout arms a timer; wait_for would also wrap each token's wait in a
                     # task of its own (once per generated token, on the loop that also handles aborts).
