@@ -39,6 +39,24 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// Each of `rows` rows of `len` scores becomes its softmax, in place.
+inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
+  for (int64_t h = 0; h < rows; ++h) {
+    float* s = scores + h * len;
+    float mx = s[0];
+    for (int64_t t = 1; t < len; ++t) mx = s[t] > mx ? s[t] : mx;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = std::exp(s[t] - mx);
+      sum += s[t];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+  }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // Rows this many tokens ahead are prefetched: a sequence's blocks are scattered over the pool, so the
 // hardware prefetchers only see short runs of 16 tokens (measured on SmolLM2's shapes: the loads were
@@ -81,20 +99,7 @@ void decode_seq_bf16(const c10::BFloat16* q, int64_t q1, const c10::BFloat16* ca
       }
     }
   }
-  for (int64_t h = 0; h < heads; ++h) {
-    float* s = scores + h * len;
-    float mx = s[0];
-    for (int64_t t = 1; t < len; ++t) mx = s[t] > mx ? s[t] : mx;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
-      s[t] = std::exp(s[t] - mx);
-      sum += s[t];
-    }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-  }
+  softmax_rows(scores, heads, len);
   for (int64_t g = 0; g < kv_heads; ++g) {
     __m512 acc[G_MAX][F];
     for (int64_t j = 0; j < group; ++j)
@@ -120,6 +125,54 @@ void decode_seq_bf16(const c10::BFloat16* q, int64_t q1, const c10::BFloat16* ca
   }
 }
 #define PAGED_DECODE_BF16_SIMD 1
+
+// fp32 with AVX-512: the same per-sequence structure, fp32 FMAs for q·k (no rounding of q: fp32 is the
+// mode that matches transformers).
+template <int HD>
+void decode_seq_f32(const float* q, int64_t q1, const float* cache, const int64_t* srow, int64_t len,
+                    int64_t layer_offset, int64_t v_offset, int64_t kv_heads, int64_t heads, float scale,
+                    float* scores, float* out) {
+  constexpr int F = HD / 16;
+  constexpr int G_MAX = 8;
+  const int64_t group = heads / kv_heads, row_elems = kv_heads * HD, row_bytes = row_elems * 4;
+  alignas(64) float qs[64 * HD];
+  for (int64_t h = 0; h < heads; ++h)
+    for (int d = 0; d < HD; ++d) qs[h * HD + d] = q[h * q1 + d] * scale;
+  auto k_row = [&](int64_t t) { return cache + (srow[t] + layer_offset) * row_elems; };
+  auto v_row = [&](int64_t t) { return cache + (srow[t] + layer_offset + v_offset) * row_elems; };
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + PREFETCH_AHEAD < len) prefetch_row(k_row(t + PREFETCH_AHEAD), row_bytes);
+    const float* k = k_row(t);
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      __m512 kv[F];
+      for (int f = 0; f < F; ++f) kv[f] = _mm512_loadu_ps(k + g * HD + 16 * f);
+      for (int64_t j = 0; j < group; ++j) {
+        const float* qh = qs + (g * group + j) * HD;
+        __m512 acc = _mm512_mul_ps(kv[0], _mm512_load_ps(qh));
+        for (int f = 1; f < F; ++f) acc = _mm512_fmadd_ps(kv[f], _mm512_load_ps(qh + 16 * f), acc);
+        scores[(g * group + j) * len + t] = _mm512_reduce_add_ps(acc);
+      }
+    }
+  }
+  softmax_rows(scores, heads, len);
+  for (int64_t g = 0; g < kv_heads; ++g) {
+    __m512 acc[G_MAX][F];
+    for (int64_t j = 0; j < group; ++j)
+      for (int f = 0; f < F; ++f) acc[j][f] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      if (g == 0 && t + PREFETCH_AHEAD < len) prefetch_row(v_row(t + PREFETCH_AHEAD), row_bytes);
+      const float* v = v_row(t) + g * HD;
+      __m512 vf[F];
+      for (int f = 0; f < F; ++f) vf[f] = _mm512_loadu_ps(v + 16 * f);
+      for (int64_t j = 0; j < group; ++j) {
+        const __m512 p = _mm512_set1_ps(scores[(g * group + j) * len + t]);
+        for (int f = 0; f < F; ++f) acc[j][f] = _mm512_fmadd_ps(p, vf[f], acc[j][f]);
+      }
+    }
+    for (int64_t j = 0; j < group; ++j)
+      for (int f = 0; f < F; ++f) _mm512_storeu_ps(out + (g * group + j) * HD + 16 * f, acc[j][f]);
+  }
+}
 #endif
 
 // Any dtype, any head_dim: plain loops the compiler vectorizes.
@@ -180,7 +233,7 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& k_new, const torch
   for (int64_t i = 0; i < n; ++i) max_len = std::max(max_len, lens[i]);
 
 #ifdef PAGED_DECODE_BF16_SIMD
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  {
     if (group <= 8 && heads <= 64 && (hd == 64 || hd == 128)) {
       at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores(heads * max_len);
@@ -192,9 +245,15 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& k_new, const torch
             std::memcpy(k_dst + g * hd, kp + i * k0 + g * k1, hd * sizeof(T));
             std::memcpy(k_dst + v_offset * row_elems + g * hd, vp + i * v0 + g * v1, hd * sizeof(T));
           }
-          auto fn = hd == 64 ? decode_seq_bf16<64> : decode_seq_bf16<128>;
-          fn(qp + i * q0, q1, cache, srow, len, layer_offset, v_offset, kv_heads, heads, fscale, scores.data(),
-             op + i * heads * hd);
+          if constexpr (std::is_same_v<T, c10::BFloat16>) {
+            auto fn = hd == 64 ? decode_seq_bf16<64> : decode_seq_bf16<128>;
+            fn(qp + i * q0, q1, cache, srow, len, layer_offset, v_offset, kv_heads, heads, fscale, scores.data(),
+               op + i * heads * hd);
+          } else {
+            auto fn = hd == 64 ? decode_seq_f32<64> : decode_seq_f32<128>;
+            fn(qp + i * q0, q1, cache, srow, len, layer_offset, v_offset, kv_heads, heads, fscale, scores.data(),
+               op + i * heads * hd);
+          }
         }
       });
       return;
