@@ -8,15 +8,18 @@ Real processes on loopback (tiny model): one prefill worker, two decode workers,
   worker); the greedy ones are compared token for token with an unbroken run of the same prompt.
 - *hang-up*: ``--hangups`` streams closed by the client right after their first token. Counted on
   the decode worker afterwards: how many still ran to completion (``worker_requests_total
-  {outcome="ok"}``) and how many tokens it generated meanwhile.
+  {outcome="ok"}``) and how many tokens it sent meanwhile; of the completed ones, how many had
+  already delivered the end of their answer to the client when it hung up (its process read the
+  first token late), the rest ran on after the hang-up.
 
 - *throughput* (``--only throughput``, not part of the default run): ``--streams`` full streams by
-  well-behaved clients, tokens per second; compare ``--stream-window 0`` (flow control off) with the
-  default to see what flow control costs when nobody falls behind.
+  well-behaved clients, tokens per second; compare ``--router-env ROUTER_STREAM_CREDIT=0`` (the
+  router's credit off) with the default to see what flow control costs when nobody falls behind.
 
-    .venv/bin/python -m bench.stream_drill                 # about a minute
+    .venv/bin/python -m bench.stream_drill                 # about two minutes
     .venv/bin/python -m bench.stream_drill --quick
-    .venv/bin/python -m bench.stream_drill --only hangup --stream-window 0
+    .venv/bin/python -m bench.stream_drill --only hangup --router-env ROUTER_STREAM_CREDIT=0
+    .venv/bin/python -m bench.stream_drill --only hangup --worker-nice 10   # workers below client/router
 """
 from __future__ import annotations
 
@@ -191,6 +194,16 @@ async def _throughput_drill(router: str, streams: int, concurrency: int, max_tok
     }
 
 
+def _lower_priority(pid: int, nice: int) -> None:
+    """Give process `pid` (a session leader) less CPU than its neighbours: with the kernel's autogroups
+    on, CPU time is shared between sessions, so the session's nice is what counts."""
+    autogroup = Path(f"/proc/{pid}/autogroup")
+    if autogroup.exists():
+        autogroup.write_text(str(nice))
+    for task in Path(f"/proc/{pid}/task").iterdir():  # without autogroups: every thread's own nice
+        os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Start the processes, run both drills, print and write the result."""
     p = base_parser(__doc__.splitlines()[0] if __doc__ else "stream drill")
@@ -207,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra environment of the decode workers (experiments; repeatable)")
     p.add_argument("--router-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment of the router (experiments; repeatable)")
+    p.add_argument("--worker-nice", type=int, default=0,
+                   help="lower the workers' CPU priority by this much (their session's autogroup nice, Linux), "
+                   "as if the client and the router ran on hosts of their own (default 0: all equal)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(p, argv)
     if args.quick:
@@ -225,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         decode_env = dict(item.split("=", 1) for item in args.decode_env)
         decodes = [start_worker("decode", model, log_dir, extra=common + window, env=decode_env) for _ in range(2)]
         procs += [proc for proc, _ in decodes]
+        if args.worker_nice:
+            for proc in procs:  # each worker leads its own session, hence its own autogroup
+                _lower_priority(proc.popen.pid, args.worker_nice)
         router_env = dict(item.split("=", 1) for item in args.router_env)
         router, router_url = start_router([prefill_url], [url for _, url in decodes], log_dir, env=router_env or None)
         procs.append(router)
@@ -267,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
               throughput["seconds"], throughput["tokens_per_s"]]],
         ))
     result = {"kill": kill, "hangup": hangup, "throughput": throughput, "stream_window": args.stream_window,
-              "client_rcvbuf": args.client_rcvbuf,
+              "client_rcvbuf": args.client_rcvbuf, "worker_nice": args.worker_nice,
               "decode_env": args.decode_env, "router_env": args.router_env}
     path = write_result(args.out_dir, name, "bench.stream_drill", argv, result)
     log(f"result: {path}")
