@@ -122,3 +122,18 @@ def test_relay_floor_quick(tmp_path: Path) -> None:
     assert result["command"].startswith(".venv/bin/python -m bench.relay_floor")
     (entry,) = result["results"]
     assert entry["gap_ms"] == 1.0 and _positive(entry["median_us_per_token"])
+
+
+def test_stream_drill_quick(tmp_path: Path) -> None:
+    """Its own processes: the kill drill loses nothing; the hang-up drill reports every field."""
+    from bench import stream_drill
+
+    assert stream_drill.main(["--quick", "--out-dir", str(tmp_path), "--log-dir", str(tmp_path / "logs")]) == 0
+    result = json.loads((tmp_path / "stream_drill_quick.json").read_text())
+    kill, hangup = result["kill"], result["hangup"]
+    assert kill["lost"] == 0 and kill["completed"] == kill["streams"] == 12
+    assert kill["equal_to_unbroken"] == 12
+    assert hangup["hangups"] == 20
+    assert 0 <= hangup["delivered_before_hang_up"] <= hangup["ran_to_completion"] <= 20
+    assert hangup["ran_on_after_hang_up"] == hangup["ran_to_completion"] - hangup["delivered_before_hang_up"]
+    assert 0 < hangup["tokens_generated"] <= 20 * 200
