@@ -8,7 +8,7 @@ DECODE_PORT ?= 30001
 MODEL ?= smollm2
 MODEL_DIR ?= model_cache/SmolLM2-135M-Instruct
 
-.PHONY: venv up down test lint bench demo-model
+.PHONY: venv up down test lint bench demo-model kernels
 
 $(BIN)/activate: requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,10 +23,15 @@ $(BIN)/activate: requirements.txt requirements-dev.txt pyproject.toml
 
 venv: $(BIN)/activate
 
+# The engine's C++ CPU kernels (inference/engine/cpu_kernels.py), built once here rather than inside the
+# first worker to start (about a minute); without a compiler and ninja the engine uses torch ops.
+kernels: venv
+	$(BIN)/python -c "from inference.engine.cpu_kernels import load_kernels; load_kernels()"
+
 demo-model: venv
 	$(BIN)/python manage.py prepare_model --model-name $(MODEL)
 
-up: venv
+up: kernels
 	$(BIN)/python manage.py migrate --noinput
 	$(BIN)/python manage.py prepare_model --model-name $(MODEL)
 	PORT=$(PORT) MODEL_DIR=$(MODEL_DIR) \
@@ -36,7 +41,7 @@ down:
 	bash platform/local_down.sh
 
 # Tests use the PostgreSQL and Redis on 127.0.0.1 when they answer (as in CI), else embedded defaults.
-test: venv
+test: kernels
 	DATABASE_URL=$${DATABASE_URL:-$$(pg_isready -h 127.0.0.1 -q 2>/dev/null && echo postgres://postgres@127.0.0.1:5432/platform)} \
 	REDIS_URL=$${REDIS_URL:-$$(redis-cli -h 127.0.0.1 ping 2>/dev/null | grep -q PONG && echo redis://127.0.0.1:6379/9)} \
 	$(BIN)/python -m pytest -q
