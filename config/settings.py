@@ -190,7 +190,7 @@ ROUTER_MAX_MIGRATIONS = env_int("ROUTER_MAX_MIGRATIONS", 2, minimum=0)
 # Tokens a decode worker may generate past what this router has handed to the client (acknowledged
 # every half of it): a client that hangs up costs at most about this many tokens, however late
 # its abort lands. 0: off (the worker generates on until the abort).
-ROUTER_STREAM_CREDIT = env_int("ROUTER_STREAM_CREDIT", 32, minimum=0)
+ROUTER_STREAM_CREDIT = env_int("ROUTER_STREAM_CREDIT", 16, minimum=0)
 if ROUTER_STREAM_CREDIT == 1:
     raise ImproperlyConfigured("ROUTER_STREAM_CREDIT=1 would stall every stream after each token: use 0 (off) or >= 2")
 # Other names the OpenAI endpoints accept for the served model ("alias=served,..."); any other
