@@ -521,11 +521,12 @@ def main(argv: list[str] | None = None) -> int:
                    "with the engine at git revision REV (--rounds rounds)")
     p.add_argument("--rounds", type=int, default=5, help="rounds of --step-ab (default 5)")
     p.add_argument("--step-iters", type=int, default=40, help="decode steps timed per batch in --step-ab")
+    p.add_argument("--step-dtype", default="float32", help="engine dtype of both sides in --step-ab (e.g. auto)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(p, argv)
     if args.step_ab:
         model = args.model_dir or tiny_model_dir()
-        result = step_ab(args.step_ab, model, args.rounds, [1, 8, 32], args.step_iters, "float32")
+        result = step_ab(args.step_ab, model, args.rounds, [1, 8, 32], args.step_iters, args.step_dtype)
         print_header("decode step / bare forward, A/B")
         print(_step_ab_table(result))
         path = write_result(args.out_dir, "engine_step_ab", MODULE, argv, result)

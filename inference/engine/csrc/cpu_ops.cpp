@@ -212,10 +212,14 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention over the KV cache (CPU)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of [rows, dim] (CPU)");
-  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rms_norm(residual), in place (CPU)");
-  m.def("rope_inplace", &rope_inplace, "rotary embedding of the first heads of each row, in place (CPU)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [rows, 2 * inter] (CPU)");
-  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (CPU)");
+  // The GIL is released while a kernel runs (as torch's own ops do), so a server's other threads (HTTP
+  // streaming, the KV receiver) keep running during a decode step's attention and norms.
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_decode", &paged_decode, "paged decode attention over the KV cache (CPU)", release());
+  m.def("rms_norm", &rms_norm, "RMSNorm of [rows, dim] (CPU)", release());
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rms_norm(residual), in place (CPU)",
+        release());
+  m.def("rope_inplace", &rope_inplace, "rotary embedding of the first heads of each row, in place (CPU)", release());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [rows, 2 * inter] (CPU)", release());
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (CPU)", release());
 }
