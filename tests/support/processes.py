@@ -72,6 +72,16 @@ class Proc:
         self._log.close()
 
 
+def build_kernels_once() -> None:
+    """Build the engine's C++ CPU kernels here before a worker starts: a worker that builds them
+    itself (about a minute on a busy machine, while others wait on the build's lock) would not be
+    healthy within the wait below. `make test` and `make up` build them first; benchmarks and a
+    checkout whose kernels changed land here."""
+    from inference.engine.cpu_kernels import load_kernels
+
+    load_kernels()  # cached per process; None (torch ops) where they cannot be built
+
+
 def start_worker(
     role: str,
     model_dir: Path,
@@ -90,6 +100,7 @@ def start_worker(
         "--host", "127.0.0.1", "--num-threads", "1", *(extra or []),
     ]
     worker_env = {"CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    build_kernels_once()
     proc = Proc(name or f"{role}-{port}", args, log_dir, worker_env)
     url = f"http://127.0.0.1:{port}"
     try:
