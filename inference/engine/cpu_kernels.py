@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,9 @@ ENV_SWITCH = "INFERENCE_CPU_KERNELS"
 # -ffast-math lets the compiler vectorize exp (glibc's vector math, only under finite math) and the fp32
 # reductions; the kernels keep every intermediate finite (softmax exponents are <= 0, SiLU's clamped).
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
+
+# A build lock older than this belongs to a dead process (a build takes ~30-60 s on a busy 2-core host).
+STALE_LOCK_S = 600.0
 
 _lock = threading.Lock()
 _module: Any = None
@@ -58,6 +62,20 @@ def _build_name() -> str:
     return "inference_cpu_kernels_" + digest.hexdigest()[:12]
 
 
+def _clear_stale_lock(name: str) -> None:
+    """Remove a build lock left by a process killed while building or loading (torch waits for it to
+    go away forever: every later engine start would hang). A real build takes about a minute."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            logger.warning("removing a stale CPU kernel build lock (%s)", lock)
+            lock.unlink(missing_ok=True)
+    except (ImportError, OSError):  # a private torch helper: without it, torch's own waiting applies
+        pass
+
+
 def load_kernels() -> Any:
     """The compiled extension module, or None when it cannot be built here (logged once)."""
     global _module, _tried
@@ -74,6 +92,7 @@ def load_kernels() -> Any:
         try:
             from torch.utils.cpp_extension import load
 
+            _clear_stale_lock(_build_name())
             _module = load(name=_build_name(), sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
                            verbose=False)
         except Exception as exc:  # a broken toolchain must not stop the engine: the torch path works

@@ -1,12 +1,17 @@
-"""oneDNN-prepacked bf16 linears for the CPU (AMX / AVX-512 BF16 kernels without per-call reorders).
+"""oneDNN-prepacked linears for the CPU, bf16 and fp32 (AMX / AVX-512 kernels without per-call reorders).
 
 `F.linear` on bf16 CPU tensors hands the weight to oneDNN in PyTorch's plain layout, so every call
 pays a reorder into the blocked layout the AMX kernel wants plus a primitive lookup. Reordering each
 weight once (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU freezing pass does) and
 calling `torch.ops.mkldnn._linear_pointwise` removes that: measured on the AMX machine of issue 12
 (one thread) 1.2-2.3x faster per projection at decode shapes (8-64 rows) and 1.5x at 300 rows,
-bit-identical outputs. fp32 is left alone: its prepacked path rounds differently (~1e-4) and fp32 is
-the exact mode that must match transformers.
+bit-identical outputs.
+
+fp32 is prepacked too since the fourth session: on its AMD EPYC (AVX-512, no AMX) `F.linear` in fp32
+(MKL) was 2.4-2.7x slower per projection than oneDNN's packed kernel at 8-64 rows (SmolLM2's MLP
+shapes), and the engine's fp32 tokens/s about doubled (alternating A/B). oneDNN sums in another order:
+outputs differ from `F.linear` by ~1e-6 relative, SmolLM2's fp32 logits from transformers' by 1.0e-4
+at most (5.3e-5 before; test_logits_parity.py allows 5e-4), greedy tokens unchanged in the tests.
 """
 from __future__ import annotations
 
@@ -19,10 +24,10 @@ logger = logging.getLogger(__name__)
 
 
 def prepacked_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether prepacked oneDNN linears apply: bf16 weights on a CPU with oneDNN built in."""
+    """Whether prepacked oneDNN linears apply: bf16 or fp32 weights on a CPU with oneDNN built in."""
     return (
         device.type == "cpu"
-        and dtype == torch.bfloat16
+        and dtype in (torch.bfloat16, torch.float32)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")

@@ -69,7 +69,7 @@ class ModelRunner:
             check_compile_available(device)  # before the weights load: fail fast
         self.model: LlamaForCausalLM = load_model(model_path, config, device, self.dtype)
         if not use_compile and prepacked_linear_available(self.dtype, device):
-            prepack_linears(self.model)  # bf16 on a CPU: weights reordered once for oneDNN/AMX
+            prepack_linears(self.model)  # on a CPU: weights reordered once for oneDNN
         block_bytes = KVCache.bytes_per_block(
             config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim, self.dtype
         )

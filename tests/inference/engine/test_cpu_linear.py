@@ -36,8 +36,16 @@ def test_prepack_keeps_parameters_and_ties() -> None:
     assert "1.weight" in model.state_dict() and "1.packed_weight" not in model.state_dict()
 
 
-def test_fp32_is_not_prepacked() -> None:
-    assert not prepacked_linear_available(torch.float32, torch.device("cpu"))
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_fp32_prepacked_linear_close_to_linear(rows: int) -> None:
+    """fp32 is prepacked too; oneDNN sums in another order than MKL, so equal to float rounding only."""
+    assert prepacked_linear_available(torch.float32, torch.device("cpu"))
+    torch.manual_seed(0)
+    lin = nn.Linear(576, 1536)
+    packed = PrepackedLinear(lin, batch_hint=32)
+    x = torch.randn(rows, 576)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), lin(x), atol=2e-5, rtol=1e-5)
 
 
 def test_bf16_engine_prepacks_and_generates_the_same_tokens(llama_variant: TinyModel,
