@@ -64,8 +64,9 @@ def test_a_stalled_consumer_pauses_its_sequence_while_others_decode(llama: TinyM
     finally:
         aengine.shutdown()
     assert fast == llama.greedy[1]
-    # One output taken, then WINDOW handed over and not taken: paused there (one step may be in flight).
-    assert 1 + WINDOW <= held <= 2 + WINDOW
+    # WINDOW outputs handed over and not taken: paused there. The first output counts among them when
+    # the consumer took it only after the next ones came (a loaded machine), and one step may be in flight.
+    assert WINDOW <= held <= 2 + WINDOW
     assert idle_steps <= 2
     assert slow_tokens == llama.greedy[0]
     assert not aengine._paused
