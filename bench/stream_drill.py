@@ -194,16 +194,6 @@ async def _throughput_drill(router: str, streams: int, concurrency: int, max_tok
     }
 
 
-def _lower_priority(pid: int, nice: int) -> None:
-    """Give process `pid` (a session leader) less CPU than its neighbours: with the kernel's autogroups
-    on, CPU time is shared between sessions, so the session's nice is what counts."""
-    autogroup = Path(f"/proc/{pid}/autogroup")
-    if autogroup.exists():
-        autogroup.write_text(str(nice))
-    for task in Path(f"/proc/{pid}/task").iterdir():  # without autogroups: every thread's own nice
-        os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Start the processes, run both drills, print and write the result."""
     p = base_parser(__doc__.splitlines()[0] if __doc__ else "stream drill")
@@ -221,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--router-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment of the router (experiments; repeatable)")
     p.add_argument("--worker-nice", type=int, default=0,
-                   help="lower the workers' CPU priority by this much (their session's autogroup nice, Linux), "
-                   "as if the client and the router ran on hosts of their own (default 0: all equal)")
+                   help="the workers' --nice: their CPU priority below the client's and the router's, as if "
+                   "those ran on hosts of their own (default 0: all equal)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(p, argv)
     if args.quick:
@@ -232,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model_dir or tiny_model_dir()
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    common = ["--block-size", "8", "--context-length", "1024", "--num-threads", "1"]
+    common = ["--block-size", "8", "--context-length", "1024", "--num-threads", "1", "--nice", str(args.worker_nice)]
     window = [] if args.stream_window is None else ["--stream-window", str(args.stream_window)]
     procs: list[Proc] = []
     try:
@@ -241,9 +231,6 @@ def main(argv: list[str] | None = None) -> int:
         decode_env = dict(item.split("=", 1) for item in args.decode_env)
         decodes = [start_worker("decode", model, log_dir, extra=common + window, env=decode_env) for _ in range(2)]
         procs += [proc for proc, _ in decodes]
-        if args.worker_nice:
-            for proc in procs:  # each worker leads its own session, hence its own autogroup
-                _lower_priority(proc.popen.pid, args.worker_nice)
         router_env = dict(item.split("=", 1) for item in args.router_env)
         router, router_url = start_router([prefill_url], [url for _, url in decodes], log_dir, env=router_env or None)
         procs.append(router)

@@ -25,8 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("inference.launch_server")
     # Imported after parsing so that --help and flag errors answer without loading torch.
     from inference.server.app import create_app
+    from inference.server.resources import lower_priority
     from inference.server.worker import Worker
 
+    lower_priority(args.nice)  # before any thread starts: they inherit it
     try:
         worker = Worker(args)
         worker.start()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import psutil
 import torch
@@ -63,3 +64,26 @@ class Utilization:
         except Exception:  # noqa: BLE001  NVML missing: report memory pressure instead of failing health
             free, total = torch.cuda.mem_get_info(self._device)
             return round(1.0 - free / total, 3)
+
+
+def lower_priority(nice: int) -> None:
+    """Lower this process's CPU priority to `nice`: every thread it has (Linux nice is per thread;
+    imports may have started some) and the threads it starts later, which inherit it.
+
+    With the kernel's autogroups on, CPU time is shared between sessions first, so a thread's nice
+    only ranks it within its own session; a worker that leads its session (agent-launched workers
+    do) also sets the session's autogroup nice, else it would still compete as an equal with the
+    router's session. Raising priority back needs privileges; lowering never does.
+    """
+    if nice <= 0:
+        return
+    tasks = Path("/proc/self/task")
+    tids = [int(t.name) for t in tasks.iterdir()] if tasks.exists() else [0]
+    for tid in tids:
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+    autogroup = Path("/proc/self/autogroup")
+    if os.getsid(0) == os.getpid() and autogroup.exists():
+        try:
+            autogroup.write_text(str(nice))
+        except OSError as exc:  # e.g. a read-only /proc in a container: the thread nice still applies
+            logger.warning("could not set the autogroup nice (%s); thread nice %d only", exc, nice)
