@@ -186,19 +186,7 @@ void decode_task(const T* q, int64_t q1, const T* cache, const int64_t* srow, in
     load_row(cache + (srow[t] + layer_offset) * row_elems + head_off, row, hd);
     for (int64_t h = 0; h < group; ++h) scores[h * len + t] = dot(qf + h * hd, row, hd);
   }
-  for (int64_t h = 0; h < group; ++h) {
-    float* s = scores + h * len;
-    float mx = s[0];
-    for (int64_t t = 1; t < len; ++t) mx = s[t] > mx ? s[t] : mx;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
-      s[t] = std::exp(s[t] - mx);
-      sum += s[t];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-  }
+  softmax_rows(scores, group, len);
   std::fill(acc, acc + group * hd, 0.f);
   for (int64_t t = 0; t < len; ++t) {
     load_row(cache + (srow[t] + layer_offset + v_offset) * row_elems + head_off, row, hd);
