@@ -73,7 +73,7 @@ class BatchMetadata:
     - `write_rows`: layer-0 K row in `KVCache.rows` for each new token (its slot in its block).
     - `last_index`: flat index of each sequence's last token (the only rows that get logits).
     - exactly one of `prefill_groups` (a prefill step), `decode_buckets` (a decode step) and
-      `decode_slots` (a decode step for the CPU kernel, see cpu_attention.py) is set.
+      `decode_slots` (a decode step for the CPU kernel, see cpu_kernels.py) is set.
     - `decode_slots` `[batch, width]`: the `slot_rows` of each sequence; `decode_lens` `[batch]`: its
       keys, the new token included. The kernel writes the new K/V itself (`write_rows` is then unused).
     """

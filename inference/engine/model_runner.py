@@ -174,26 +174,21 @@ class ModelRunner:
     def run(self, batch: list[Sequence], is_prefill: bool) -> list[int]:
         """Forward `batch` (a prefill of whole prompts, or one decode token each) and sample one token
         per sequence; returns them in `batch` order."""
-        if not is_prefill and self.decode_kernel:
-            # The kernel attends per sequence: no length order needed, so no reordering either.
-            input_ids, meta = self.prepare(batch, is_prefill)
-            logits = self.model(input_ids, meta, self.kv_cache)
-            if all(s.params.greedy for s in batch):
-                return self.model.cpu_ops.argmax_rows(logits).tolist()  # type: ignore[no-any-return]
-            return sample(logits, [s.params for s in batch],
-                          [s.params.seed_offset + len(s.output_token_ids) for s in batch])
-        order = self.order(batch)
-        seqs = [batch[i] for i in order]
+        # The decode kernel attends per sequence: no length order needed, so no reordering either.
+        order = self.order(batch) if is_prefill or not self.decode_kernel else None
+        seqs = batch if order is None else [batch[i] for i in order]
         # The common all-greedy batch needs neither the per-row parameters nor the sampler's tensors.
         greedy = all(s.params.greedy for s in seqs)
         input_ids, meta = self.prepare(seqs, is_prefill)
         logits = self.model(input_ids, meta, self.kv_cache)
         if greedy:
             ops = self.model.cpu_ops
-            sampled = (row_argmax(logits) if ops is None else ops.argmax_rows(logits)).tolist()
+            sampled: list[int] = (row_argmax(logits) if ops is None else ops.argmax_rows(logits)).tolist()
         else:
             sampled = sample(logits, [s.params for s in seqs],
                              [s.params.seed_offset + len(s.output_token_ids) for s in seqs])
+        if order is None:
+            return sampled
         tokens = [0] * len(batch)
         for pos, i in enumerate(order):
             tokens[i] = sampled[pos]
