@@ -71,17 +71,26 @@ def _json_object(raw: bytes | bytearray) -> dict[str, Any]:
     return body
 
 
-async def _credited_body(request: Request) -> tuple[dict[str, Any], bytes]:
-    """A credited decode request's JSON (its body's first line) and the acknowledgement bytes that
-    came with it. The rest of the body is the credit stream: never drained before an answer."""
+async def _credited_body(request: Request, header: str) -> tuple[dict[str, Any], credit.StreamCredit]:
+    """A credited decode request (inference/server/credit.py): its JSON (the body's first line) and
+    its credit, fed with the acknowledgements that came with it. The rest of the body is the credit
+    stream: never drained before an answer."""
+    try:
+        stream_credit = credit.StreamCredit(credit.parse_credit(header))
+    except ValueError as exc:
+        raise bad_request(str(exc)) from exc
     request.state.body_read = True
     try:
-        line, more, request.state.body_ended = await credit.read_first_line(request.receive, MAX_BODY_BYTES)
+        line, more, ended = await credit.read_first_line(request.receive, MAX_BODY_BYTES)
     except ClientDisconnect as exc:
         raise _ClientGone from exc
     except ValueError as exc:
         raise WorkerError(413, f"request body over {MAX_BODY_BYTES} bytes", "request_too_large") from exc
-    return _json_object(line), more
+    body = _json_object(line)
+    stream_credit.feed(more)
+    if ended:  # no acknowledgement can come: the stream must not wait for one
+        stream_credit.close()
+    return body, stream_credit
 
 
 async def _drain(request: Request) -> bool:
@@ -163,14 +172,7 @@ def create_app(worker: Worker) -> Starlette:
         if credit_header is None:
             body = await _json_body(request)
         else:
-            try:
-                stream_credit = credit.StreamCredit(credit.parse_credit(credit_header))
-            except ValueError as exc:
-                raise bad_request(str(exc)) from exc
-            body, more = await _credited_body(request)
-            stream_credit.feed(more)
-            if request.state.body_ended:
-                stream_credit.close()
+            body, stream_credit = await _credited_body(request, credit_header)
         server = request.scope.get("server") or ("127.0.0.1", 0)
         events = await worker.open_decode(body, str(server[0]), stream_credit)
 
