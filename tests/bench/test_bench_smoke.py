@@ -121,7 +121,8 @@ def test_relay_floor_quick(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "relay_floor_quick.json").read_text())
     assert result["command"].startswith(".venv/bin/python -m bench.relay_floor")
     (entry,) = result["results"]
-    assert entry["gap_ms"] == 1.0 and _positive(entry["median_us_per_token"])
+    # Not a timing check: CPU time comes in 10 ms ticks, so a --quick difference may read 0 or a hair below.
+    assert entry["gap_ms"] == 1.0 and math.isfinite(entry["median_us_per_token"])
 
 
 def test_stream_drill_quick(tmp_path: Path) -> None:
