@@ -142,12 +142,17 @@ class StandIn:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
-    def wait_for(self, what: str, count: int = 1, timeout: float = 5.0) -> list[Any]:
-        """Poll until the log `what` ("aborts", "requests", "closed_early") holds `count` entries."""
+    def wait_for(self, what: str, count: int = 1, timeout: float = 5.0, request_id: str | None = None) -> list[Any]:
+        """Poll until the log `what` ("aborts", "requests", "closed_early") holds `count` entries.
+
+        With `request_id`, only the ids of that request (and its retries, `<id>-rN`) count: an abort an
+        earlier test posted may still land after this test's reset on a loaded machine."""
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
                 items = list(getattr(self, what))
+            if request_id is not None:
+                items = [i for i in items if i == request_id or str(i).startswith(f"{request_id}-")]
             if len(items) >= count or time.monotonic() > deadline:
                 return items
             time.sleep(0.01)

@@ -225,7 +225,7 @@ def test_all_prefill_dead_is_502_and_decode_is_aborted(stand_ins: Cluster) -> No
     assert info.value.status == 502
     assert [b["url"] for b in info.value.backends] == dead
     assert all(url in info.value.message for url in dead)
-    assert decode.wait_for("aborts") == [req.request_id]
+    assert decode.wait_for("aborts", request_id=req.request_id) == [req.request_id]
     assert decode.wait_for("closed_early") == [req.request_id]
     assert_idle(client)
 
@@ -264,8 +264,9 @@ def test_closing_the_generator_aborts_both_workers(stand_ins: Cluster) -> None:
         await events.aclose()  # the client went away
 
     run(scenario())
-    assert decode.aborts == [req.request_id]  # posted before aclose() returned
-    assert prefill.aborts == [req.request_id]
+    # Posted before aclose() returned: no waiting.
+    assert decode.wait_for("aborts", timeout=0, request_id=req.request_id) == [req.request_id]
+    assert prefill.wait_for("aborts", timeout=0, request_id=req.request_id) == [req.request_id]
     assert decode.wait_for("closed_early") == [req.request_id]
     assert_idle(client)
 
@@ -291,8 +292,8 @@ def test_cancelling_the_consumer_aborts_both_workers(stand_ins: Cluster) -> None
             await task
 
     run(scenario())
-    assert decode.wait_for("aborts") == [req.request_id]
-    assert prefill.wait_for("aborts") == [req.request_id]
+    assert decode.wait_for("aborts", request_id=req.request_id) == [req.request_id]
+    assert prefill.wait_for("aborts", request_id=req.request_id) == [req.request_id]
     assert_idle(client)
 
 
@@ -310,8 +311,8 @@ def test_cancel_during_prefill_aborts_both_workers(stand_ins: Cluster) -> None:
             await task
 
     run(scenario())
-    assert decode.wait_for("aborts") == [req.request_id]
-    assert prefill.wait_for("aborts") == [req.request_id]
+    assert decode.wait_for("aborts", request_id=req.request_id) == [req.request_id]
+    assert prefill.wait_for("aborts", request_id=req.request_id) == [req.request_id]
     assert_idle(client)
 
 
@@ -327,7 +328,7 @@ def test_lease_lost_to_a_stalled_prefill_retries_with_a_fresh_reservation(stand_
     done = events[-1]
     assert isinstance(done, DoneEvent) and done.prefill == healthy.url and done.retries == 1
     assert [r["request_id"] for r in decode.requests] == [req.request_id, f"{req.request_id}-r1"]
-    assert stalled.wait_for("aborts") == [req.request_id]
+    assert stalled.wait_for("aborts", request_id=req.request_id) == [req.request_id]
     assert client.pool.endpoints("prefill")[0].consecutive_failures == 1
     assert_idle(client)
 
@@ -345,8 +346,8 @@ def test_lease_lost_with_the_only_prefill_stalled_is_504_naming_it_at_once(stand
             await drain(client, req)
         finally:
             # The aborts go out in the background: let them finish inside the loop.
-            assert await asyncio.to_thread(stalled.wait_for, "aborts") == [req.request_id]
-            assert await asyncio.to_thread(decode.wait_for, "aborts") == [req.request_id]
+            assert await asyncio.to_thread(stalled.wait_for, "aborts", request_id=req.request_id) == [req.request_id]
+            assert await asyncio.to_thread(decode.wait_for, "aborts", request_id=req.request_id) == [req.request_id]
 
     with pytest.raises(RouterError) as info:
         run(scenario())
@@ -367,8 +368,8 @@ def test_prefill_answering_lease_expired_reserves_again(stand_ins: Cluster) -> N
     async def scenario() -> list[Event]:
         events = await drain(client, req)
         # The first reservation is aborted in the background: let that finish inside the loop.
-        assert await asyncio.to_thread(decode.wait_for, "aborts") == [req.request_id]
-        assert await asyncio.to_thread(prefill.wait_for, "aborts") == [req.request_id]
+        assert await asyncio.to_thread(decode.wait_for, "aborts", request_id=req.request_id) == [req.request_id]
+        assert await asyncio.to_thread(prefill.wait_for, "aborts", request_id=req.request_id) == [req.request_id]
         return events
 
     done = run(scenario())[-1]
@@ -454,7 +455,7 @@ def test_decode_dying_after_the_first_token_moves_the_stream(stand_ins: Cluster)
     (resumed,) = other.requests
     assert resumed["input_ids"] == [0, 1, 2, FIRST_TOKEN] and resumed["sampling"]["max_tokens"] == 4
     assert resumed["request_id"] == f"{req.request_id}-m1"
-    assert dying.wait_for("aborts") == [req.request_id]
+    assert dying.wait_for("aborts", request_id=req.request_id) == [req.request_id]
     assert_idle(client)
 
 
