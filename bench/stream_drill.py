@@ -20,6 +20,11 @@ Real processes on loopback (tiny model): one prefill worker, two decode workers,
     .venv/bin/python -m bench.stream_drill --quick
     .venv/bin/python -m bench.stream_drill --only hangup --router-env ROUTER_STREAM_CREDIT=0
     .venv/bin/python -m bench.stream_drill --only hangup --worker-nice 10   # workers below client/router
+    .venv/bin/python -m bench.stream_drill --split-cpus    # client + router on CPU 0, workers on the last
+
+``--split-cpus`` is the layout of separate hosts on one machine: the workers run on the last CPU
+(their own ``--base-cpu-id``), the client (this process) and the router on the others, so neither
+side can starve the other of CPU time, all at equal priority.
 """
 from __future__ import annotations
 
@@ -213,8 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-nice", type=int, default=0,
                    help="the workers' --nice: their CPU priority below the client's and the router's, as if "
                    "those ran on hosts of their own (default 0: all equal)")
+    p.add_argument("--split-cpus", action="store_true",
+                   help="workers on the last CPU (--base-cpu-id), client and router on the others: separate "
+                   "hosts' CPUs on one machine")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(p, argv)
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.split_cpus and len(cpus) < 2:
+        p.error(f"--split-cpus needs at least 2 CPUs; this process may use {len(cpus)}")
     if args.quick:
         args.streams, args.concurrency, args.hangups = 12, 4, 20
     from tests.support.processes import Proc, start_router, start_worker
@@ -223,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     common = ["--block-size", "8", "--context-length", "1024", "--num-threads", "1", "--nice", str(args.worker_nice)]
+    if args.split_cpus:
+        common += ["--base-cpu-id", str(cpus[-1])]
     window = [] if args.stream_window is None else ["--stream-window", str(args.stream_window)]
     procs: list[Proc] = []
     try:
@@ -232,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         decodes = [start_worker("decode", model, log_dir, extra=common + window, env=decode_env) for _ in range(2)]
         procs += [proc for proc, _ in decodes]
         router_env = dict(item.split("=", 1) for item in args.router_env)
+        if args.split_cpus:  # the router inherits this process's CPUs; the client runs here
+            os.sched_setaffinity(0, cpus[:-1])
         router, router_url = start_router([prefill_url], [url for _, url in decodes], log_dir, env=router_env or None)
         procs.append(router)
         hangup: dict[str, Any] | None = None
@@ -273,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
               throughput["seconds"], throughput["tokens_per_s"]]],
         ))
     result = {"kill": kill, "hangup": hangup, "throughput": throughput, "stream_window": args.stream_window,
-              "client_rcvbuf": args.client_rcvbuf, "worker_nice": args.worker_nice,
+              "client_rcvbuf": args.client_rcvbuf, "worker_nice": args.worker_nice, "split_cpus": args.split_cpus,
               "decode_env": args.decode_env, "router_env": args.router_env}
     path = write_result(args.out_dir, name, "bench.stream_drill", argv, result)
     log(f"result: {path}")
