@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -129,8 +130,12 @@ def test_stream_drill_quick(tmp_path: Path) -> None:
     """Its own processes: the kill drill loses nothing; the hang-up drill reports every field."""
     from bench import stream_drill
 
-    assert stream_drill.main(["--quick", "--out-dir", str(tmp_path), "--log-dir", str(tmp_path / "logs")]) == 0
+    cpus = os.sched_getaffinity(0)
+    split = ["--split-cpus"] if len(cpus) >= 2 else []
+    assert stream_drill.main(["--quick", *split, "--out-dir", str(tmp_path), "--log-dir", str(tmp_path / "logs")]) == 0
+    assert os.sched_getaffinity(0) == cpus  # --split-cpus pinned this process for the drill only
     result = json.loads((tmp_path / "stream_drill_quick.json").read_text())
+    assert result["split_cpus"] is bool(split)
     kill, hangup = result["kill"], result["hangup"]
     assert kill["lost"] == 0 and kill["completed"] == kill["streams"] == 12
     assert kill["equal_to_unbroken"] == 12
