@@ -32,18 +32,37 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.stop = [s for s in stop if s]
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
-        self.text = ""  # output text so far (cut before the stop string once one matched)
+        # Output text so far (cut before the stop string once one matched); on the `append_plain` path
+        # only what was not handed out yet.
+        self.text = ""
         self.emitted = 0  # characters of `text` already handed out
         self.stopped = False
         self._table = tokenizer.byte_table if tokenizer is not None else None
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self._table is not None else None
+        # Byte-level table and no stop string: every token's text can be handed out at once, nothing is
+        # searched or held back, so `append_plain` may replace append + take_delta (engine fast path).
+        self.plain = self._table is not None and not self.stop
+
+    def append_plain(self, token_id: int) -> str:
+        """Add one generated token and return the text it completes: `append(token_id)` followed by
+        `take_delta()`, for a `plain` detokenizer only (byte table, no stop strings).
+
+        Nothing is kept in `text`: without stop strings there is nothing to search, and `take_delta`
+        hands out all of it at every step anyway, so `text` only ever holds what a later `append` /
+        `flush` adds before its `take_delta` (the final token of a request goes that way). `ids` is
+        not kept either: the byte-table path never reads it.
+        """
+        table = self._table
+        assert table is not None and self._utf8 is not None
+        return self._utf8.decode(table[token_id] if 0 <= token_id < len(table) else b"")
 
     def append(self, token_id: int) -> bool:
         """Add one generated token; return True when the text now contains a stop string."""
-        self.ids.append(token_id)
+        table, utf8 = self._table, self._utf8
+        if table is None or utf8 is None:
+            self.ids.append(token_id)  # only the tokenizer `decode` path below reads the ids
         if self.stopped:
             return False
-        table, utf8 = self._table, self._utf8
         if table is not None and utf8 is not None:
             # Ids outside the tokenizer's vocabulary decode to nothing, as in `decode`.
             delta = utf8.decode(table[token_id] if 0 <= token_id < len(table) else b"")

@@ -217,6 +217,10 @@ class LLMEngine:
         seq = Sequence(request_id, prompt, params, self._arrival, prefill_only=prefill_only)
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt, params.stop)
+        # The same conditions as `_append_token`'s, folded once per request for the decode fast path.
+        stop_ids = frozenset(params.stop_token_ids)
+        seq.stop_ids = stop_ids if params.ignore_eos else stop_ids | self.eos_token_ids
+        seq.token_limit = min(len(prompt) + params.max_tokens, self.max_model_len)
         return seq
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
@@ -390,6 +394,52 @@ class LLMEngine:
     def _execute(self, batch: list[Sequence], is_prefill: bool) -> list[RequestOutput]:
         """Run the forward pass for `batch`, sample, and apply the results."""
         tokens = self.runner.run(batch, is_prefill)
+        if is_prefill:
+            return self._apply(batch, tokens, True)
+        return self._apply_decode(batch, tokens)
+
+    def _apply_decode(self, batch: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
+        """Apply a decode step's tokens: `_apply(batch, tokens, False)`, cheaper per sequence.
+
+        The per-sequence Python after the forward is most of a small model's step overhead, so the
+        common case (the token neither stops the request nor reaches its length limit, no stop
+        strings, a byte-level detokenizer or none) takes one set lookup, one comparison and one
+        `RequestOutput`; every other sequence (it finishes, has stop strings, a `decode`-based
+        detokenizer, pending output) goes through `_append_token`, the one place that decides how a
+        request ends. Checking stop ids on the sampled tensor instead is not cheaper: `torch.isin` of 32
+        tokens plus `.any().item()` took 5.6 µs against 1.5 µs for 32 set lookups (and the Python loop
+        over the batch stays, to append the tokens).
+        """
+        outputs: list[RequestOutput] = []
+        emit = outputs.append
+        caching = self.scheduler.enable_prefix_caching
+        bs = self.block_size
+        for seq, tok in zip(batch, tokens, strict=True):
+            out_ids = seq.output_token_ids
+            n_prompt = len(seq.prompt_token_ids)
+            n = n_prompt + len(out_ids)  # tokens before `tok`: every one is cached now
+            before, seq.num_cached = seq.num_cached, n
+            if caching and n // bs > before // bs:  # a block became full: register it
+                self._register_blocks(seq, before)
+            detok = seq.detokenizer
+            stop_ids = seq.stop_ids
+            # `n + 1`: the total once `tok` is appended.
+            if (stop_ids is None or tok in stop_ids or n + 1 >= seq.token_limit or seq.pending_token_ids
+                    or seq.pending_text or (detok is not None and not detok.plain)):
+                self._append_token(seq, tok)
+                if seq.finish_reason is not None:
+                    self.scheduler.remove(seq)
+                    self._finish(seq, seq.finish_reason)
+                emit(seq.take_output())
+                continue
+            out_ids.append(tok)
+            text = detok.append_plain(tok) if detok is not None else ""
+            emit(RequestOutput(seq.request_id, [tok], text, False, None, n_prompt, len(out_ids)))
+        return outputs
+
+    def _apply(self, batch: list[Sequence], tokens: list[int], is_prefill: bool) -> list[RequestOutput]:
+        """Apply a step's sampled tokens (one per sequence of `batch`, in its order): advance the cached
+        counts, register full blocks, append the tokens, finish what stopped, build the outputs."""
         outputs: list[RequestOutput] = []
         caching = self.scheduler.enable_prefix_caching
         bs = self.block_size

@@ -65,6 +65,13 @@ class Sequence:
     # Outputs not yet reported (tokens and text since the last RequestOutput).
     pending_token_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
+    # Stopping, precomputed by the engine when it admits the request (`LLMEngine._new_sequence`) so
+    # that a decode step decides "not finished" with one set lookup and one comparison per sequence:
+    # the token ids that end it (EOS unless `ignore_eos`, plus `stop_token_ids`), and the total token
+    # count (prompt + output) at which it ends with "length" (`max_tokens` or the context length,
+    # whichever comes first). `stop_ids` None: not set up, the engine takes its general path.
+    stop_ids: frozenset[int] | None = None
+    token_limit: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -97,15 +104,17 @@ class Sequence:
 
     def take_output(self) -> RequestOutput:
         """Build the RequestOutput for what is pending and reset the pending deltas."""
+        status = self.status
+        # Positional: this runs once per sequence per step, and keyword calls cost more.
         out = RequestOutput(
-            request_id=self.request_id,
-            new_token_ids=self.pending_token_ids,
-            new_text=self.pending_text,
-            finished=self.is_finished,
-            finish_reason=self.finish_reason,
-            num_prompt_tokens=len(self.prompt_token_ids),
-            num_output_tokens=len(self.output_token_ids),
-            block_ids=list(self.block_ids) if self.status == SequenceStatus.PREFILLED else None,
+            self.request_id,
+            self.pending_token_ids,
+            self.pending_text,
+            status is SequenceStatus.FINISHED or status is SequenceStatus.PREFILLED,  # is_finished
+            self.finish_reason,
+            len(self.prompt_token_ids),
+            len(self.output_token_ids),
+            list(self.block_ids) if status is SequenceStatus.PREFILLED else None,
         )
         self.pending_token_ids = []
         self.pending_text = ""
