@@ -147,12 +147,16 @@ class DecodeSlotCache:
         self._key: tuple[int, ...] = ()
         self._lens: list[int] = []
         self._slots: torch.Tensor | None = None
+        # Whether the last `get` was for the same sequences, in the same order, as the call before it:
+        # the caller may then reuse what it derived from the batch's fixed attributes (its params).
+        self.same_batch = False
 
     def get(self, seqs: list[Sequence]) -> torch.Tensor:
         """`slot_rows` of `seqs` (in this order), patched from the previous call's when possible."""
         key = tuple(map(id, seqs))
         lens = [len(s.block_ids) for s in seqs]
         slots = self._slots
+        self.same_batch = slots is not None and key == self._key
         if slots is None or key != self._key or max(lens) * self.block_size > slots.shape[1]:
             slots = slot_rows(block_table(seqs), self.block_size, self.block_stride)
         elif lens != self._lens:
@@ -168,16 +172,34 @@ class DecodeSlotCache:
     def clear(self) -> None:
         """Forget the cached batch (and release its sequences)."""
         self._seqs, self._key, self._lens, self._slots = [], (), [], None
+        self.same_batch = False
 
 
-def kernel_decode_metadata(seqs: list[Sequence], slots: torch.Tensor) -> tuple[torch.Tensor, BatchMetadata]:
+def kernel_decode_metadata(
+    seqs: list[Sequence], slots: torch.Tensor, last_index: torch.Tensor | None = None
+) -> tuple[torch.Tensor, BatchMetadata]:
     """Input ids and metadata of a decode step over `seqs` for the CPU decode kernel: each sequence's
-    slot rows and length, nothing per bucket (any order of `seqs` works)."""
-    ctx_t = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64)
+    slot rows and length, nothing per bucket (any order of `seqs` works). `last_index`: a cached
+    `arange(len(seqs))` (built when None).
+
+    Lengths and input ids come from one pass over the sequences into one tensor (no properties per
+    sequence, one `torch.tensor` instead of two): this runs every step, after a forward that evicted
+    the sequences from the CPU caches, where each Python attribute read costs several times more than
+    in a warm loop.
+    """
+    ctx: list[int] = []
+    last: list[int] = []
+    for s in seqs:
+        out, prompt = s.output_token_ids, s.prompt_token_ids
+        ctx.append(len(prompt) + len(out))  # num_tokens
+        last.append(out[-1] if out else prompt[-1])  # last_token_id
+    both = torch.tensor((ctx, last), dtype=torch.int64)
+    ctx_t = both[0]
     pos = ctx_t - 1
-    meta = BatchMetadata(positions=pos, write_rows=pos, last_index=torch.arange(len(seqs)),
-                         decode_slots=slots, decode_lens=ctx_t)
-    return torch.tensor([s.last_token_id for s in seqs], dtype=torch.int64), meta
+    if last_index is None:
+        last_index = torch.arange(len(seqs))
+    meta = BatchMetadata(positions=pos, write_rows=pos, last_index=last_index, decode_slots=slots, decode_lens=ctx_t)
+    return both[1], meta
 
 
 def decode_metadata(

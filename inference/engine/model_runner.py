@@ -106,8 +106,16 @@ class ModelRunner:
             device,
         )
         self.compiled = use_compile
-        # Slot rows of the decode batch, reused between decode steps of an unchanged batch.
+        # Slot rows of the decode batch, reused between decode steps of an unchanged batch, and what
+        # else a decode step derives from its batch alone: whether every sequence is greedy (the
+        # params of a sequence never change), and `arange(batch)` (`last_index`).
         self._slots = DecodeSlotCache(block_size, self.kv_cache.block_stride)
+        self._batch_greedy = False
+        self._aranges: dict[int, torch.Tensor] = {}
+        # Set by a greedy kernel decode step, cleared by every `run`: the next decode step's lengths and
+        # input ids (this step's lengths + 1, the tokens it sampled), valid when that step runs the
+        # same batch (see `prepare`).
+        self._next_decode: tuple[torch.Tensor, torch.Tensor] | None = None
         if use_compile:
             compile_model(self.model)
         # On a CPU the C++ kernels (decode attention over the paged cache, fused norms, RoPE, SiLU·mul)
@@ -160,7 +168,23 @@ class ModelRunner:
         """Input ids and metadata for `seqs`, which must be in `order`'s order."""
         if not is_prefill:
             if self.decode_kernel:
-                return kernel_decode_metadata(seqs, self._slots.get(seqs))
+                n = len(seqs)
+                last_index = self._aranges.get(n)
+                if last_index is None:
+                    last_index = self._aranges[n] = torch.arange(n)
+                slots = self._slots.get(seqs)
+                nxt = self._next_decode
+                if nxt is not None and self._slots.same_batch:
+                    # The previous `run` was a decode step of this very batch, and the engine appended
+                    # each sequence's sampled token (a sequence that finished, was aborted, preempted
+                    # or paused left the batch, and a failed step fails the whole batch, so the batch
+                    # would differ): lengths and last tokens are known without reading the sequences.
+                    lens, input_ids = nxt
+                    pos = lens - 1
+                    meta = BatchMetadata(positions=pos, write_rows=pos, last_index=last_index,
+                                         decode_slots=slots, decode_lens=lens)
+                    return input_ids, meta
+                return kernel_decode_metadata(seqs, slots, last_index)
             return decode_metadata(seqs, self._slots.get(seqs), self.dtype, self.device)
         return build_metadata(seqs, is_prefill, self.block_size, self.kv_cache.block_stride, self.dtype, self.device)
 
@@ -177,13 +201,23 @@ class ModelRunner:
         # The decode kernel attends per sequence: no length order needed, so no reordering either.
         order = self.order(batch) if is_prefill or not self.decode_kernel else None
         seqs = batch if order is None else [batch[i] for i in order]
-        # The common all-greedy batch needs neither the per-row parameters nor the sampler's tensors.
-        greedy = all(s.params.greedy for s in seqs)
         input_ids, meta = self.prepare(seqs, is_prefill)
+        self._next_decode = None  # valid for the step right after a decode step only
+        # The common all-greedy batch needs neither the per-row parameters nor the sampler's tensors.
+        # Decode steps of the batch the slot cache saw last time (most of them) know the answer.
+        if is_prefill or not self._slots.same_batch:
+            greedy = all(s.params.greedy for s in seqs)
+            if not is_prefill:
+                self._batch_greedy = greedy
+        else:
+            greedy = self._batch_greedy
         logits = self.model(input_ids, meta, self.kv_cache)
         if greedy:
             ops = self.model.cpu_ops
-            sampled: list[int] = (row_argmax(logits) if ops is None else ops.argmax_rows(logits)).tolist()
+            ids = row_argmax(logits) if ops is None else ops.argmax_rows(logits)
+            sampled: list[int] = ids.tolist()
+            if meta.decode_lens is not None:  # a kernel decode step: see `prepare`
+                self._next_decode = (meta.decode_lens + 1, ids)
         else:
             sampled = sample(logits, [s.params for s in seqs],
                              [s.params.seed_offset + len(s.output_token_ids) for s in seqs])

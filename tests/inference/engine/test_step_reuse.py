@@ -3,13 +3,23 @@ built from them equals the general builder's, and the engine's greedy tokens sta
 block boundaries, batch changes and preemption."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from inference.engine import LLMEngine, SamplingParams
-from inference.engine.batch import DecodeSlotCache, block_table, build_metadata, decode_metadata, slot_rows
+from inference.engine.batch import (
+    BatchMetadata,
+    DecodeSlotCache,
+    block_table,
+    build_metadata,
+    decode_metadata,
+    kernel_decode_metadata,
+    slot_rows,
+)
 from inference.engine.sequence import Sequence
 
 from .conftest import TinyModel
+from .helpers import Collected, absorb
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 BLOCK = 4
@@ -85,3 +95,49 @@ def test_greedy_tokens_through_block_boundaries_and_batch_changes(llama: TinyMod
     got = [r.token_ids for r in engine.generate(llama.prompts, params)]
     assert got == [g[: p.max_tokens] for g, p in zip(llama.greedy, params, strict=True)]
     assert engine.num_preemptions > 0
+
+
+def test_reused_decode_inputs_equal_fresh_ones(llama: TinyModel) -> None:
+    """A kernel decode step of the same batch as the step before takes its lengths and input ids from
+    that step (`ModelRunner._next_decode`) instead of the sequences: at every decode step, through
+    finishes, an abort, new arrivals, chunked prefills in between and preemption, they equal
+    `kernel_decode_metadata` of the sequences, and the tokens stay transformers'."""
+    engine = LLMEngine(llama.path, block_size=4, num_blocks=40, max_num_seqs=4, load_tokenizer=False,
+                       max_num_batched_tokens=16)
+    runner = engine.runner
+    if not runner.decode_kernel:
+        pytest.skip("the CPU kernels are not built here")
+    prepare = runner.prepare
+    reused = 0
+
+    def checked(seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, BatchMetadata]:
+        nonlocal reused
+        reuse = not is_prefill and runner._next_decode is not None
+        ids, meta = prepare(seqs, is_prefill)
+        if not is_prefill:
+            assert meta.decode_slots is not None
+            want_ids, want = kernel_decode_metadata(seqs, meta.decode_slots)
+            assert torch.equal(ids, want_ids)
+            for name in ("positions", "write_rows", "last_index", "decode_lens"):
+                assert torch.equal(getattr(meta, name), getattr(want, name)), name
+            reused += reuse and runner._slots.same_batch
+        return ids, meta
+
+    setattr(runner, "prepare", checked)  # noqa: B010 - instance attribute shadows the method
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (24, 9, 17, 60)]
+    results: dict[str, Collected] = {}
+    for i, (prompt, p) in enumerate(zip(llama.prompts, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+    for step in range(400):
+        if step == 30:  # a new arrival whose prompt is prefilled in chunks between decode steps
+            engine.add_request("late", llama.prompts[3], params[0])
+        if step == 40:
+            engine.abort("r3")
+        if not engine.has_work():
+            break
+        absorb(results, engine.step())
+    assert reused > 10 and engine.num_preemptions > 0
+    for i in range(3):
+        assert results[f"r{i}"].token_ids == llama.greedy[i][: params[i].max_tokens]
+    assert results["r3"].finish_reason == "abort"
+    assert results["late"].token_ids == llama.greedy[3][: params[0].max_tokens]
