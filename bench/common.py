@@ -338,9 +338,12 @@ def platform_processes(
     prefill_extra: Sequence[str] = (),
     decode_extra: Sequence[str] = (),
     attach: argparse.Namespace | None = None,
+    more_decode_extra: Sequence[Sequence[str]] = (),
 ) -> Iterator[Platform]:
     """Start a prefill worker, a decode worker (in parallel: each takes seconds to load) and the router
-    with `tests/support/processes.py`; stop them all on exit. With `attach` URLs, use those instead."""
+    with `tests/support/processes.py`; stop them all on exit. With `attach` URLs, use those instead.
+    Each entry of `more_decode_extra` starts one more decode worker with those flags, behind the same
+    router (the Platform names the first)."""
     if attach is not None and attach.router_url:
         if not (attach.prefill_url and attach.decode_url):
             raise SystemExit("--router-url needs --prefill-url and --decode-url too")
@@ -354,9 +357,11 @@ def platform_processes(
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: list[Proc] = []
     try:
-        pool = ThreadPoolExecutor(2)
-        futures = [pool.submit(start_worker, "prefill", model_dir, log_dir, extra=list(prefill_extra)),
-                   pool.submit(start_worker, "decode", model_dir, log_dir, extra=list(decode_extra))]
+        pool = ThreadPoolExecutor(2 + len(more_decode_extra))
+        futures = [pool.submit(start_worker, "prefill", model_dir, log_dir, extra=list(prefill_extra))] + [
+            pool.submit(start_worker, "decode", model_dir, log_dir, extra=list(extra))
+            for extra in [decode_extra, *more_decode_extra]
+        ]
         try:
             started = [fut.result() for fut in futures]
         except BaseException:  # also SystemExit from SIGTERM: stop whichever worker did start
@@ -368,9 +373,9 @@ def platform_processes(
             raise
         finally:
             pool.shutdown(wait=False)
-        (prefill, prefill_url), (decode, decode_url) = started
-        procs += [prefill, decode]
-        router, router_url = start_router([prefill_url], [decode_url], log_dir)
+        (prefill, prefill_url), (decode, decode_url), *more = started
+        procs += [proc for proc, _ in started]
+        router, router_url = start_router([prefill_url], [decode_url, *(url for _, url in more)], log_dir)
         procs.append(router)
         yield Platform(router_url, prefill_url, decode_url, router.popen.pid, prefill.popen.pid, decode.popen.pid)
     finally:

