@@ -280,11 +280,31 @@ class LLMEngine:
                     f"need {need} KV blocks; requests not running yet already hold {queued} of the "
                     f"{self.max_queued_blocks} they may"
                 )
-            seq.block_ids = self.block_manager.allocate(need)
+            # Prefix caching across the hop: blocks of this prompt's prefix cached here from earlier
+            # requests are shared, and only the rest is sent (`reserved_hits`; always at least the
+            # block of the last prompt token, whose KV comes with the first token).
+            bm = self.block_manager
+            hits = self.scheduler.cached_prefix(seq)
+            take = need - len(hits) + bm.num_free_among(hits)  # sharing a free cached block uses it up
+            if not bm.can_allocate(take):
+                raise NoFreeBlocks(f"need {take} KV blocks, {bm.num_free} free of {bm.num_blocks}")
+            bm.share(hits)
+            seq.block_ids = hits + bm.allocate(need - len(hits))
+            seq.reserved_hits = len(hits)
+            if self.scheduler.enable_prefix_caching:
+                self.scheduler.prefix_query_tokens += seq.num_prompt_tokens
+                self.scheduler.prefix_hit_tokens += len(hits) * self.block_size
             seq.status = SequenceStatus.WAITING_FOR_KV
             self._seqs[request_id] = seq
             self._reserved[request_id] = seq
             return list(seq.block_ids)
+
+    def reserved_hits(self, request_id: str) -> int:
+        """How many of a reserved request's first blocks were cached here when it was reserved (the
+        prefill worker sends its prompt blocks from that index on); 0 for an unknown request."""
+        with self.lock:
+            seq = self._seqs.get(request_id)
+            return seq.reserved_hits if seq is not None else 0
 
     def kv_received(self, request_id: str, first_token_id: int) -> None:
         """The prompt KV of a reserved request is in its blocks: append the first token (sampled by the

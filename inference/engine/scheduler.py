@@ -162,7 +162,7 @@ class Scheduler:
                 self.waiting.popleft()
                 out.too_long.append(seq)
                 continue
-            hits = self._cached_prefix(seq)
+            hits = self.cached_prefix(seq)
             # Cached blocks nobody holds are counted as free: sharing them uses up free blocks too.
             take = need - len(hits) + bm.num_free_among(hits)
             new_tokens = n - len(hits) * self.block_size
@@ -189,7 +189,7 @@ class Scheduler:
             out.prefill.append(seq)
             tokens += min(new_tokens, budget) if chunked else new_tokens
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
+    def cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks of `seq`'s longest cached prefix; at least its last token is left to compute
         (its logits give the next token)."""
         if not self.enable_prefix_caching:

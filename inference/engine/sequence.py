@@ -56,6 +56,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_cached: int = 0
+    # Decode side of a disaggregated request: how many of its first blocks were already cached here
+    # when it was reserved (prefix caching), so the prefill worker sends only the blocks after them.
+    reserved_hits: int = 0
     finish_reason: str | None = None
     detokenizer: IncrementalDetokenizer | None = None
     # Chained content hashes of the full blocks computed so far (prefix caching; see block_manager).

@@ -93,6 +93,9 @@ class TransferDescriptor:
     # time on the decode host). 0 in a descriptor from a decode worker without renewals.
     lease_s: float = 0.0
     lease_cap_at: float = 0.0
+    # Prefix caching across the hop: the decode worker already holds the prompt's first `first_block`
+    # blocks (cached from an earlier request), so `block_ids` are those of blocks first_block.. only.
+    first_block: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form, as sent through the router."""
@@ -119,6 +122,7 @@ class TransferDescriptor:
                 rdma=data.get("rdma"),
                 lease_s=float(data.get("lease_s", 0.0)),
                 lease_cap_at=float(data.get("lease_cap_at", 0.0)),
+                first_block=int(data.get("first_block", 0)),
             )
         except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(Infinity)
             raise ValueError(f"malformed descriptor: missing or bad field {exc}") from exc
@@ -129,15 +133,29 @@ class TransferDescriptor:
             raise ValueError(f"descriptor lease_s {descriptor.lease_s!r} is not a lease period")
         if not math.isfinite(descriptor.lease_cap_at) or descriptor.lease_cap_at - time.time() > _MAX_LEASE_S:
             raise ValueError(f"descriptor lease_cap_at {descriptor.lease_cap_at!r} is not a time soon")
-        needed = -(-descriptor.num_tokens // descriptor.layout.block_size)
+        total = -(-descriptor.num_tokens // descriptor.layout.block_size)
+        if not 0 <= descriptor.first_block < max(total, 1):
+            raise ValueError(f"descriptor first_block {descriptor.first_block} is not a block of the prompt's {total}")
+        needed = total - descriptor.first_block
         if descriptor.num_tokens <= 0 or len(descriptor.block_ids) != needed:
             raise ValueError(
-                f"descriptor has {len(descriptor.block_ids)} blocks for {descriptor.num_tokens} tokens "
-                f"(block size {descriptor.layout.block_size} needs {needed})"
+                f"descriptor has {len(descriptor.block_ids)} blocks for {descriptor.num_tokens} tokens from block "
+                f"{descriptor.first_block} (block size {descriptor.layout.block_size} needs {needed})"
             )
         if not 0 < descriptor.port < 65536:
             raise ValueError(f"descriptor port {descriptor.port} out of range")
         return descriptor
+
+    def source_blocks(self, src_block_ids: list[int]) -> list[int]:
+        """The prefill worker's blocks to send, in the order of `block_ids`: its prompt blocks from
+        `first_block` on (the decode worker holds the ones before). KVTransferError if it has too few."""
+        src = list(src_block_ids[self.first_block : self.first_block + len(self.block_ids)])
+        if len(src) < len(self.block_ids):
+            raise KVTransferError(
+                f"prefill holds {len(src_block_ids)} blocks, decode expects {len(self.block_ids)} "
+                f"from block {self.first_block}"
+            )
+        return src
 
     def lease_remaining(self) -> float:
         """Seconds until the decode worker frees the reserved blocks (unless the lease is renewed)."""
@@ -203,9 +221,11 @@ class KVReceiver(abc.ABC):
 
     @abc.abstractmethod
     def expect(
-        self, request_id: str, block_ids: list[int], num_tokens: int, lease_s: float, host: str
+        self, request_id: str, block_ids: list[int], num_tokens: int, lease_s: float, host: str,
+        first_block: int = 0,
     ) -> TransferDescriptor:
-        """Register an incoming transfer for `request_id` and return the descriptor for the prefill side."""
+        """Register an incoming transfer for `request_id` and return the descriptor for the prefill side
+        (`block_ids`: the blocks to write, the prompt's from `first_block` on)."""
 
     @abc.abstractmethod
     def cancel(self, request_id: str) -> None:

@@ -283,9 +283,7 @@ class RdmaKVSender(KVSender):
             raise KVTransferError(f"descriptor is for the {descriptor.transport} transport, not rdma")
         target = self._target(descriptor)
         dst = descriptor.block_ids
-        if len(src_block_ids) < len(dst):
-            raise KVTransferError(f"prefill holds {len(src_block_ids)} blocks, decode expects {len(dst)}")
-        src = list(src_block_ids[: len(dst)])
+        src = descriptor.source_blocks(src_block_ids)
         if any(not 0 <= b < self._kv.shape[0] for b in src):
             raise KVTransferError(f"source blocks {src} fall outside the local KV pool")
         if descriptor.lease_remaining() <= 0:

@@ -137,7 +137,8 @@ class GatedReceiver(KVReceiver, abc.ABC):
         self.gate.stop()
 
     def expect(
-        self, request_id: str, block_ids: list[int], num_tokens: int, lease_s: float, host: str
+        self, request_id: str, block_ids: list[int], num_tokens: int, lease_s: float, host: str,
+        first_block: int = 0,
     ) -> TransferDescriptor:
         """Register the reserved blocks of `request_id` and describe them for the prefill side."""
         token = secrets.token_hex(16)
@@ -158,6 +159,7 @@ class GatedReceiver(KVReceiver, abc.ABC):
             rdma=self._descriptor_rdma(),
             lease_s=lease_s,
             lease_cap_at=now + (lease.cap_at - lease.granted_at),
+            first_block=first_block,
         )
 
     def cancel(self, request_id: str) -> None:

@@ -114,8 +114,7 @@ class TcpKVSender(KVSender):
                 f"prefill has {self._layout.to_dict()} (same model and --block-size on both?)"
             )
         dst = descriptor.block_ids
-        if len(src_block_ids) < len(dst):
-            raise KVTransferError(f"prefill holds {len(src_block_ids)} blocks, decode expects {len(dst)}")
+        src = descriptor.source_blocks(src_block_ids)
         if descriptor.lease_remaining() <= 0:
             raise KVTransferError(f"lease of request {descriptor.request_id} already expired")
         deadline = time.monotonic() + send_bound(descriptor, timeout)
@@ -137,7 +136,7 @@ class TcpKVSender(KVSender):
             sock.settimeout(max(deadline - time.monotonic(), 0.01))
             send_frame(sock, header)
             # Source blocks are sent run by run of consecutive ids: one sendall per contiguous range.
-            for first, count in block_runs(list(src_block_ids[: len(dst)])):
+            for first, count in block_runs(src):
                 for view in _STAGING.host_chunks(self._kv[first : first + count]):
                     sock.sendall(view)
                     nbytes += len(view)

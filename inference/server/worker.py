@@ -405,7 +405,10 @@ class Worker:
         self._kv_waiters[request_id] = waiter
         host = self.args.kv_advertise_host or server_host
         assert self.receiver is not None
-        descriptor = self.receiver.expect(request_id, block_ids, len(ids), self.args.kv_lease_timeout, host)
+        hits = self.engine.reserved_hits(request_id)  # cached here already: the prefill side skips them
+        descriptor = self.receiver.expect(
+            request_id, block_ids[hits:], len(ids), self.args.kv_lease_timeout, host, first_block=hits
+        )
         self.metrics.prompt_tokens.inc(len(ids))
         return self._decode_events(request_id, ids, descriptor, waiter, received_at, params.to_dict(), credit)
 

@@ -199,6 +199,28 @@ def test_metrics_count_requests_and_kv_bytes(cluster) -> None:
     assert "worker_inter_token_latency_seconds_bucket" in httpx.get(cluster["decode"] + "/metrics").text
 
 
+def test_decode_side_prefix_cache_sends_only_the_suffix(cluster, reference_engine) -> None:
+    """Two requests sharing a long system prompt: the decode worker still holds the first one's
+    prompt blocks, so the prefill worker sends only the blocks after them (fewer KV bytes over TCP),
+    the decode worker's prefix-cache hit ratio rises, and both answers equal a single-process run."""
+    system = "You are the operator's assistant for a disaggregated inference platform. " * 3
+    prompts = [system + "Tell me how prefill works.", system + "Tell me how decode works."]
+    bodies = []
+    for prompt in prompts:
+        r = httpx.post(cluster["router"] + "/generate", json={"prompt": prompt, "max_tokens": 8, "temperature": 0},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        bodies.append(r.json())
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    for prompt, body in zip(prompts, bodies, strict=True):
+        assert body["tokens"] == reference(reference_engine, prompt, params)
+    first, second = (b["kv_bytes"] for b in bodies)
+    assert 0 < second < first / 2  # the shared prefix is most of the prompt
+    metrics = httpx.get(cluster["decode"] + "/metrics").text
+    ratio = next(line for line in metrics.splitlines() if line.startswith("worker_prefix_cache_hit_ratio"))
+    assert float(ratio.rsplit(" ", 1)[1]) > 0
+
+
 def test_client_disconnect_frees_decode_blocks(cluster) -> None:
     payload = {"prompt": PROMPTS[3], "max_tokens": 200, "temperature": 0.8, "ignore_eos": True,
                "stream": True}

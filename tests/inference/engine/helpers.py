@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from inference.engine import LLMEngine, RequestOutput
+from inference.engine import LLMEngine, RequestOutput, SamplingParams
 
 
 @dataclass
@@ -40,3 +40,21 @@ def drain(
             return results
         absorb(results, engine.step())
     raise AssertionError("engine did not finish")
+
+
+def prefill_into(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt: list[int], params: SamplingParams) -> None:
+    """Reserve on `decode`, prefill on `prefill`, copy the block bytes and hand over the first token.
+    Blocks the decode engine already holds for this prompt's prefix (prefix caching) are not copied,
+    as a prefill worker does not send them."""
+    dst = decode.reserve(rid, prompt, params)
+    hits = decode.reserved_hits(rid)
+    prefill.add_request(rid, prompt, params, prefill_only=True)
+    first: int | None = None
+    src: list[int] = []
+    while first is None:
+        for out in prefill.step():
+            if out.request_id == rid and out.finished:
+                first, src = out.new_token_ids[0], list(out.block_ids or [])
+    decode.kv_cache.data[dst[hits:]] = prefill.kv_cache.data[src[hits:]]
+    prefill.release(rid)
+    decode.kv_received(rid, first)

@@ -7,24 +7,9 @@ import pytest
 from inference.engine import LLMEngine, NoFreeBlocks, SamplingParams, SequenceStatus
 
 from .conftest import TinyModel
-from .helpers import Collected, absorb
+from .helpers import Collected, absorb, prefill_into
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-
-
-def prefill_into(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt: list[int], params: SamplingParams) -> None:
-    """Reserve on `decode`, prefill on `prefill`, copy the block bytes and hand over the first token."""
-    dst = decode.reserve(rid, prompt, params)
-    prefill.add_request(rid, prompt, params, prefill_only=True)
-    first: int | None = None
-    src: list[int] = []
-    while first is None:
-        for out in prefill.step():
-            if out.request_id == rid and out.finished:
-                first, src = out.new_token_ids[0], list(out.block_ids or [])
-    decode.kv_cache.data[dst] = prefill.kv_cache.data[src]
-    prefill.release(rid)
-    decode.kv_received(rid, first)
 
 
 def drain_capped(engine: LLMEngine, cap: int, results: dict[str, Collected]) -> list[str]:
@@ -77,7 +62,9 @@ def test_aborting_a_queued_request_frees_its_blocks(llama: TinyModel) -> None:
     assert decode.num_running == 1 and decode.num_ready == 2
     held = decode.block_manager.num_free
     decode.abort("r1")
-    assert decode.block_manager.num_free == held + 2  # a 17-token prompt holds two 16-token blocks
+    # A 17-token prompt holds two 16-token blocks; the first is r0's, shared (prefix caching).
+    assert decode.reserved_hits("r2") == 1
+    assert decode.block_manager.num_free == held + 1
     assert decode.num_ready == 1 and decode.queued_blocks == 2
     started = drain_capped(decode, 1, results)
     assert results["r1"].finish_reason == "abort"
@@ -118,7 +105,9 @@ def test_preemption_with_a_full_ready_queue_does_not_deadlock(llama: TinyModel) 
     prompts = [llama.prompts[1]] * 6  # 17 tokens: 2 blocks each, 4 blocks after 40 more tokens
     expected = LLMEngine(llama.path, num_blocks=64).generate(prompts[:1], params)[0].token_ids
     prefill = LLMEngine(llama.path, num_blocks=32)
-    decode = LLMEngine(llama.path, num_blocks=16, max_num_seqs=3, max_queued_kv_fraction=1.0)
+    # Prefix caching off: six equal prompts would share their first block and the pool would not run dry.
+    decode = LLMEngine(llama.path, num_blocks=16, max_num_seqs=3, max_queued_kv_fraction=1.0,
+                       enable_prefix_caching=False)
     for i, prompt in enumerate(prompts):
         prefill_into(prefill, decode, f"r{i}", prompt, params)
     results: dict[str, Collected] = {}

@@ -7,7 +7,7 @@ from inference.engine import BlockManager, LLMEngine, SamplingParams
 from inference.engine.block_manager import block_hashes
 
 from .conftest import NEW_TOKENS, TinyModel
-from .helpers import Collected, absorb, drain
+from .helpers import Collected, absorb, drain, prefill_into
 from .test_logits_parity import engine_logits, reference_logits
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -103,3 +103,41 @@ def test_small_pool_evicts_cached_blocks_and_preemption_reuses_them(llama: TinyM
         assert results[f"r{i}"].token_ids == ref
     assert engine.kv_usage() == 0.0
     assert engine.block_manager.num_free == 8
+
+
+def test_decode_reservation_shares_a_cached_prefix(llama: TinyModel) -> None:
+    """Decode side of the hop: a request whose prompt starts with blocks this engine already holds
+    (an earlier request's) reserves them shared and gets only the rest from the prefill side
+    (`reserved_hits`); its tokens equal a colocated run, and the pool ends with nothing held."""
+    prefill = LLMEngine(llama.path, block_size=16, num_blocks=64)
+    decode = LLMEngine(llama.path, block_size=16, num_blocks=64)
+    prompt = llama.prompts[3]  # 70 tokens: 4 full blocks + 6
+    other = prompt[:64] + [(t + 1) % 64 for t in prompt[64:]]  # same 4 blocks, another tail
+    prefill_into(prefill, decode, "a", prompt, GREEDY)
+    assert decode.reserved_hits("a") == 0
+    first = drain(decode)["a"].token_ids
+    blocks_a = decode.block_manager.lookup(block_hashes(prompt, 16)[:4])
+    assert len(blocks_a) == 4  # still cached after "a" finished
+    prefill_into(prefill, decode, "b", other, GREEDY)
+    assert decode.reserved_hits("b") == 4
+    assert decode.scheduler.prefix_hit_tokens == 64
+    assert decode.prefix_cache_hit_rate == pytest.approx(64 / 140)
+    second = drain(decode)["b"].token_ids
+    colocated = LLMEngine(llama.path, block_size=16, num_blocks=64, enable_prefix_caching=False)
+    assert first == colocated.generate([prompt], GREEDY)[0].token_ids
+    assert second == colocated.generate([other], GREEDY)[0].token_ids
+    assert decode.kv_usage() == 0.0
+
+
+def test_decode_reservation_never_skips_the_last_block(llama: TinyModel) -> None:
+    """A prompt whose every block is cached still gets its last block from the prefill side: the
+    first token comes with it."""
+    prefill = LLMEngine(llama.path, block_size=16, num_blocks=64)
+    decode = LLMEngine(llama.path, block_size=16, num_blocks=64)
+    prompt = llama.prompts[3][:64]  # exactly 4 full blocks
+    prefill_into(prefill, decode, "a", prompt, GREEDY)
+    drain(decode)
+    prefill_into(prefill, decode, "b", prompt, GREEDY)
+    assert decode.reserved_hits("b") == 3
+    drain(decode)
+    assert decode.kv_usage() == 0.0

@@ -161,3 +161,33 @@ def test_descriptor_validation_names_the_problem() -> None:
         TransferDescriptor.from_dict({k: v for k, v in good.items() if k != "host"})
     with pytest.raises(ValueError, match="dtype"):
         TransferDescriptor.from_dict({**good, "layout": {**good["layout"], "dtype": "int7"}})
+
+
+def test_a_prefix_the_decode_side_holds_is_not_sent(pair) -> None:
+    """The decode worker holds the prompt's first two blocks (prefix caching): the prefill side sends
+    its blocks from the third on, into the descriptor's blocks, and nothing else."""
+    decode_kv, prefill_kv, receiver, sender, received = pair
+    dst = [9, 10]
+    tokens = 3 * LAYOUT.block_size + 1  # four blocks, the first two cached on the decode side
+    desc = receiver.expect("req-p", dst, num_tokens=tokens, lease_s=10, host="127.0.0.1", first_block=2)
+    desc = TransferDescriptor.from_dict(desc.to_dict())
+    assert desc.first_block == 2 and desc.source_blocks([4, 5, 6, 7]) == [6, 7]
+    stats = sender.send(desc, src_block_ids=[4, 5, 6, 7], first_token=3, timeout=5)
+    assert stats.nbytes == 2 * LAYOUT.block_nbytes
+    assert torch.equal(decode_kv[9], prefill_kv[6]) and torch.equal(decode_kv[10], prefill_kv[7])
+    assert torch.count_nonzero(decode_kv[[b for b in range(16) if b not in dst]]) == 0
+    assert received.items[0][:2] == ("req-p", 3)
+    with pytest.raises(KVTransferError, match="from block 2"):
+        desc.source_blocks([4, 5, 6])  # a prefill worker holding fewer blocks than the prompt's
+
+
+def test_descriptor_first_block_is_checked() -> None:
+    good = TransferDescriptor("r", "tcp", "h", 1, [1], 2 * LAYOUT.block_size, LAYOUT, 0.0, "t",
+                              first_block=1).to_dict()
+    assert TransferDescriptor.from_dict(good).first_block == 1
+    with pytest.raises(ValueError, match="first_block"):
+        TransferDescriptor.from_dict({**good, "first_block": 2, "block_ids": []})  # nothing left to send
+    with pytest.raises(ValueError, match="first_block"):
+        TransferDescriptor.from_dict({**good, "first_block": -1})
+    with pytest.raises(ValueError, match="blocks for"):
+        TransferDescriptor.from_dict({**good, "block_ids": [1, 2]})
