@@ -8,26 +8,21 @@ import pytest
 
 from inference.server.args import parse_args
 from tests.support.processes import start_worker
+from tests.support.worker_flags import refusal, worker_argv
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 
 
-def _base(model: Path) -> list[str]:
-    return ["--model-path", str(model), "--service-type", "decode"]
-
-
 def test_nice_parses_round_trips_and_defaults_to_zero(tiny_model_dir: Path) -> None:
-    assert parse_args(_base(tiny_model_dir)).nice == 0
-    args = parse_args([*_base(tiny_model_dir), "--nice", "10"])
+    assert parse_args(worker_argv(tiny_model_dir)).nice == 0
+    args = parse_args(worker_argv(tiny_model_dir, "decode", "--nice", "10"))
     assert args.nice == 10 and parse_args(args.to_argv()) == args
 
 
 @pytest.mark.parametrize("value", ["-1", "20"])
 def test_nice_out_of_range_names_the_flag(tiny_model_dir: Path, value: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        parse_args([*_base(tiny_model_dir), "--nice", value])
-    assert "--nice" in capsys.readouterr().err
+    assert "--nice" in refusal(worker_argv(tiny_model_dir, "decode", "--nice", value), capsys)
 
 
 def test_a_worker_started_with_nice_runs_every_thread_and_its_session_below(tiny_model_dir: Path,
