@@ -116,6 +116,20 @@ class BlockManager:
                 del self._cached[b]
             self._refs[b] += 1
 
+    def blocks_to_take(self, hits: list[int], n: int) -> int:
+        """Free blocks that sharing the cached prefix `hits` and allocating `n` more would use up
+        (a cached block nobody references counts: sharing takes it out of the free pool)."""
+        return n + self.num_free_among(hits)
+
+    def extend_prefix(self, hits: list[int], n: int) -> list[int]:
+        """Share the cached prefix `hits` and allocate `n` blocks after it: `hits + new`. Raises
+        `NoFreeBlocks`, taking nothing, when they do not fit."""
+        take = self.blocks_to_take(hits, n)
+        if take > self.num_free:
+            raise NoFreeBlocks(f"need {take} KV blocks, {self.num_free} free of {self.num_blocks}")
+        self.share(hits)
+        return hits + self.allocate(n)
+
     def usage(self) -> float:
         """Fraction of blocks referenced, 0.0 to 1.0 (cached but unreferenced blocks count as free)."""
         return 1.0 - self.num_free / self.num_blocks

@@ -283,13 +283,8 @@ class LLMEngine:
             # Prefix caching across the hop: blocks of this prompt's prefix cached here from earlier
             # requests are shared, and only the rest is sent (`reserved_hits`; always at least the
             # block of the last prompt token, whose KV comes with the first token).
-            bm = self.block_manager
             hits = self.scheduler.cached_prefix(seq)
-            take = need - len(hits) + bm.num_free_among(hits)  # sharing a free cached block uses it up
-            if not bm.can_allocate(take):
-                raise NoFreeBlocks(f"need {take} KV blocks, {bm.num_free} free of {bm.num_blocks}")
-            bm.share(hits)
-            seq.block_ids = hits + bm.allocate(need - len(hits))
+            seq.block_ids = self.block_manager.extend_prefix(hits, need - len(hits))
             seq.reserved_hits = len(hits)
             if self.scheduler.enable_prefix_caching:
                 self.scheduler.prefix_query_tokens += seq.num_prompt_tokens

@@ -163,8 +163,7 @@ class Scheduler:
                 out.too_long.append(seq)
                 continue
             hits = self.cached_prefix(seq)
-            # Cached blocks nobody holds are counted as free: sharing them uses up free blocks too.
-            take = need - len(hits) + bm.num_free_among(hits)
+            take = bm.blocks_to_take(hits, need - len(hits))
             new_tokens = n - len(hits) * self.block_size
             chunked = self.enable_chunked_prefill and new_tokens > budget
             # Without chunking, always admit one, even over the token budget, or a long prompt would
@@ -179,8 +178,7 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            bm.share(hits)
-            seq.block_ids = hits + bm.allocate(need - len(hits))
+            seq.block_ids = bm.extend_prefix(hits, need - len(hits))
             seq.num_cached = len(hits) * self.block_size
             if self.enable_prefix_caching:
                 self.prefix_query_tokens += n

@@ -395,7 +395,13 @@ class Worker:
             raise overloaded(f"decode queue is full ({self.args.max_queue} waiting); retry later")
         try:
             window = (self.args.stream_window or SUGGESTED_STREAM_WINDOW) if credit is not None else None
-            block_ids = await asyncio.to_thread(self.async_engine.reserve, request_id, ids, params, window)
+
+            def reserve() -> tuple[list[int], int]:
+                # Both take the engine lock, held across a step: off the event loop.
+                blocks = self.async_engine.reserve(request_id, ids, params, window)
+                return blocks, self.engine.reserved_hits(request_id)
+
+            block_ids, hits = await asyncio.to_thread(reserve)
         except NoFreeBlocks as exc:
             self.metrics.outcome("rejected")
             raise overloaded(f"KV cache is full ({exc}); retry later") from exc
@@ -405,7 +411,7 @@ class Worker:
         self._kv_waiters[request_id] = waiter
         host = self.args.kv_advertise_host or server_host
         assert self.receiver is not None
-        hits = self.engine.reserved_hits(request_id)  # cached here already: the prefill side skips them
+        # The first `hits` blocks are cached here already: the prefill side sends the ones after them.
         descriptor = self.receiver.expect(
             request_id, block_ids[hits:], len(ids), self.args.kv_lease_timeout, host, first_block=hits
         )

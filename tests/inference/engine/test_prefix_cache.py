@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference.engine import BlockManager, LLMEngine, SamplingParams
+from inference.engine import BlockManager, LLMEngine, NoFreeBlocks, SamplingParams
 from inference.engine.block_manager import block_hashes
 
 from .conftest import NEW_TOKENS, TinyModel
@@ -40,6 +40,21 @@ def test_shared_blocks_are_ref_counted_and_cached_until_needed() -> None:
     assert bm.allocate(1) == [first[1]] and bm.lookup([h[0], h[1]]) == [first[0]]  # ...then evict
     with pytest.raises(ValueError):
         bm.free([first[1], first[1]])
+
+
+def test_extend_prefix_counts_cached_free_blocks_and_takes_nothing_when_short() -> None:
+    bm = BlockManager(4)
+    h = block_hashes(list(range(16)), 8)
+    prefix = bm.allocate(2)
+    for block, content in zip(prefix, h, strict=True):
+        bm.register(block, content)
+    bm.free(prefix)  # cached, free
+    assert bm.blocks_to_take(prefix, 2) == 4
+    with pytest.raises(NoFreeBlocks):
+        bm.extend_prefix(prefix, 3)  # 2 shared + 3 new > 4
+    assert bm.num_free == 4 and bm.num_cached == 2  # nothing was taken
+    blocks = bm.extend_prefix(prefix, 2)
+    assert blocks[:2] == prefix and bm.num_free == 0
 
 
 def test_repeated_prompt_hits_and_matches(llama: TinyModel) -> None:
