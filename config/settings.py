@@ -83,8 +83,11 @@ else:
         "default": {
             "ENGINE": "django.db.backends.sqlite3",
             "NAME": str(VAR_DIR / "platform.sqlite3"),
-            # WAL plus a busy timeout lets the router, agents and admin share the file.
-            "OPTIONS": {"timeout": 20, "init_command": "PRAGMA journal_mode=WAL;"},
+            # WAL plus a busy timeout lets the router, agents and admin share the file. IMMEDIATE: a
+            # transaction takes the write lock when it begins, so one that reads then writes waits
+            # for another writer (busy timeout) instead of failing with "database is locked" at its
+            # first write (a deferred transaction's read snapshot cannot be upgraded once stale).
+            "OPTIONS": {"timeout": 20, "init_command": "PRAGMA journal_mode=WAL;", "transaction_mode": "IMMEDIATE"},
         }
     }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
