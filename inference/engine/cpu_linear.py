@@ -24,14 +24,20 @@ logger = logging.getLogger(__name__)
 
 
 def prepacked_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether prepacked oneDNN linears apply: bf16 or fp32 weights on a CPU with oneDNN built in."""
-    return (
+    """Whether prepacked oneDNN linears apply: bf16 or fp32 weights on a CPU with oneDNN built in.
+
+    bf16 also needs oneDNN's bf16 support on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): on an
+    AVX2-only CPU the reorder raises, and `--dtype bfloat16` there runs on `F.linear` instead.
+    """
+    if not (
         device.type == "cpu"
         and dtype in (torch.bfloat16, torch.float32)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    ):
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PrepackedLinear(nn.Module):

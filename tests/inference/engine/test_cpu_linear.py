@@ -9,11 +9,15 @@ from inference.engine.cpu_linear import PrepackedLinear, prepack_linears, prepac
 
 from .conftest import TinyModel
 
-pytestmark = pytest.mark.skipif(
-    not prepacked_linear_available(torch.bfloat16, torch.device("cpu")), reason="torch built without oneDNN"
-)
+CPU = torch.device("cpu")
+ONEDNN = prepacked_linear_available(torch.float32, CPU)
+pytestmark = pytest.mark.skipif(not ONEDNN, reason="torch built without oneDNN")
+# oneDNN's bf16 kernels need AVX-512 BW/VL/DQ or AVX-NE-CONVERT; AVX2-only CPUs run bf16 on F.linear.
+needs_bf16 = pytest.mark.skipif(not prepacked_linear_available(torch.bfloat16, CPU),
+                                reason="oneDNN has no bf16 kernels on this CPU")
 
 
+@needs_bf16
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 32, 300])
 def test_prepacked_linear_equals_linear(bias: bool, rows: int) -> None:
@@ -27,7 +31,7 @@ def test_prepacked_linear_equals_linear(bias: bool, rows: int) -> None:
 
 
 def test_prepack_keeps_parameters_and_ties() -> None:
-    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 50, bias=False)).to(torch.bfloat16)
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 50, bias=False))
     model[1].weight = model[0].weight  # a tied LM head
     assert prepack_linears(model) == 1
     head = model[1]
@@ -48,6 +52,7 @@ def test_fp32_prepacked_linear_close_to_linear(rows: int) -> None:
         torch.testing.assert_close(packed(x), lin(x), atol=2e-5, rtol=1e-5)
 
 
+@needs_bf16
 def test_bf16_engine_prepacks_and_generates_the_same_tokens(llama_variant: TinyModel,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Prepacking changes no output: greedy tokens equal those of the same bf16 engine with plain
@@ -63,3 +68,16 @@ def test_bf16_engine_prepacks_and_generates_the_same_tokens(llama_variant: TinyM
     plain = LLMEngine(llama_variant.path, num_blocks=64, dtype="bfloat16")
     assert not any(isinstance(m, PrepackedLinear) for m in plain.model.modules())
     assert got == [r.token_ids for r in plain.generate(llama_variant.prompts, params)]
+
+
+def test_bf16_prepacking_follows_onednn_bf16_support(llama_variant: TinyModel) -> None:
+    """`--dtype bfloat16` builds and generates on every CPU: prepacked where oneDNN has bf16 kernels,
+    plain `F.linear` where it has none (an AVX2-only CPU, where the reorder raises)."""
+    from inference.engine import LLMEngine, SamplingParams
+
+    supported = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert prepacked_linear_available(torch.bfloat16, CPU) == supported
+    engine = LLMEngine(llama_variant.path, num_blocks=64, dtype="bfloat16")
+    assert any(isinstance(m, PrepackedLinear) for m in engine.model.modules()) == supported
+    out = engine.generate(llama_variant.prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert [len(r.token_ids) for r in out] == [4] * len(llama_variant.prompts)
