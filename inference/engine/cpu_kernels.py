@@ -25,7 +25,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_ops.cpp", "paged_decode.cpp")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_ops.cpp", "paged_decode.cpp", "panel_gemm.cpp")]
 ENV_SWITCH = "INFERENCE_CPU_KERNELS"
 # -ffast-math lets the compiler vectorize exp (glibc's vector math, only under finite math) and the fp32
 # reductions; the kernels keep every intermediate finite (softmax exponents are <= 0, SiLU's clamped).

@@ -15,7 +15,7 @@ from .batch import BatchMetadata, DecodeSlotCache, build_metadata, decode_metada
 from .compile import check_compile_available, compile_model
 from .config import ModelConfig
 from .cpu_kernels import load_kernels
-from .cpu_linear import prepack_linears, prepacked_linear_available
+from .cpu_linear import panel_linear_preferred, prepack_linears, prepacked_linear_available
 from .dtypes import dtype_name, resolve_dtype
 from .kv_cache import KVCache
 from .memory import (
@@ -68,7 +68,15 @@ class ModelRunner:
         if use_compile:
             check_compile_available(device)  # before the weights load: fail fast
         self.model: LlamaForCausalLM = load_model(model_path, config, device, self.dtype)
-        if not use_compile and prepacked_linear_available(self.dtype, device):
+        # On a CPU the C++ kernels (decode attention over the paged cache, fused norms, RoPE, SiLU·mul,
+        # the fp32 panel GEMM) when they build here (cpu_kernels.py); torch ops otherwise, and with
+        # --compile (inductor fuses).
+        ops = None
+        if device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and not use_compile:
+            ops = load_kernels()
+        if not use_compile and panel_linear_preferred(self.dtype, ops):
+            prepack_linears(self.model, panel_ops=ops)  # fp32 on an AVX2 CPU: the panel kernel
+        elif not use_compile and prepacked_linear_available(self.dtype, device):
             prepack_linears(self.model)  # on a CPU: weights reordered once for oneDNN
         block_bytes = KVCache.bytes_per_block(
             config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim, self.dtype
@@ -118,11 +126,6 @@ class ModelRunner:
         self._next_decode: tuple[torch.Tensor, torch.Tensor] | None = None
         if use_compile:
             compile_model(self.model)
-        # On a CPU the C++ kernels (decode attention over the paged cache, fused norms, RoPE, SiLU·mul)
-        # when they build here (cpu_kernels.py); torch ops otherwise, and with --compile (inductor fuses).
-        ops = None
-        if device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and not use_compile:
-            ops = load_kernels()
         self.model.cpu_ops = ops
         self.decode_kernel = ops is not None
         logger.info(

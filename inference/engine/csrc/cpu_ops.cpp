@@ -1,7 +1,7 @@
 // Fused element-wise ops of the Llama block for the CPU, each one pass over its rows in fp32 with a
 // single rounding to the storage dtype (torch runs each of them as 3-8 kernels, with bf16 casts in
 // between): RMSNorm, residual add + RMSNorm, RoPE in place, SiLU(gate) * up. Python bindings of these
-// and of paged_decode.cpp's kernel.
+// and of paged_decode.cpp's and panel_gemm.cpp's kernels.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -14,6 +14,8 @@
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, torch::Tensor rows,
                            torch::Tensor slots, torch::Tensor ctx_lens, int64_t layer_offset, int64_t v_offset,
                            double scale);
+torch::Tensor pack_panels(torch::Tensor weight);
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias);
 
 namespace {
 
@@ -222,4 +224,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_inplace", &rope_inplace, "rotary embedding of the first heads of each row, in place (CPU)", release());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [rows, 2 * inter] (CPU)", release());
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (CPU)", release());
+  m.def("pack_panels", &pack_panels, "an fp32 [N, K] weight packed for panel_linear: [ceil(N / 16), K, 16]");
+  m.def("panel_linear", &panel_linear, "x @ w.T + bias in fp32 from pack_panels(w) (CPU)", py::arg("x"),
+        py::arg("panels"), py::arg("n"), py::arg("bias") = py::none(), release());
 }
