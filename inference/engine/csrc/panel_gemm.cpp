@@ -42,15 +42,19 @@ inline void store(const v8 (&acc)[MR][NV], const float* bias, float* y, int64_t 
 }
 
 // MR rows x (8 * NV) columns starting at `w` (a panel or its second half; rows of the panel are NR apart).
+// `next`, when given, is the panel after this one: one of its 64-byte rows is prefetched per k, so the
+// weights stream from memory while this panel computes (~10 % on SmolLM2's 8-row projections with the
+// weights out of cache).
 template <int MR, int NV>
 void tile(const float* x, int64_t K, const float* w, const float* bias, float* y, int64_t N, int64_t n0, int64_t m0,
-          int64_t cols) {
+          int64_t cols, const float* next) {
   v8 acc[MR][NV];
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = v8{};
   const float* xr[MR];
   for (int i = 0; i < MR; ++i) xr[i] = x + (m0 + i) * K;
   for (int64_t k = 0; k < K; ++k) {
+    if (next != nullptr) __builtin_prefetch(next + k * NR);
     v8 wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = load8(w + k * NR + 8 * v);
     for (int i = 0; i < MR; ++i) {
@@ -64,19 +68,20 @@ void tile(const float* x, int64_t K, const float* w, const float* bias, float* y
 // `rows` (< MR) remaining rows: the tile instantiated for exactly that many.
 template <int MR, int NV>
 void tail(const float* x, int64_t K, const float* w, const float* bias, float* y, int64_t N, int64_t n0, int64_t m0,
-          int64_t cols, int64_t rows) {
+          int64_t cols, int64_t rows, const float* next) {
   if constexpr (MR > 0) {
-    if (rows == MR) return tile<MR, NV>(x, K, w, bias, y, N, n0, m0, cols);
-    tail<MR - 1, NV>(x, K, w, bias, y, N, n0, m0, cols, rows);
+    if (rows == MR) return tile<MR, NV>(x, K, w, bias, y, N, n0, m0, cols, next);
+    tail<MR - 1, NV>(x, K, w, bias, y, N, n0, m0, cols, rows, next);
   }
 }
 
+// All M rows against one panel (or half panel); the first pass prefetches `next`.
 template <int MR, int NV>
 void rows_of(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* y, int64_t N, int64_t n0,
-             int64_t cols) {
+             int64_t cols, const float* next) {
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) tile<MR, NV>(x, K, w, bias, y, N, n0, m, cols);
-  if (m < M) tail<MR - 1, NV>(x, K, w, bias, y, N, n0, m, cols, M - m);
+  for (; m + MR <= M; m += MR, next = nullptr) tile<MR, NV>(x, K, w, bias, y, N, n0, m, cols, next);
+  if (m < M) tail<MR - 1, NV>(x, K, w, bias, y, N, n0, m, cols, M - m, next);
 }
 
 }  // namespace
@@ -111,11 +116,12 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10
     for (int64_t p = begin; p < end; ++p) {
       const float* panel = wp + p * K * NR;
       const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
+      const float* next = p + 1 < end ? panel + K * NR : nullptr;
       if (M <= SMALL_ROWS) {
-        rows_of<8, 1>(xp, M, K, panel, b, yp, N, n0, std::min<int64_t>(8, cols));
-        if (cols > 8) rows_of<8, 1>(xp, M, K, panel + 8, b, yp, N, n0 + 8, cols - 8);
+        rows_of<8, 1>(xp, M, K, panel, b, yp, N, n0, std::min<int64_t>(8, cols), next);
+        if (cols > 8) rows_of<8, 1>(xp, M, K, panel + 8, b, yp, N, n0 + 8, cols - 8, nullptr);
       } else {
-        rows_of<6, 2>(xp, M, K, panel, b, yp, N, n0, cols);
+        rows_of<6, 2>(xp, M, K, panel, b, yp, N, n0, cols, next);
       }
     }
   });
