@@ -52,7 +52,20 @@ async def _one(session: Any, url: str, model: str, prompt: list[int], output_len
     """One streamed completion: TTFT, per-token gaps and the tokens received (from `usage`)."""
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 1.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    import aiohttp
+
     start = time.perf_counter()
+    try:
+        return await _stream(session, url, body, start)
+    except aiohttp.ClientError as exc:
+        # Counted as a failed request (errors, error_samples), not the end of the run: a server that closes an
+        # idle keep-alive connection as the client reuses it fails that one request (ServerDisconnectedError),
+        # as it would for any client.
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:200]}
+
+
+async def _stream(session: Any, url: str, body: dict[str, Any], start: float) -> dict[str, Any]:
+    """Stream one completion; client-side TTFT and inter-token gaps."""
     first: float | None = None
     last = start
     gaps: list[float] = []

@@ -144,3 +144,22 @@ def test_stream_drill_quick(tmp_path: Path) -> None:
     assert 0 <= hangup["delivered_before_hang_up"] <= hangup["ran_to_completion"] <= 20
     assert hangup["ran_on_after_hang_up"] == hangup["ran_to_completion"] - hangup["delivered_before_hang_up"]
     assert 0 < hangup["tokens_generated"] <= 20 * 200
+
+
+def test_serve_vs_vllm_counts_a_connection_failure_as_a_failed_request() -> None:
+    """A request whose connection fails is one error in the results, not the end of the run."""
+    import asyncio
+    import socket
+
+    import aiohttp
+
+    with socket.socket() as s:  # a free port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def one() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as session:
+            return await serve_vs_vllm._one(session, f"http://127.0.0.1:{port}", "m", [1, 2, 3], 4)
+
+    result = asyncio.run(one())
+    assert result["ok"] is False and "ClientConnectorError" in result["error"]
