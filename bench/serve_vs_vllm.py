@@ -97,7 +97,10 @@ async def _load(url: str, model: str, prompts: list[list[int]], output_len: int,
     """`requests` streamed completions, `concurrency` at a time (closed loop); client-side numbers."""
     import aiohttp
 
-    connector = aiohttp.TCPConnector(limit=concurrency + 4)
+    # Idle connections are dropped after 3 s, before the servers' keep-alive timeouts (5 s for the router and
+    # for vllm serve's uvicorn; aiohttp's own default is 15 s), so the client never reuses a connection the
+    # server is closing at that moment.
+    connector = aiohttp.TCPConnector(limit=concurrency + 4, keepalive_timeout=3.0)
     async with aiohttp.ClientSession(connector=connector, trust_env=False,
                                      timeout=aiohttp.ClientTimeout(total=600)) as session:
         # Warm-up at this concurrency: connections, first-call costs, batch shapes compiled on first use.
