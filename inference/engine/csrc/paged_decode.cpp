@@ -57,7 +57,6 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
   }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
 // Rows this many tokens ahead are prefetched: a sequence's blocks are scattered over the pool, so the
 // hardware prefetchers only see short runs of 16 tokens (measured on SmolLM2's shapes: the loads were
 // most of the kernel's time before).
@@ -65,9 +64,10 @@ constexpr int64_t PREFETCH_AHEAD = 8;
 
 inline void prefetch_row(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 // bf16 on a CPU with AVX512-BF16, one sequence (all its heads): q·k as `vdpbf16ps` on bf16 pairs (q is
 // rounded to bf16 after scaling, as the torch path's bf16 matmul does); each token's K row of all KV
 // heads is one contiguous read; values are widened to fp32 and accumulated in registers, per KV head.
@@ -126,13 +126,38 @@ void decode_seq_bf16(const c10::BFloat16* q, int64_t q1, const c10::BFloat16* ca
 }
 #define PAGED_DECODE_BF16_SIMD 1
 
-// fp32 with AVX-512: the same per-sequence structure, fp32 FMAs for q·k (no rounding of q: fp32 is the
-// mode that matches transformers).
+#endif
+
+
+// fp32, one sequence (all its heads) per task: fp32 FMAs for q·k (no rounding of q: fp32 is the mode that
+// matches transformers), each token's K row of all KV heads one contiguous read, values accumulated in
+// registers per KV head. On GCC vectors as wide as the CPU's (16 floats with AVX-512, else 8): on an
+// AVX2-only EPYC this replaced the generic loops below, which copied every K/V row to a buffer (116 ->
+// 64 us per call at SmolLM2's shapes, 8 sequences).
+#if defined(__AVX512F__)
+constexpr int F32_LANES = 16;
+#else
+constexpr int F32_LANES = 8;
+#endif
+typedef float vecf __attribute__((vector_size(4 * F32_LANES)));
+
+inline vecf load_vec(const float* p) {
+  vecf r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+}
+
+inline float sum_vec(vecf v) {
+  float s = 0.f;
+  for (int i = 0; i < F32_LANES; ++i) s += v[i];
+  return s;
+}
+
 template <int HD>
 void decode_seq_f32(const float* q, int64_t q1, const float* cache, const int64_t* srow, int64_t len,
                     int64_t layer_offset, int64_t v_offset, int64_t kv_heads, int64_t heads, float scale,
                     float* scores, float* out) {
-  constexpr int F = HD / 16;
+  constexpr int F = HD / F32_LANES;
   constexpr int G_MAX = 8;
   const int64_t group = heads / kv_heads, row_elems = kv_heads * HD, row_bytes = row_elems * 4;
   alignas(64) float qs[64 * HD];
@@ -144,99 +169,33 @@ void decode_seq_f32(const float* q, int64_t q1, const float* cache, const int64_
     if (t + PREFETCH_AHEAD < len) prefetch_row(k_row(t + PREFETCH_AHEAD), row_bytes);
     const float* k = k_row(t);
     for (int64_t g = 0; g < kv_heads; ++g) {
-      __m512 kv[F];
-      for (int f = 0; f < F; ++f) kv[f] = _mm512_loadu_ps(k + g * HD + 16 * f);
+      vecf kv[F];
+      for (int f = 0; f < F; ++f) kv[f] = load_vec(k + g * HD + F32_LANES * f);
       for (int64_t j = 0; j < group; ++j) {
         const float* qh = qs + (g * group + j) * HD;
-        __m512 acc = _mm512_mul_ps(kv[0], _mm512_load_ps(qh));
-        for (int f = 1; f < F; ++f) acc = _mm512_fmadd_ps(kv[f], _mm512_load_ps(qh + 16 * f), acc);
-        scores[(g * group + j) * len + t] = _mm512_reduce_add_ps(acc);
+        vecf acc = kv[0] * load_vec(qh);
+        for (int f = 1; f < F; ++f) acc += kv[f] * load_vec(qh + F32_LANES * f);
+        scores[(g * group + j) * len + t] = sum_vec(acc);
       }
     }
   }
   softmax_rows(scores, heads, len);
   for (int64_t g = 0; g < kv_heads; ++g) {
-    __m512 acc[G_MAX][F];
+    vecf acc[G_MAX][F];
     for (int64_t j = 0; j < group; ++j)
-      for (int f = 0; f < F; ++f) acc[j][f] = _mm512_setzero_ps();
+      for (int f = 0; f < F; ++f) acc[j][f] = vecf{};
     for (int64_t t = 0; t < len; ++t) {
       if (g == 0 && t + PREFETCH_AHEAD < len) prefetch_row(v_row(t + PREFETCH_AHEAD), row_bytes);
       const float* v = v_row(t) + g * HD;
-      __m512 vf[F];
-      for (int f = 0; f < F; ++f) vf[f] = _mm512_loadu_ps(v + 16 * f);
-      for (int64_t j = 0; j < group; ++j) {
-        const __m512 p = _mm512_set1_ps(scores[(g * group + j) * len + t]);
-        for (int f = 0; f < F; ++f) acc[j][f] = _mm512_fmadd_ps(p, vf[f], acc[j][f]);
-      }
-    }
-    for (int64_t j = 0; j < group; ++j)
-      for (int f = 0; f < F; ++f) _mm512_storeu_ps(out + (g * group + j) * HD + 16 * f, acc[j][f]);
-  }
-}
-#endif
-
-
-// fp32 without the AVX-512 path (e.g. an AVX2-only CPU): the same per-sequence structure on 8-float
-// GCC vectors (the compiler emits AVX2 FMAs under -march=native). Before it, such CPUs ran the generic
-// per-(sequence, KV head) loops below, which copied every K/V row to a buffer: ~8 % of an 8-sequence
-// SmolLM2 fp32 decode step on an AVX2 EPYC.
-typedef float v8f __attribute__((vector_size(32)));
-
-inline v8f load_v8(const float* p) {
-  v8f r;
-  std::memcpy(&r, p, sizeof r);
-  return r;
-}
-
-inline float sum_v8(v8f v) {
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += v[i];
-  return s;
-}
-
-template <int HD>
-void decode_seq_f32_v8(const float* q, int64_t q1, const float* cache, const int64_t* srow, int64_t len,
-                       int64_t layer_offset, int64_t v_offset, int64_t kv_heads, int64_t heads, float scale,
-                       float* scores, float* out) {
-  constexpr int F = HD / 8;
-  constexpr int G_MAX = 8;
-  const int64_t group = heads / kv_heads, row_elems = kv_heads * HD;
-  alignas(64) float qs[64 * HD];
-  for (int64_t h = 0; h < heads; ++h)
-    for (int d = 0; d < HD; ++d) qs[h * HD + d] = q[h * q1 + d] * scale;
-  auto k_row = [&](int64_t t) { return cache + (srow[t] + layer_offset) * row_elems; };
-  auto v_row = [&](int64_t t) { return cache + (srow[t] + layer_offset + v_offset) * row_elems; };
-  for (int64_t t = 0; t < len; ++t) {
-    if (t + 8 < len) __builtin_prefetch(k_row(t + 8));
-    const float* k = k_row(t);
-    for (int64_t g = 0; g < kv_heads; ++g) {
-      v8f kv[F];
-      for (int f = 0; f < F; ++f) kv[f] = load_v8(k + g * HD + 8 * f);
-      for (int64_t j = 0; j < group; ++j) {
-        const float* qh = qs + (g * group + j) * HD;
-        v8f acc = kv[0] * load_v8(qh);
-        for (int f = 1; f < F; ++f) acc += kv[f] * load_v8(qh + 8 * f);
-        scores[(g * group + j) * len + t] = sum_v8(acc);
-      }
-    }
-  }
-  softmax_rows(scores, heads, len);
-  for (int64_t g = 0; g < kv_heads; ++g) {
-    v8f acc[G_MAX][F];
-    for (int64_t j = 0; j < group; ++j)
-      for (int f = 0; f < F; ++f) acc[j][f] = v8f{};
-    for (int64_t t = 0; t < len; ++t) {
-      if (g == 0 && t + 8 < len) __builtin_prefetch(v_row(t + 8));
-      const float* v = v_row(t) + g * HD;
-      v8f vf[F];
-      for (int f = 0; f < F; ++f) vf[f] = load_v8(v + 8 * f);
+      vecf vf[F];
+      for (int f = 0; f < F; ++f) vf[f] = load_vec(v + F32_LANES * f);
       for (int64_t j = 0; j < group; ++j) {
         const float p = scores[(g * group + j) * len + t];
         for (int f = 0; f < F; ++f) acc[j][f] += vf[f] * p;
       }
     }
     for (int64_t j = 0; j < group; ++j)
-      for (int f = 0; f < F; ++f) std::memcpy(out + (g * group + j) * HD + 8 * f, &acc[j][f], sizeof(v8f));
+      for (int f = 0; f < F; ++f) std::memcpy(out + (g * group + j) * HD + F32_LANES * f, &acc[j][f], sizeof(vecf));
   }
 }
 
@@ -285,8 +244,8 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& k_new, const torch
   int64_t max_len = 0;
   for (int64_t i = 0; i < n; ++i) max_len = std::max(max_len, lens[i]);
 
-  // One sequence (all its heads) per task, K/V rows read in place: AVX-512 kernels where compiled, else
-  // (fp32) the 8-wide vector one; anything else takes the generic per-(sequence, KV head) loops below.
+  // One sequence (all its heads) per task, K/V rows read in place: fp32 on the vector kernel, bf16 on the
+  // AVX512-BF16 one where compiled; anything else takes the generic per-(sequence, KV head) loops below.
   auto per_sequence = [&](auto&& kernel) {
     at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(heads * max_len);
@@ -303,24 +262,20 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& k_new, const torch
     });
   };
   const bool vector_shape = group <= 8 && heads <= 64 && (hd == 64 || hd == 128);
-#ifdef PAGED_DECODE_BF16_SIMD
-  if (vector_shape) {
-    per_sequence([&](const T* qi, const int64_t* srow, int64_t len, float* scores, T* oi) {
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        auto fn = hd == 64 ? decode_seq_bf16<64> : decode_seq_bf16<128>;
-        fn(qi, q1, cache, srow, len, layer_offset, v_offset, kv_heads, heads, fscale, scores, oi);
-      } else {
-        auto fn = hd == 64 ? decode_seq_f32<64> : decode_seq_f32<128>;
-        fn(qi, q1, cache, srow, len, layer_offset, v_offset, kv_heads, heads, fscale, scores, oi);
-      }
-    });
-    return;
-  }
-#else
   if constexpr (std::is_same_v<T, float>) {
     if (vector_shape) {
       per_sequence([&](const T* qi, const int64_t* srow, int64_t len, float* scores, T* oi) {
-        auto fn = hd == 64 ? decode_seq_f32_v8<64> : decode_seq_f32_v8<128>;
+        auto fn = hd == 64 ? decode_seq_f32<64> : decode_seq_f32<128>;
+        fn(qi, q1, cache, srow, len, layer_offset, v_offset, kv_heads, heads, fscale, scores, oi);
+      });
+      return;
+    }
+  }
+#ifdef PAGED_DECODE_BF16_SIMD
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (vector_shape) {
+      per_sequence([&](const T* qi, const int64_t* srow, int64_t len, float* scores, T* oi) {
+        auto fn = hd == 64 ? decode_seq_bf16<64> : decode_seq_bf16<128>;
         fn(qi, q1, cache, srow, len, layer_offset, v_offset, kv_heads, heads, fscale, scores, oi);
       });
       return;

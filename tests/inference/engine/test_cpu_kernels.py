@@ -42,7 +42,7 @@ def _reference_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     (torch.bfloat16, 4, 2, 16),  # generic bf16 path
     (torch.bfloat16, 4, 4, 64),  # tiny hd64 (the AVX512-BF16 path where the CPU has it)
     (torch.bfloat16, 9, 3, 64),  # SmolLM2's grouping
-    (torch.float32, 8, 2, 128),  # the fp32 AVX-512 path, or the 8-wide vector one (AVX2)
+    (torch.float32, 8, 2, 128),  # the fp32 vector path (16 lanes with AVX-512, else 8)
     (torch.float32, 9, 3, 64),
 ])
 def test_paged_decode_matches_reference(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
