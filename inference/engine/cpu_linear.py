@@ -50,55 +50,61 @@ def prepacked_linear_available(dtype: torch.dtype, device: torch.device) -> bool
     return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-class PrepackedLinear(nn.Module):
-    """A drop-in for an `nn.Linear` whose weight was reordered once for oneDNN.
+class _PackedLinear(nn.Module):
+    """A drop-in for an `nn.Linear` whose weight was packed once for another GEMM kernel.
 
     It keeps the original `weight`/`bias` parameters (so tied embeddings, `state_dict` and weight
-    inspection keep working) and holds the reordered copy as a non-persistent buffer.
+    inspection keep working); subclasses hold the packed copy as a non-persistent buffer and
+    implement `_linear2d` on a contiguous [rows, in_features] input.
     """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        """Take over `linear`'s shape and parameters."""
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def _linear2d(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T + bias for a contiguous 2-D `x`."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T + bias over the last dimension (any leading shape)."""
+        if x.dim() != 2:
+            return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        return self._linear2d(x.contiguous())
+
+
+class PrepackedLinear(_PackedLinear):
+    """An `nn.Linear` on oneDNN's kernel, its weight reordered once into oneDNN's blocked layout."""
 
     def __init__(self, linear: nn.Linear, batch_hint: int) -> None:
         """Wrap `linear`; `batch_hint` is the row count oneDNN picks its blocking for (any row count
         works; decode batches are the hot case)."""
-        super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
+        super().__init__(linear)
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.packed_weight: torch.Tensor
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ weight.T + bias over the last dimension (any leading shape)."""
-        if x.dim() != 2:
-            return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
+    def _linear2d(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-class PanelLinear(nn.Module):
-    """A drop-in for an fp32 `nn.Linear` on the CPU kernels' panel GEMM (csrc/panel_gemm.cpp).
-
-    Like `PrepackedLinear` it keeps the original `weight`/`bias` parameters and holds the packed copy
-    ([ceil(out / 16), in, 16]) as a non-persistent buffer.
-    """
+class PanelLinear(_PackedLinear):
+    """An fp32 `nn.Linear` on the CPU kernels' panel GEMM (csrc/panel_gemm.cpp), its weight packed once
+    into 16-column panels ([ceil(out / 16), in, 16])."""
 
     def __init__(self, linear: nn.Linear, ops: Any) -> None:
         """Wrap `linear` (fp32); `ops` is the compiled CPU kernel module (cpu_kernels.load_kernels)."""
-        super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
+        super().__init__(linear)
         self._ops = ops
         self.register_buffer("panels", ops.pack_panels(linear.weight.detach()), persistent=False)
         self.panels: torch.Tensor
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ weight.T + bias over the last dimension (any leading shape)."""
-        if x.dim() != 2:
-            return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
-        return self._ops.panel_linear(x.contiguous(), self.panels, self.out_features, self.bias)  # type: ignore[no-any-return]
+    def _linear2d(self, x: torch.Tensor) -> torch.Tensor:
+        return self._ops.panel_linear(x, self.panels, self.out_features, self.bias)  # type: ignore[no-any-return]
 
 
 def panel_linear_preferred(dtype: torch.dtype, ops: Any) -> bool:
