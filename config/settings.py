@@ -35,6 +35,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "rest_framework.authtoken",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # Swagger UI as static files: /api/docs/ works offline
     "django_celery_beat",
     "nodes",
     "inference",
@@ -165,6 +166,9 @@ SPECTACULAR_SETTINGS = {
     "TITLE": "Disaggregated inference platform API",
     "VERSION": "0.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # Served from our own static files (drf-spectacular-sidecar, pinned), never from a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
 }
 
 # Router (static endpoints from `python -m inference.launch_router`).
