@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector, generate_latest
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
@@ -96,6 +96,8 @@ class RouterMetrics:
         self.inflight = Gauge("router_inflight", "Generations in flight in this router", registry=r)
         self.queued = Gauge("router_queued", "Requests waiting for a decode slot", registry=r)
         self.capacity = Gauge("router_decode_slots", "Decode slots of the workers in rotation", registry=r)
+        # process_resident_memory_bytes, process_cpu_seconds_total, ... of this router process (Linux).
+        ProcessCollector(registry=r)
 
     def bind_gauges(self, inflight: Callable[[], float], queued: Callable[[], float],
                     capacity: Callable[[], float]) -> None:
