@@ -390,7 +390,7 @@ async def stream_generate(client: Any, router_url: str, body: dict[str, Any], in
                           timeout_s: float = 300.0) -> Any:
     """Send one streaming `POST /generate` and time it like `load_test` does.
 
-    Returns an `inference.loadtest.RequestRecord` (so `loadtest.summarize` aggregates it): TTFT at the
+    Returns an `inference.tools.load_test.RequestRecord` (so `load_test.summarize` aggregates it): TTFT at the
     first event carrying token ids, one inter-token latency per token after it (a gap covering n
     tokens counts n times gap/n). Never raises for server or network errors: they mark it failed.
     """
@@ -398,7 +398,7 @@ async def stream_generate(client: Any, router_url: str, body: dict[str, Any], in
 
     import httpx
 
-    from inference.loadtest import RequestRecord
+    from inference.tools.load_test import RequestRecord
 
     start = time.perf_counter()
     rec = RequestRecord(index=index, start_s=start - run_start)

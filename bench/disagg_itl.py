@@ -124,7 +124,7 @@ def run_colocated(model_dir: Path, pattern: Pattern, cpus: list[int]) -> tuple[l
 def _drive_engine(model_dir: Path, pattern: Pattern, threads: int) -> tuple[list[Any], list[str], float]:
     """The closed-loop replay itself (see `run_colocated`)."""
     from inference.engine import LLMEngine, SamplingParams
-    from inference.loadtest import RequestRecord
+    from inference.tools.load_test import RequestRecord
 
     max_len = max(pattern.long_lengths) + pattern.long_tokens + 8
     with torch_threads(threads):
@@ -244,7 +244,7 @@ def run_pair(model_dir: Path, pattern: Pattern, log_dir: Path, prefill_cpu: int,
 
 def summarize_config(name: str, records: list[Any], kinds: list[str], wall: float, slo: Slo) -> dict[str, Any]:
     """Per-kind load_test summaries plus SLO attainment and goodput."""
-    from inference.loadtest import summarize
+    from inference.tools.load_test import summarize
 
     short = [r for r, k in zip(records, kinds, strict=True) if k == "short"]
     long = [r for r, k in zip(records, kinds, strict=True) if k == "long"]

@@ -2,7 +2,7 @@
 
 The same load for every client: ``/v1/completions`` streaming on the router, ``concurrency``
 closed-loop clients, ``requests`` requests, prompts of about ``prompt_tokens`` tokens and
-``output_tokens`` output tokens, greedy. Our ``load_test`` (``inference.loadtest.run_load``) runs
+``output_tokens`` output tokens, greedy. Our ``load_test`` (``inference.tools.load_test.run_load``) runs
 first, then each peer tool found in the separate venv ``bench/.venv-clients`` (``pip install aiperf
 guidellm`` there; never in the project's venv). Peers run offline: ``HF_HUB_OFFLINE=1`` and the
 local model folder as their tokenizer. A peer that is missing or fails is reported with the reason.
@@ -56,7 +56,7 @@ PEERS = ("aiperf", "guidellm")
 def run_load_test(plat: Platform, model_name: str, prompts: list[str], concurrency: int, requests: int,
                   output_tokens: int) -> dict[str, Any]:
     """Our own load generator on the same load; its `summarize` dict (ms percentiles)."""
-    from inference.loadtest import LoadTestConfig, run_load, summarize
+    from inference.tools.load_test import LoadTestConfig, run_load, summarize
 
     config = LoadTestConfig(
         endpoint=plat.router_url + "/v1/completions", concurrency=concurrency, duration_s=600.0,

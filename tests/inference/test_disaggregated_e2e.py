@@ -264,7 +264,7 @@ def test_dead_decode_is_skipped(cluster, log_dir: Path) -> None:
 def test_load_test_against_the_router(cluster, tmp_path: Path) -> None:
     csv_path = tmp_path / "benchmark.csv"
     result = subprocess.run(
-        [sys.executable, "-m", "inference.loadtest", "--endpoint", cluster["router"] + "/generate",
+        [sys.executable, "-m", "inference.tools.load_test", "--endpoint", cluster["router"] + "/generate",
          "--concurrency", "3", "--duration", "4s", "--max-tokens", "8", "--metrics-file", str(csv_path),
          "--no-progress"],
         capture_output=True, text=True, timeout=120,

@@ -92,7 +92,7 @@ def start_load(cluster: Cluster, log_dir: Path, args: list[str]) -> tuple[Proc, 
     summary = log_dir / f"load-{free_port()}.json"
     proc = Proc(
         summary.stem,
-        [sys.executable, "-m", "inference.loadtest", "--endpoint", cluster.router + "/generate",
+        [sys.executable, "-m", "inference.tools.load_test", "--endpoint", cluster.router + "/generate",
          "--duration", f"{LOAD_S}s", "--timeout", "60s", "--no-progress", "--summary-json", str(summary), *args],
         log_dir,
     )  # fmt: skip

@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from inference import loadtest
-from inference.loadtest import LoadTestConfig, RequestRecord, run_load, summarize
+from inference.tools import load_test
+from inference.tools.load_test import LoadTestConfig, RequestRecord, run_load, summarize
 
 TOKENS_PER_REQUEST = 5  # the fake server emits at most this many tokens
 TOKEN_DELAY_S = 0.01
@@ -200,7 +200,7 @@ def test_generate_csv_summary_and_plot(
 ) -> None:
     metrics = tmp_path / "bench.csv"
     summary_path = tmp_path / "summary.json"
-    code = loadtest.main(
+    code = load_test.main(
         [
             "--endpoint",
             f"{server.base_url}/generate",
@@ -224,7 +224,7 @@ def test_generate_csv_summary_and_plot(
     assert "TTFT" in out and "ITL" in out and "req/s" in out
 
     rows = _read_csv(metrics)
-    assert list(rows[0].keys()) == list(loadtest.CSV_COLUMNS)
+    assert list(rows[0].keys()) == list(load_test.CSV_COLUMNS)
     summary = json.loads(summary_path.read_text())
     assert summary["requests"] == len(rows) > 4
     assert summary["ok"] == len(rows) and summary["errors"] == 0
@@ -253,7 +253,7 @@ def test_generate_csv_summary_and_plot(
     call = generate_calls[-1]
     assert call["headers"]["authorization"] == "Bearer secret-x"
     assert call["body"]["stream"] is True and call["body"]["max_tokens"] == 8
-    assert call["body"]["prompt"] in loadtest.DEFAULT_PROMPTS
+    assert call["body"]["prompt"] in load_test.DEFAULT_PROMPTS
 
 
 def test_requests_cap_and_explicit_plot(server: FakeServer, tmp_path: Path) -> None:
@@ -262,7 +262,7 @@ def test_requests_cap_and_explicit_plot(server: FakeServer, tmp_path: Path) -> N
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first prompt\n\nsecond prompt\n")
     started = time.monotonic()
-    code = loadtest.main(
+    code = load_test.main(
         [
             "--endpoint",
             f"{server.base_url}/api/generate",
@@ -297,7 +297,7 @@ def test_http_500_counts_errors_and_exits_1(
 ) -> None:
     metrics = tmp_path / "err.csv"
     summary_path = tmp_path / "s.json"
-    code = loadtest.main(
+    code = load_test.main(
         [
             "--endpoint",
             f"{server.base_url}/broken/generate",
@@ -329,7 +329,7 @@ def test_http_500_counts_errors_and_exits_1(
 
 def test_some_errors_exit_0(server: FakeServer, tmp_path: Path) -> None:
     summary_path = tmp_path / "s.json"
-    code = loadtest.main(
+    code = load_test.main(
         [
             "--endpoint",
             f"{server.base_url}/flaky/generate",
@@ -354,7 +354,7 @@ def test_unreachable_endpoint_counts_errors_and_exits_1(
     port = _free_port()
     summary_path = tmp_path / "s.json"
     started = time.monotonic()
-    code = loadtest.main(
+    code = load_test.main(
         [
             "--endpoint",
             f"http://127.0.0.1:{port}/generate",
@@ -378,7 +378,7 @@ def test_unreachable_endpoint_counts_errors_and_exits_1(
 
 
 def test_progress_bar_goes_to_stderr(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
-    code = loadtest.main(["--endpoint", f"{server.base_url}/generate", "--requests", "2", "--duration", "5s"])
+    code = load_test.main(["--endpoint", f"{server.base_url}/generate", "--requests", "2", "--duration", "5s"])
     assert code == 0
     captured = capsys.readouterr()
     assert "done=2" in captured.err and "errors=0" in captured.err
@@ -478,7 +478,7 @@ def test_bad_flags_exit_2_naming_the_flag(
     args: list[str], flag: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exc_info:
-        loadtest.main(["--endpoint", "http://127.0.0.1:1/generate", *args])
+        load_test.main(["--endpoint", "http://127.0.0.1:1/generate", *args])
     assert exc_info.value.code == 2
     assert f"argument {flag}" in capsys.readouterr().err
 
@@ -488,14 +488,14 @@ def test_bad_flags_exit_2_naming_the_flag(
 )
 def test_bad_endpoint_exit_2(endpoint: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc_info:
-        loadtest.main(["--endpoint", endpoint])
+        load_test.main(["--endpoint", endpoint])
     assert exc_info.value.code == 2
     assert "argument --endpoint" in capsys.readouterr().err
 
 
 def test_missing_endpoint_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc_info:
-        loadtest.main(["--concurrency", "2"])
+        load_test.main(["--concurrency", "2"])
     assert exc_info.value.code == 2
     assert "--endpoint" in capsys.readouterr().err
 
@@ -504,7 +504,7 @@ def test_empty_prompts_file_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
     with pytest.raises(SystemExit) as exc_info:
-        loadtest.main(["--endpoint", "http://127.0.0.1:1/generate", "--prompts-file", str(empty)])
+        load_test.main(["--endpoint", "http://127.0.0.1:1/generate", "--prompts-file", str(empty)])
     assert exc_info.value.code == 2
     assert "--prompts-file" in capsys.readouterr().err
 
@@ -514,7 +514,7 @@ def test_empty_prompts_file_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture
     [("60s", 60.0), ("2m", 120.0), ("90", 90.0), ("500ms", 0.5), ("1.5s", 1.5), ("1h", 3600.0)],
 )
 def test_parse_duration(text: str, seconds: float) -> None:
-    assert loadtest.parse_duration(text) == pytest.approx(seconds)
+    assert load_test.parse_duration(text) == pytest.approx(seconds)
 
 
 @pytest.mark.parametrize(
@@ -527,7 +527,7 @@ def test_parse_duration(text: str, seconds: float) -> None:
     ],
 )
 def test_endpoint_kind(url: str, kind: str) -> None:
-    assert loadtest.endpoint_kind(url) == kind
+    assert load_test.endpoint_kind(url) == kind
 
 
 def test_summarize_synthetic_records() -> None:
@@ -560,7 +560,7 @@ def test_summarize_synthetic_records() -> None:
     for key in ("ttft_ms", "itl_ms", "e2e_ms"):
         _assert_ordered(summary[key])
     json.dumps(summary)  # JSON-safe (no numpy scalars)
-    text = loadtest.format_summary(summary)
+    text = load_test.format_summary(summary)
     assert "http_429: 1" in text and "5.00 req/s" in text
 
     # Without a duration, the span of the records is used.
