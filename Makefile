@@ -24,9 +24,11 @@ $(BIN)/activate: requirements.txt requirements-dev.txt pyproject.toml
 venv: $(BIN)/activate
 
 # The engine's C++ CPU kernels (inference/engine/cpu_kernels.py), built once here rather than inside the
-# first worker to start (about a minute); without a compiler and ninja the engine uses torch ops.
+# first worker to start (about a minute), into the venv's own var/inference-kernels/ (INFERENCE_KERNELS_DIR
+# overrides it); without a compiler and ninja the engine uses torch ops.
 kernels: venv
-	$(BIN)/python -c "from inference.engine.cpu_kernels import load_kernels; load_kernels()"
+	$(BIN)/python -c "from inference.engine.cpu_kernels import build_root, load_kernels; \
+	print('CPU kernels:', 'built in ' + str(build_root()) if load_kernels() else 'unavailable, torch ops')"
 
 demo-model: venv
 	$(BIN)/python manage.py prepare_model --model-name $(MODEL)

@@ -8,18 +8,29 @@ computes scores, softmax and the weighted sum in fp32 in one pass per (sequence,
 the new token's K/V into its slot on the way. The element-wise ops (csrc/cpu_ops.cpp: RMSNorm, residual
 add + RMSNorm, RoPE in place, SiLU·mul) each replace 3-8 torch kernels with bf16 casts between them.
 
-It is compiled with the host's C++ compiler through `torch.utils.cpp_extension` (about 30 s once; the
-build is cached under torch's extensions folder). Without a compiler, or when the build fails, or with
+It is compiled with the host's C++ compiler through `torch.utils.cpp_extension` (about a minute once)
+into a build folder of the running venv, `<venv>/var/inference-kernels/<name>/` (`$INFERENCE_KERNELS_DIR`
+overrides it; outside a venv, the checkout's `var/inference-kernels/`): torch's default folder
+(~/.cache/torch_extensions) is shared by every checkout, and a venv at another path changes torch's build
+arguments, so two checkouts rebuilt over each other in turn. Processes starting at once build once: the
+build runs under an `flock` on a file of our own (`build.lock`), so one builds while the others wait on
+it and then load what it built; the OS drops that lock when its holder dies however it dies, so a build
+killed midway delays nobody (torch's own `lock` file, which it would wait on forever, is stale whenever
+we hold ours and is removed). Without a compiler, or when the build fails, or with
 `INFERENCE_CPU_KERNELS=0`, the engine keeps the torch path (model.py).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +38,15 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_ops.cpp", "paged_decode.cpp", "panel_gemm.cpp")]
 ENV_SWITCH = "INFERENCE_CPU_KERNELS"
+ENV_DIR = "INFERENCE_KERNELS_DIR"
 # -ffast-math lets the compiler vectorize exp (glibc's vector math, only under finite math) and the fp32
 # reductions; the kernels keep every intermediate finite (softmax exponents are <= 0, SiLU's clamped).
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
 
-# A build lock older than this belongs to a dead process (a build takes ~30-60 s on a busy 2-core host).
-STALE_LOCK_S = 600.0
+# How long a start waits for another process's build (one takes ~30-90 s on a busy 2-core host) before
+# giving up on the kernels (torch ops); a live builder this slow is stuck.
+BUILD_WAIT_S = 900.0
+LOCK_POLL_S = 0.2
 
 _lock = threading.Lock()
 _module: Any = None
@@ -62,18 +76,62 @@ def _build_name() -> str:
     return "inference_cpu_kernels_" + digest.hexdigest()[:12]
 
 
-def _clear_stale_lock(name: str) -> None:
-    """Remove a build lock left by a process killed while building or loading (torch waits for it to
-    go away forever: every later engine start would hang). A real build takes about a minute."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
+def build_root() -> Path:
+    """The folder the kernels are built in: `$INFERENCE_KERNELS_DIR`, else `<venv>/var/inference-kernels`
+    of the running venv, else the checkout's `var/inference-kernels` (one per venv or checkout, never
+    shared by two: their build arguments differ, so they would rebuild over each other)."""
+    override = os.environ.get(ENV_DIR, "").strip()
+    if override:
+        return Path(override).expanduser().resolve()
+    if sys.prefix != sys.base_prefix:
+        return Path(sys.prefix) / "var" / "inference-kernels"
+    for folder in Path(__file__).resolve().parents:
+        if (folder / "pyproject.toml").exists():
+            return folder / "var" / "inference-kernels"
+    return Path.home() / ".cache" / "inference-kernels"
 
-        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            logger.warning("removing a stale CPU kernel build lock (%s)", lock)
-            lock.unlink(missing_ok=True)
-    except (ImportError, OSError):  # a private torch helper: without it, torch's own waiting applies
-        pass
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path, wait_s: float = BUILD_WAIT_S) -> Iterator[None]:
+    """Hold `build_dir`'s build lock: an exclusive `flock` on `build_dir/build.lock`, which the OS releases
+    when its holder exits (a build killed midway leaves nothing that blocks). Holding it, torch's own
+    `lock` file in the folder can only be a dead build's, so it is removed (torch would wait on it)."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "build.lock", "a+b") as handle:
+        deadline = time.monotonic() + wait_s
+        waiting = False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not waiting:
+                    logger.info("another process is building the CPU kernels in %s; waiting for it", build_dir)
+                    waiting = True
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"a CPU kernel build in {build_dir} held its lock over {wait_s:.0f}s") from None
+                time.sleep(LOCK_POLL_S)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing a CPU kernel build lock left by a killed build (%s)", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build_extension(name: str, sources: Sequence[Path], cflags: Sequence[str], *, root: Path | None = None,
+                    is_python_module: bool = True) -> Any:
+    """Build (when its sources or flags changed) and load the extension `name` in `root/name` (default
+    `build_root()`), one process at a time: a process arriving during another's build waits for it,
+    then finds the build up to date and loads it."""
+    from torch.utils.cpp_extension import load
+
+    build_dir = (root or build_root()) / name
+    with build_lock(build_dir):
+        return load(name=name, sources=[str(p) for p in sources], extra_cflags=list(cflags),
+                    build_directory=str(build_dir), is_python_module=is_python_module, verbose=False)
 
 
 def load_kernels() -> Any:
@@ -90,11 +148,7 @@ def load_kernels() -> Any:
             logger.warning("CPU kernels unavailable (needs a C++ compiler and ninja); using torch ops")
             return None
         try:
-            from torch.utils.cpp_extension import load
-
-            _clear_stale_lock(_build_name())
-            _module = load(name=_build_name(), sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
-                           verbose=False)
+            _module = build_extension(_build_name(), SOURCES, CFLAGS)
         except Exception as exc:  # a broken toolchain must not stop the engine: the torch path works
             logger.warning("CPU kernels failed to build (%s); using torch ops", exc)
             _module = None

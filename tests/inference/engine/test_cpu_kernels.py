@@ -179,25 +179,3 @@ def test_bf16_kernels_as_accurate_as_torch_ops(fixture: str, request: pytest.Fix
     err_kernels = sum((a - ref).abs().mean().item() for ref, a in zip(exact, fast, strict=True))
     err_torch = sum((b - ref).abs().mean().item() for ref, b in zip(exact, slow, strict=True))
     assert err_kernels <= 1.2 * err_torch, (err_kernels, err_torch)
-
-
-def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A build lock left by a killed process would make torch wait forever on every later start."""
-    import os
-    import time
-
-    from inference.engine import cpu_kernels
-
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    from torch.utils.cpp_extension import _get_build_directory
-
-    lock = tmp_path / "probe" / "lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    lock.touch()
-    assert _get_build_directory("probe", verbose=False) == str(lock.parent)
-    cpu_kernels._clear_stale_lock("probe")
-    assert lock.exists()  # a build may be running right now
-    old = time.time() - cpu_kernels.STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    cpu_kernels._clear_stale_lock("probe")
-    assert not lock.exists()
