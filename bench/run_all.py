@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, tuple[int, int]] = {
     "disagg_itl": (1200, 300),
     "router_overhead": (900, 300),
     "peer_clients": (1500, 300),
+    "cpu_limits": (900, 300),
 }
 
 

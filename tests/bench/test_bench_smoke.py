@@ -11,7 +11,16 @@ from typing import Any
 
 import pytest
 
-from bench import disagg_itl, engine_throughput, kv_transfer, peer_clients, router_overhead, run_all, serve_vs_vllm
+from bench import (
+    cpu_limits,
+    disagg_itl,
+    engine_throughput,
+    kv_transfer,
+    peer_clients,
+    router_overhead,
+    run_all,
+    serve_vs_vllm,
+)
 from bench.common import Platform, platform_processes
 
 
@@ -163,3 +172,26 @@ def test_serve_vs_vllm_counts_a_connection_failure_as_a_failed_request() -> None
 
     result = asyncio.run(one())
     assert result["ok"] is False and "ClientConnectorError" in result["error"]
+
+
+def test_cpu_limits_quick(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The roofline probe counts exactly the weights a Llama decode step reads, and its shares follow from
+    the measured tok/s, bandwidth and peak."""
+    assert cpu_limits.main(["--quick", "--out-dir", str(tmp_path), "--model-dir", str(tiny_model_dir)]) == 0
+    result = json.loads((tmp_path / "cpu_limits_quick.json").read_text())
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    kv = cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * (h // cfg["num_attention_heads"])
+    assert result["weights"]["linear"] == layers * (2 * h * h + 2 * h * kv + 3 * h * inter)
+    assert result["weights"]["lm_head"] == cfg["vocab_size"] * h
+    assert _positive(result["read_bandwidth"]["gb_per_s"]) and _positive(result["gemm_peak"]["gflops"])
+    assert [r["batch"] for r in result["decode"]] == [1, 4]
+    bytes_per_weight = 4 if result["dtype"] == "float32" else 2
+    for row in result["decode"]:
+        assert row["output_tokens"] == row["requests"] * 8
+        elements = result["weights"]["linear"] + result["weights"]["lm_head"]
+        expected_gbs = elements * bytes_per_weight * row["tokens_per_s"] / row["batch"] / 1e9
+        assert math.isclose(row["weight_gb_per_s"], expected_gbs, rel_tol=1e-9)
+        assert math.isclose(row["bandwidth_share"], expected_gbs / result["read_bandwidth"]["gb_per_s"], rel_tol=1e-9)
+        assert math.isclose(row["compute_share"], 2 * elements * row["tokens_per_s"] / 1e9
+                            / result["gemm_peak"]["gflops"], rel_tol=1e-9)
