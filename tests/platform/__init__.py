@@ -1,0 +1,1 @@
+"""Tests of the deployment files under platform/ (Prometheus, Grafana)."""
