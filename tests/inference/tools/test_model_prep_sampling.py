@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from inference.engine.sampling_params import load_sampling_defaults
-from inference.model_prep import (
+from inference.tools.model_prep import (
     SMOLLM2_DIRNAME,
     SMOLLM2_SAMPLING_DEFAULTS,
     ModelPrepError,
