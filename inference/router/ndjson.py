@@ -4,6 +4,12 @@
 waiting, so the router can forward every token that came in one network read as one chunk to the
 client (fewer writes per token under load) instead of one write per line.
 
+Only complete lines are lines: a line is complete when its newline arrived, and a stream that ends
+with bytes after its last newline was cut inside a line (the worker died while writing it, or its
+connection broke there). That is `TornLine`, a broken body like any other (an aiohttp
+`ClientPayloadError`), never a line: the caller treats it as the worker's death, and no byte of
+the torn line reaches a client (issue 26).
+
 `next_within(seconds)` bounds a wait without a timer per line: one loop timer per stream, armed at
 the first wait and moved lazily (when it fires early it re-arms at the newest deadline). A token
 stream waits once per token, and `asyncio.timeout` per wait was a timer-heap insert and cancel
@@ -15,6 +21,7 @@ import asyncio
 import collections
 from typing import Any, Protocol
 
+import aiohttp
 import orjson
 
 # A worker's line is a token or a small control object; anything this long is a broken stream.
@@ -27,6 +34,14 @@ def parse_line(raw: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {raw[:100]!r}")
     return obj
+
+
+class TornLine(aiohttp.ClientPayloadError):
+    """The stream ended inside a line: its last bytes had no newline."""
+
+    def __init__(self, partial: bytes) -> None:
+        super().__init__(f"the stream ended inside a line ({len(partial)} bytes without a newline)")
+        self.partial = partial
 
 
 class BodyStream(Protocol):
@@ -64,13 +79,20 @@ class NdjsonReader:
         """The next line (blank lines skipped), None at the end of the stream.
 
         Raises ValueError for a line that is not a JSON object, aiohttp.ClientError when the
-        connection breaks. Bounded by the caller's timeout.
+        connection breaks, `TornLine` (a ClientError too) when it ends inside a line. Bounded by
+        the caller's timeout.
         """
         while not self._lines:
-            data = await self._content.readany()
-            if not data:  # end of stream: a last line may lack its newline
+            try:
+                data = await self._content.readany()
+            except BaseException:
+                self._partial = b""  # a line cut by a broken connection is never parsed
+                raise
+            if not data:  # end of stream: bytes after the last newline are a torn line
                 rest, self._partial = self._partial, b""
-                return parse_line(rest) if rest.strip() else None
+                if rest.strip():
+                    raise TornLine(rest)
+                return None
             self._feed(data)
         return parse_line(self._lines.popleft())
 

@@ -678,6 +678,7 @@ class DisaggregatedClient:
             self._record_failure(decode, describe_exception(exc))
             return None, ErrorEvent(f"decode worker {decode.url} failed: {describe_exception(exc)}")
         except ValueError as exc:
+            self._record_failure(decode, f"bad line: {exc}")
             return None, ErrorEvent(f"decode worker {decode.url} sent a bad line: {exc}")
         if line is None:
             self._record_failure(decode, "stream ended before done")

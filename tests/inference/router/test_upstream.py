@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import pytest
 
-from inference.router.ndjson import NdjsonReader
+from inference.router.ndjson import NdjsonReader, TornLine
 from inference.router.upstream import UpstreamClient
 from tests.support.processes import free_port
 
@@ -186,6 +186,38 @@ def test_concurrent_short_requests_all_answered() -> None:
 
         answers = await asyncio.wait_for(asyncio.gather(*(closed_loop(k) for k in range(16))), 20)
         assert answers == [[b"%d" % (k * 100 + i) for i in range(20)] for k in range(16)]
+        client.close()
+
+    asyncio.run(_with_server(handler, scenario))
+
+
+@pytest.mark.parametrize("clean_end", [True, False])
+def test_a_line_torn_at_the_end_of_the_stream_is_never_a_line(clean_end: bool) -> None:
+    """Issue 26: a worker that dies inside a line. Its complete lines come through; the torn rest is
+    `TornLine` (a broken body), whether the body then ends cleanly or the connection drops."""
+    torn = b'{"type": "token", "token_ids": [7], "text": "ca'
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        whole = b'{"type": "token", "token_ids": [6], "text": "x"}\n'
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(whole), whole))
+        if clean_end:
+            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(torn), torn))
+        else:
+            writer.write(b"%x\r\n%s" % (len(torn) + 20, torn))  # the chunk promised more
+        await writer.drain()
+        writer.close()
+
+    async def scenario(base: str) -> None:
+        client = UpstreamClient()
+        response = await client.post(f"{base}/internal/decode", b"{}", connect_timeout_s=3)
+        reader = NdjsonReader(response.content)
+        assert await asyncio.wait_for(reader.next(), 5) == {"type": "token", "token_ids": [6], "text": "x"}
+        with pytest.raises(aiohttp.ClientError) as caught:
+            await asyncio.wait_for(reader.next(), 5)
+        assert isinstance(caught.value, TornLine) == clean_end
+        assert reader.ready() is None
+        response.close()
         client.close()
 
     asyncio.run(_with_server(handler, scenario))
