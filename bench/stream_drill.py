@@ -6,6 +6,9 @@ Real processes on loopback (tiny model): one prefill worker, two decode workers,
   at ``--concurrency``; once a third of them have started, one decode worker is SIGKILLed. Every
   stream must end with a ``finish_reason`` (the router moves the broken ones to the other decode
   worker); the greedy ones are compared token for token with an unbroken run of the same prompt.
+  Every ``data:`` line must be strict UTF-8 JSON: one that is not (a torn event) is counted as
+  ``unparsable_events`` and its stream as lost; a stream whose connection fails is lost too, and
+  the run goes on.
 - *hang-up*: ``--hangups`` streams closed by the client right after their first token. Counted on
   the decode worker afterwards: how many still ran to completion (``worker_requests_total
   {outcome="ok"}``) and how many tokens it sent meanwhile; of the completed ones, how many had
@@ -61,13 +64,20 @@ async def _stream(session: aiohttp.ClientSession, router: str, prompt: str, max_
     tokens: list[int] = []
     finish = None
     error = None
+    unparsable: list[bytes] = []  # data lines that are not strict UTF-8 JSON (a torn event: issue 26)
     async with session.post(f"{router}/v1/completions", json=body) as response:
         if response.status != 200:
-            return {"status": response.status, "finish_reason": None, "tokens": [], "error": await response.text()}
+            return {"status": response.status, "finish_reason": None, "tokens": [], "error": await response.text(),
+                    "unparsable": []}
         async for raw in response.content:
             if not raw.startswith(b"data: {"):
                 continue
-            event = json.loads(raw[6:])
+            try:
+                event = json.loads(raw[6:].decode("utf-8"))
+            except ValueError:
+                unparsable.append(raw)
+                error = f"unparsable event: {raw[:200]!r}"
+                continue
             if "error" in event:
                 error = event["error"]["message"]
                 continue
@@ -77,7 +87,7 @@ async def _stream(session: aiohttp.ClientSession, router: str, prompt: str, max_
             if hang_up and tokens:
                 delivered = _answer_end_received(response)
                 break  # leaving the block closes the connection
-    return {"status": 200, "finish_reason": finish, "tokens": tokens, "error": error,
+    return {"status": 200, "finish_reason": finish, "tokens": tokens, "error": error, "unparsable": unparsable,
             "delivered_before_hang_up": hang_up and bool(tokens) and delivered}
 
 
@@ -120,7 +130,11 @@ async def _kill_drill(router: str, victim: Any, streams: int, concurrency: int, 
                 if killed_at is None and started > streams // 3:
                     victim.kill()
                     killed_at = time.monotonic()
-                result = await _stream(session, router, PROMPTS[i % len(PROMPTS)], max_tokens)
+                try:
+                    result = await _stream(session, router, PROMPTS[i % len(PROMPTS)], max_tokens)
+                except (aiohttp.ClientError, TimeoutError) as exc:  # a lost stream, counted, not the run's end
+                    result = {"status": None, "finish_reason": None, "tokens": [], "unparsable": [],
+                              "error": f"{type(exc).__name__}: {exc}"}
                 result["equal"] = result["tokens"] == reference[PROMPTS[i % len(PROMPTS)]]
                 return result
 
@@ -130,6 +144,7 @@ async def _kill_drill(router: str, victim: Any, streams: int, concurrency: int, 
         "completed": sum(1 for r in results if r["finish_reason"] is not None and r["error"] is None),
         "lost": sum(1 for r in results if r["finish_reason"] is None or r["error"] is not None),
         "equal_to_unbroken": sum(1 for r in results if r["equal"]),
+        "unparsable_events": sum(len(r["unparsable"]) for r in results),
         "errors": sorted({str(r["error"])[:160] for r in results if r["error"]})[:5],
     }
 
@@ -270,9 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, cpus)  # main() may run inside a longer process (the bench smoke tests)
     if kill is not None:
         print(markdown_table(
-            ["drill", "streams", "completed", "lost", "equal to an unbroken run"],
+            ["drill", "streams", "completed", "lost", "equal to an unbroken run", "unparsable events"],
             [["decode worker SIGKILLed", kill["streams"], kill["completed"], kill["lost"],
-              kill["equal_to_unbroken"]]],
+              kill["equal_to_unbroken"], kill["unparsable_events"]]],
         ))
     if hangup is not None:
         print(markdown_table(
