@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the measurements, print the tables, write the JSON."""
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--sizes", default=None, help="decode endpoint counts, comma separated (default 4,16,64,256)")
-    p.add_argument("--idle-s", type=float, default=None, help="idle interval per size (default 30, quick 2)")
+    p.add_argument("--idle-s", type=float, default=None, help="idle interval per size (default 30, quick 2.5)")
     p.add_argument("--requests", type=int, default=None, help="requests per size (default 600, quick 12)")
     p.add_argument("--budget-s", type=float, default=900.0, help="total time budget (later sizes are skipped)")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else ([4, 16] if quick else [4, 16, 64, 256])
     if not sizes or min(sizes) < 1:
         p.error("--sizes: positive integers, comma separated")
-    idle_s = args.idle_s if args.idle_s is not None else (2.0 if quick else 30.0)
+    idle_s = args.idle_s if args.idle_s is not None else (2.5 if quick else 30.0)
     count = args.requests if args.requests is not None else (12 if quick else 600)
     if idle_s <= 0 or count < 1:
         p.error("--idle-s must be > 0 and --requests >= 1")

@@ -1,0 +1,126 @@
+"""The simulated worker fleet (bench/sim) behind the real router: generations go through, the answers
+have the real workers' shapes, the benchmark's --quick mode writes a well-formed result, and every
+process started is gone afterwards."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from bench.sim import router_scale
+from bench.sim.config import SimConfig
+from bench.sim.launch import sim_platform
+from tests.support.processes import start_worker
+
+# Fast simulated workers: a stream of 40 tokens takes 0.1 s.
+FAST = SimConfig(decode_tokens_per_s=400.0)
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and its live descendants (gunicorn's worker under the router's master)."""
+    try:
+        root = psutil.Process(pid)
+        return [pid, *(child.pid for child in root.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _sse_events(text: str) -> list[Any]:
+    out: list[Any] = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            out.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+    return out
+
+
+def test_generation_through_the_real_router(log_dir: Path) -> None:
+    """Two fleet processes (so the prefill → decode "KV" crosses processes too) and the router."""
+    started: list[int] = []
+    with sim_platform(2, 4, log_dir, FAST, shards=2) as plat:
+        started += plat.fleet.pids + _tree(plat.router_pid)
+        assert len(plat.fleet.decode) == 4 and len(plat.fleet.prefill) == 2
+        with httpx.Client(base_url=plat.router_url, timeout=30, trust_env=False) as client:
+            seen_decode, seen_prefill = set(), set()
+            for i in range(8):  # round-robin: every decode and prefill worker serves
+                answer = client.post("/generate", json={"input_ids": [5 + i, 6, 7, 8] * 8, "max_tokens": 6,
+                                                        "temperature": 0, "ignore_eos": True})
+                assert answer.status_code == 200, answer.text
+                body = answer.json()
+                assert len(body["tokens"]) == 6 and body["finish_reason"] == "length"
+                assert body["usage"] == {"prompt_tokens": 32, "completion_tokens": 6, "total_tokens": 38}
+                assert body["kv_bytes"] == 2 * FAST.block_nbytes and body["timings"]["prefill_s"] > 0
+                seen_decode.add(body["decode"])
+                seen_prefill.add(body["prefill"])
+            assert seen_decode == set(plat.fleet.decode) and seen_prefill == set(plat.fleet.prefill)
+            # Streamed, longer than the router's credit (16): acknowledgements must keep it going.
+            stream = client.post("/generate", json={"prompt": "hello simulated fleet", "max_tokens": 40,
+                                                    "stream": True})
+            assert stream.status_code == 200
+            events = _sse_events(stream.text)
+            assert events[-1] == "[DONE]"
+            tokens = [t for e in events[:-1] if isinstance(e, dict) for t in e.get("token_ids", [])]
+            assert len(tokens) == 40 and events[-2]["usage"]["completion_tokens"] == 40
+            # The simulated worker's 400 (unknown sampling field) passes through the router.
+            bad = client.post("/generate", json={"input_ids": [1, 2, 3], "max_tokens": 2, "warp": 9})
+            assert 400 <= bad.status_code < 500, bad.text
+            status = client.get("/health").json()
+            assert status["ready"] and status["decode_slots"] == 4 * (FAST.batch_size + FAST.batch_size // 4)
+        hits = plat.fleet.stats()
+        assert hits["decode"] >= 9 and hits["prefill"] >= 9 and hits["health"] >= 6 and hits.get("kv", 0) >= 1
+    assert started and all(_gone(pid) for pid in started), [p for p in started if not _gone(p)]
+
+
+def test_shapes_match_a_real_worker(tiny_model_dir: Path, log_dir: Path) -> None:
+    """/health and /info carry the real decode worker's keys, /metrics its metric families."""
+
+    def families(text: str) -> set[str]:
+        return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+
+    proc, url = start_worker("decode", tiny_model_dir, log_dir)
+    try:
+        real = {path: httpx.get(url + path, timeout=30) for path in ("/health", "/info", "/metrics")}
+    finally:
+        proc.stop()
+    with sim_platform(1, 1, log_dir, FAST) as plat:
+        sim_url = plat.fleet.decode[0]
+        sim = {path: httpx.get(sim_url + path, timeout=30) for path in ("/health", "/info", "/metrics")}
+    assert set(sim["/health"].json()) == set(real["/health"].json())
+    assert set(sim["/info"].json()) == set(real["/info"].json())
+    assert families(sim["/metrics"].text) == families(real["/metrics"].text)
+
+
+def test_router_scale_quick(tmp_path: Path, log_dir: Path) -> None:
+    argv = ["--quick", "--sizes", "4", "--idle-s", "2.5", "--requests", "6", "--out-dir", str(tmp_path),
+            "--log-dir", str(log_dir)]
+    assert router_scale.main(argv) == 0
+    result = json.loads((tmp_path / "sim_router_scale_quick.json").read_text())
+    assert result["benchmark"] == "sim_router_scale_quick"
+    assert result["command"].startswith(".venv/bin/python -m bench.sim.router_scale")
+    assert result["machine"]["cpu_model"] is not None and len(result["machine"]["load_avg_at_end"]) == 3
+    (row,) = result["router"]
+    assert row["decode_endpoints"] == 4 and row["prefill_endpoints"] == 1
+    assert row["ok"] == 6 and row["errors"] == 0
+    assert row["health_checks_per_s"] > 0 and math.isfinite(row["router_cpu_ms_per_request"])
+    assert {r["policy"] for r in result["policy_admission"]} == set(router_scale.POLICIES)
+    assert all(r["cpu_us_per_request_median"] > 0 for r in result["policy_admission"])
+    assert result["health_profile"]["endpoints"] == 5 and result["health_profile"]["cpu_us_per_check"] > 0
+    assert set(result["verdict"]) >= {"policy_admission_target_met", "health_target_met"}
+
+
+@pytest.mark.parametrize("argv", [["--sizes", "0"], ["--idle-s", "0"], ["--requests", "0"]])
+def test_router_scale_refuses_bad_flags(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        router_scale.main(["--quick", *argv])
+    assert "--" in capsys.readouterr().err
