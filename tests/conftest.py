@@ -1,10 +1,14 @@
-"""Shared fixtures: a tiny real model (random Llama with a trained tokenizer) and a log folder."""
+"""Shared fixtures: a tiny real model (random Llama with a trained tokenizer) and a log folder; the hooks
+that make an interrupted run stop the processes it started (tests/support/run_guard.py)."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 import pytest
+
+# Interrupted runs stop their processes: signal handlers, the session-end stop and the reaper.
+from tests.support.run_guard import pytest_runtest_setup, pytest_sessionfinish, pytest_sessionstart  # noqa: F401
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -1,17 +1,53 @@
-"""Start real worker and router processes for end-to-end tests, and stop them whatever happens."""
+"""Start real worker and router processes for end-to-end tests, and stop them whatever happens.
+
+Each `Proc` leads its own process group (a worker's or router's children are stopped with it), is
+stopped when the session ends if a test did not (`stop_all`, run_guard.py), and, when started from the
+main thread, gets SIGTERM from the kernel the moment the process that started it dies (a parent-death
+signal; SIGKILL of pytest or of a benchmark script included). The signal fires when the *thread* that
+forked the child exits, so a child started from another thread goes without it; the run's reaper
+(reaper.py) stops those after the run.
+"""
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_libc = ctypes.CDLL(None, use_errno=True)
+_running: set[Proc] = set()
+
+
+def _die_with(parent: int) -> None:
+    """In the child before exec: ask for SIGTERM when the parent dies; if it died already, go now."""
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _child_setup() -> Callable[[], None] | None:
+    """The parent-death setup for a child started from here: only from the main thread, whose exit is
+    the process's (from another thread the child would be stopped when that thread ends)."""
+    if threading.current_thread() is threading.main_thread():
+        return functools.partial(_die_with, os.getpid())
+    return None
+
+
+def stop_all() -> None:
+    """Stop every `Proc` still running (the session's end: a test that forgot, or was interrupted)."""
+    for proc in list(_running):
+        proc.stop()
 
 
 def free_port() -> int:
@@ -30,8 +66,10 @@ class Proc:
         self._log = open(self.log_path, "wb")  # noqa: SIM115  closed in stop()
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.popen = subprocess.Popen(
-            args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+            args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+            preexec_fn=_child_setup(),  # a prctl through ctypes: takes no lock between fork and exec
         )
+        _running.add(self)
 
     def log(self) -> str:
         """Everything the process printed so far."""
@@ -69,6 +107,7 @@ class Proc:
             except subprocess.TimeoutExpired:
                 os.killpg(self.popen.pid, signal.SIGKILL)
                 self.popen.wait(timeout=10)
+        _running.discard(self)
         self._log.close()
 
 
