@@ -17,9 +17,9 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402  (needs
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 from django.urls import re_path  # noqa: E402
 
-from inference.auth import WebSocketAuthMiddleware  # noqa: E402
+from inference.gateway.auth import WebSocketAuthMiddleware  # noqa: E402
+from inference.gateway.limits import BodySizeLimitMiddleware  # noqa: E402
 from inference.gateway.routing import http_urlpatterns, websocket_urlpatterns  # noqa: E402
-from inference.limits import BodySizeLimitMiddleware  # noqa: E402
 
 # The admin's CSS/JS (and the metric charts) are served by the same process: no web server or CDN
 # needed in front of the router for the console.

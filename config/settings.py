@@ -213,7 +213,7 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = ROUTER_MAX_BODY_BYTES
 # Shared secret that internal worker endpoints and KV ports accept (empty: no check, dev only).
 PLATFORM_SHARED_SECRET = env_str("PLATFORM_SHARED_SECRET", "") or ""
 
-# Security of the public generation API (docs/security.md; enforced by inference/auth.py).
+# Security of the public generation API (docs/security.md; enforced by inference/gateway/auth.py).
 # Keys the router accepts as `Authorization: Bearer <key>` (comma separated); DRF tokens of active
 # users are accepted too once auth is on. No keys and no ROUTER_REQUIRE_AUTH: open (quick start only).
 PLATFORM_PRODUCTION = env_bool("PLATFORM_PRODUCTION", False)

@@ -22,8 +22,8 @@ from django.utils.safestring import SafeString
 from django.utils.text import Truncator
 
 from inference import worker_actions
+from inference.controller.pinning import CpuOverlap, live_cpu_overlaps, overlapping_worker_ids
 from inference.models import ACTIVE_WORKER_STATUSES, Worker, WorkerStatus
-from inference.pinning import CpuOverlap, live_cpu_overlaps, overlapping_worker_ids
 from nodes import actions as node_actions
 from nodes.models import Node, NodeStatus
 

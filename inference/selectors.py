@@ -5,7 +5,7 @@ reverted: an active override (an operator's explicit count with an end time) fir
 schedule rule, else nobody (threshold rules and manual scales move it freely).
 
 Metric series (`deployment_metric_series`, `metric_series_query`): the per-role, per-worker and
-router samples the collector (inference.collector) stores, as the time series the admin's metrics
+router samples the collector (inference.metrics.collector) stores, as the time series the admin's metrics
 page and `GET /api/deployments/{id}/metrics/` return, with the charts the page draws (CHARTS).
 """
 from __future__ import annotations

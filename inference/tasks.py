@@ -1,7 +1,7 @@
 """Celery tasks of the controller, on the default queue "control" (CELERY_TASK_DEFAULT_QUEUE).
 
 Thin wrappers: the work is in inference.controller (reconcile, placement, heartbeats),
-inference.scaling (rules), inference.collector (metrics) and inference.actions (scale, prune).
+inference.scaling.rules, inference.metrics.collector and inference.actions (scale, prune).
 Celery beat runs the periodic ones (`python manage.py setup_schedules` creates their PeriodicTasks).
 """
 from __future__ import annotations
@@ -11,8 +11,11 @@ from typing import Any
 
 from celery import shared_task
 
-from inference import actions, collector, controller, scaling, worker_actions
+from inference import actions, worker_actions
+from inference.controller import heartbeats, reconciler
+from inference.metrics import collector
 from inference.models import Deployment
+from inference.scaling import rules as scaling_rules
 
 logger = logging.getLogger(__name__)
 
@@ -20,13 +23,13 @@ logger = logging.getLogger(__name__)
 @shared_task(name="inference.tasks.reconcile_deployment", ignore_result=True)
 def reconcile_deployment(*, deployment_id: int) -> dict[str, Any]:
     """Start missing and drain surplus workers of one deployment."""
-    return controller.reconcile(deployment_id).as_dict()
+    return reconciler.reconcile(deployment_id).as_dict()
 
 
 @shared_task(name="inference.tasks.reconcile_all", ignore_result=True)
 def reconcile_all() -> int:
     """Reconcile every deployment (periodic safety net for lost messages and offline nodes)."""
-    return len(controller.reconcile_all())
+    return len(reconciler.reconcile_all())
 
 
 @shared_task(name="inference.tasks.scale_deployment_task", ignore_result=True)
@@ -43,7 +46,7 @@ def scale_deployment_task(*, deployment_id: int, role: str, replicas: int, sourc
 @shared_task(name="inference.tasks.evaluate_scaling_rules", ignore_result=True)
 def evaluate_scaling_rules() -> int:
     """Evaluate threshold and schedule rules; returns how many scale events they recorded."""
-    return len(scaling.evaluate_all())
+    return len(scaling_rules.evaluate_all())
 
 
 @shared_task(name="inference.tasks.collect_metrics", ignore_result=True)
@@ -56,7 +59,7 @@ def collect_metrics() -> int:
 def check_node_heartbeats() -> list[str]:
     """Mark silent nodes UNREACHABLE and probe their workers (only those that stop answering are
     re-placed); returns the names of the nodes newly unreachable."""
-    return [node.name for node in controller.check_node_heartbeats()]
+    return [node.name for node in heartbeats.check_node_heartbeats()]
 
 
 @shared_task(name="inference.tasks.prune_workers", ignore_result=True)

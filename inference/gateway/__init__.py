@@ -4,5 +4,7 @@
 - `websocket`: ws/generate;
 - `routing`: their paths, put in front of Django by config/asgi.py;
 - `service`: the process's router (pool, admission, metrics, client) built once from settings;
-- `follow`: managed mode, the pool following a deployment's RUNNING workers in the database.
+- `follow`: managed mode, the pool following a deployment's RUNNING workers in the database;
+- `auth`: generation API keys (ROUTER_API_KEYS or DRF tokens), checked by the consumers and the ws middleware;
+- `limits`: the body size limit in front of the Django views on the same port.
 """

@@ -4,7 +4,7 @@ POST /generate and /api/generate (the seed's JSON), POST /v1/completions and /v1
 (OpenAI, streaming included), GET /v1/models, GET /health, GET /router/status and GET /metrics.
 Channels routes these paths straight to the consumers (inference/gateway/routing.py): no Django
 middleware, session, CSRF or ORM runs for a generation (API keys that are DRF tokens are looked up
-once and cached, inference/auth.py). The admin and the REST API stay Django views.
+once and cached, inference/gateway/auth.py). The admin and the REST API stay Django views.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from channels.exceptions import StopConsumer
 from channels.generic.http import AsyncHttpConsumer
 from django.conf import settings
 
-from inference import auth
+from inference.gateway import auth
 from inference.gateway.service import RouterService, get_router
 from inference.router import RouterError
 from inference.router.events import ErrorEvent, Event

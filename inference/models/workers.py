@@ -3,6 +3,7 @@
 Worker sits next to Deployment in the `inference` app (it belongs to a deployment and is placed by its
 controller) and points down at `nodes.Node`, so the `nodes` app never refers back to `inference`. It
 moved here from `nodes`; its table keeps the old name (`nodes_worker`), see migration 0005.
+`validate_role` is the one check of a role name that actions and selectors share.
 """
 from __future__ import annotations
 
@@ -29,6 +30,16 @@ class WorkerStatus(models.TextChoices):
     STOPPING = "stopping", "Stopping"
     STOPPED = "stopped", "Stopped"
     FAILED = "failed", "Failed"  # gave up after repeated crashes
+
+
+ROLES: tuple[str, ...] = tuple(WorkerRole.values)
+
+
+def validate_role(role: str) -> str:
+    """Return `role` if it is a worker role, else raise ValueError naming the valid ones."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    return role
 
 
 ACTIVE_WORKER_STATUSES = [

@@ -1,6 +1,6 @@
 """Scaling rules: threshold and SLO rules react to readings over a window, schedule rules hold replicas.
 
-Readings (inference.scaling_signals)
+Readings (inference.scaling.signals)
     Threshold rules read the role's load: decode `(running + queue_depth) / batch_size`; prefill the
     largest of its batch fill, its busy ratio and its queueing wait (pending prompt tokens over the
     tokens/s it sustains, against SCALING_PREFILL_WAIT_TARGET_S), each capped at 1.0 and averaged over
@@ -11,7 +11,7 @@ Readings (inference.scaling_signals)
 Threshold and SLO rules (`evaluate_windowed_rule`)
     Each evaluation appends the rule's reading (None when no worker reported) to its window
     (`ScalingRule.observations`) and judges the window of `duration_s` as a whole
-    (inference.scaling_window: at least SCALING_WINDOW_SHARE of the readings breach, and the readings
+    (inference.scaling.window: at least SCALING_WINDOW_SHARE of the readings breach, and the readings
     cover the window), so one missing or dissenting reading does not reset a sustained breach.
     `breach_started_at` shows the first breaching reading of a window that breaches but is not full
     yet. Firing adds `step` (negative removes) to the desired replicas via
@@ -65,16 +65,9 @@ from inference.models import (
     ScaleSource,
     ScalingRule,
 )
-from inference.scaling_signals import LOAD_CAP, role_latency_p90, role_load, worker_load  # noqa: F401  (API)
-from inference.scaling_window import dump_readings, judge, keep_recent, load_readings
-from inference.selectors import (  # noqa: F401  (in_window, local_time, minutes_since_start: this module's API)
-    active_override,
-    active_schedule_rule,
-    in_window,
-    local_time,
-    minutes_since_start,
-    window_text,
-)
+from inference.scaling.signals import role_latency_p90, role_load
+from inference.scaling.window import dump_readings, judge, keep_recent, load_readings
+from inference.selectors import active_override, active_schedule_rule, window_text
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.utils import timezone
 
-from inference import actions, collector, selectors
+from inference import actions, selectors
+from inference.metrics import collector
 from inference.models import Deployment, RouterEndpoint, ScaleEvent, ScalingRule, Worker
 from nodes.models import Node
 from tests.browser.conftest import CHROMIUM, SKIP_REASON, BrowserSession

@@ -17,8 +17,9 @@ from django.utils import timezone
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from inference import actions, scaling, selectors
+from inference import actions, selectors
 from inference.models import Deployment, ScaleEvent, ScaleOverride, ScalingRule, Worker, WorkerStatus
+from inference.scaling import rules as scaling_rules
 from nodes.models import Node
 from tests.support.control_plane import make_deployment, make_model, make_node, make_worker
 
@@ -306,7 +307,8 @@ def _night_rule_active_now(deployment: Deployment, target: int = 1) -> ScalingRu
     now = timezone.now()
     return ScalingRule.objects.create(
         deployment=deployment, name="night", kind="schedule", role="decode",
-        start_time=scaling.local_time(now - timedelta(hours=1)), end_time=scaling.local_time(now + timedelta(hours=1)),
+        start_time=selectors.local_time(now - timedelta(hours=1)),
+        end_time=selectors.local_time(now + timedelta(hours=1)),
         target_replicas=target,
     )  # fmt: skip
 
@@ -370,13 +372,13 @@ def test_an_override_holds_until_its_end_then_the_rule_takes_over(
 
     # The rule leaves the role alone while the override lasts...
     now = timezone.now()
-    assert scaling.evaluate_all(now=now + timedelta(minutes=29)) == []
+    assert scaling_rules.evaluate_all(now=now + timedelta(minutes=29)) == []
     assert Deployment.objects.get(pk=deployment.pk).decode_replicas == 3
     # ...and a further manual scale inside it moves the override's count instead of being refused.
     assert api.post(url, {"role": "decode", "replicas": 4}, format="json").status_code == 202
     assert ScaleOverride.objects.get(pk=override["id"]).replicas == 4
     # After its end, the rule takes over again (and says so).
-    events = scaling.evaluate_all(now=now + timedelta(minutes=31))
+    events = scaling_rules.evaluate_all(now=now + timedelta(minutes=31))
     assert [(e.from_replicas, e.to_replicas, e.source, e.rule_id) for e in events] == [(4, 1, "schedule", rule.pk)]
     assert selectors.active_overrides(deployment, now + timedelta(minutes=31)) == []
 

@@ -1,4 +1,4 @@
-"""inference.collector: router and per-worker samples from real /metrics texts.
+"""inference.metrics.collector: router and per-worker samples from real /metrics texts.
 
 Unit checks use a real RouterMetrics (the router's own registry) rendered to text; the end-to-end
 checks scrape a real router process (over the stand-in cluster of tests/inference/conftest.py, and
@@ -16,7 +16,7 @@ import httpx
 import pytest
 from django.utils import timezone
 
-from inference import collector
+from inference.metrics import collector, exposition
 from inference.models import MetricSample, RouterEndpoint, RouterSample, Worker, WorkerSample
 from inference.router.metrics import RouterMetrics
 from inference.server.metrics import WorkerMetrics
@@ -27,19 +27,19 @@ from tests.support.processes import start_router
 
 
 def _state(metrics: RouterMetrics, at: float) -> dict[str, Any]:
-    return {**collector.parse_router_metrics(metrics.render().decode()), "at": at}
+    return {**exposition.parse_router_metrics(metrics.render().decode()), "at": at}
 
 
 # ----------------------------------------------------------------------------------------- units
 def test_histogram_quantile_interpolates_like_prometheus() -> None:
     buckets = [(0.1, 0.0), (0.5, 10.0), (1.0, 10.0), (float("inf"), 10.0)]
-    assert collector.histogram_quantile(0.5, buckets) == pytest.approx(0.3)  # halfway through (0.1, 0.5]
-    assert collector.histogram_quantile(0.9, buckets) == pytest.approx(0.46)
-    assert collector.histogram_quantile(0.5, [(0.1, 4.0), (float("inf"), 4.0)]) == pytest.approx(0.05)  # from 0
+    assert exposition.histogram_quantile(0.5, buckets) == pytest.approx(0.3)  # halfway through (0.1, 0.5]
+    assert exposition.histogram_quantile(0.9, buckets) == pytest.approx(0.46)
+    assert exposition.histogram_quantile(0.5, [(0.1, 4.0), (float("inf"), 4.0)]) == pytest.approx(0.05)  # from 0
     # Ranks in the +Inf bucket answer the highest finite bound.
-    assert collector.histogram_quantile(0.9, [(0.1, 1.0), (float("inf"), 10.0)]) == pytest.approx(0.1)
-    assert collector.histogram_quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) is None
-    assert collector.histogram_quantile(0.5, []) is None
+    assert exposition.histogram_quantile(0.9, [(0.1, 1.0), (float("inf"), 10.0)]) == pytest.approx(0.1)
+    assert exposition.histogram_quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) is None
+    assert exposition.histogram_quantile(0.5, []) is None
 
 
 def test_router_changes_from_a_real_router_registry() -> None:
@@ -70,7 +70,7 @@ def test_router_changes_from_a_real_router_registry() -> None:
     after = _state(metrics, 1010.0)
     json.dumps(after)  # stored as JSON between scrapes
 
-    changes = collector.router_changes(before, after)
+    changes = exposition.router_changes(before, after)
     assert changes is not None
     assert changes["interval_s"] == 10.0
     assert changes["requests_per_s"] == pytest.approx(1.6)
@@ -83,20 +83,20 @@ def test_router_changes_from_a_real_router_registry() -> None:
     assert 0.1 < changes["ttft_p50_s"] <= 0.25 and 2.5 < changes["ttft_p90_s"] <= 5.0
     assert 0.01 < changes["itl_p50_s"] <= 0.02
     assert changes["queue_wait_p50_s"] is None and changes["e2e_p90_s"] is None  # nothing observed
-    assert collector.worker_share(changes["selections"]) == {
+    assert exposition.worker_share(changes["selections"]) == {
         "decode": {"http://d1:1": 0.75, "http://d2:2": 0.25}, "prefill": {"http://p1:1": 1.0},
     }
     assert after["gauges"] == {"inflight": 3.0, "queued": 1.0, "decode_slots": 8.0}
 
     # Nothing since: rates 0, no error rate and no quantiles (nothing finished or observed).
-    idle = collector.router_changes(after, {**after, "at": 1015.0})
+    idle = exposition.router_changes(after, {**after, "at": 1015.0})
     assert idle is not None
     assert (idle["requests_per_s"], idle["rejected_per_s"], idle["error_rate"]) == (0.0, 0.0, None)
     assert idle["dispatch_p50_s"] is None
 
     # No previous scrape, or no time between them: no deltas.
-    assert collector.router_changes(None, after) is None
-    assert collector.router_changes(after, {**after, "at": 1010.0}) is None
+    assert exposition.router_changes(None, after) is None
+    assert exposition.router_changes(after, {**after, "at": 1010.0}) is None
 
 
 def test_a_restarted_router_counts_from_zero() -> None:
@@ -109,7 +109,7 @@ def test_a_restarted_router_counts_from_zero() -> None:
     new.requests.labels("generate", "failed").inc(10)
     for _ in range(40):
         new.dispatch.observe(0.0004)
-    changes = collector.router_changes(before, _state(new, 1010.0))
+    changes = exposition.router_changes(before, _state(new, 1010.0))
     assert changes is not None
     assert changes["requests_per_s"] == pytest.approx(4.0) and changes["error_rate"] == pytest.approx(0.25)
     assert 0.0002 < changes["dispatch_p90_s"] <= 0.0005  # the new histogram's, not a negative difference
@@ -117,9 +117,9 @@ def test_a_restarted_router_counts_from_zero() -> None:
     # More requests than before the restart: only the start time (histograms' _created) tells.
     state = {"requests": {"ok": 150.0}, "rejected": 0.0, "tokens": 0.0, "selections": {}, "histograms": {},
              "gauges": {}}
-    restarted = collector.router_changes({**state, "requests": {"ok": 100.0}, "started": 1.0, "at": 1000.0},
+    restarted = exposition.router_changes({**state, "requests": {"ok": 100.0}, "started": 1.0, "at": 1000.0},
                                          {**state, "started": 2.0, "at": 1010.0})
-    same = collector.router_changes({**state, "requests": {"ok": 100.0}, "started": 1.0, "at": 1000.0},
+    same = exposition.router_changes({**state, "requests": {"ok": 100.0}, "started": 1.0, "at": 1000.0},
                                     {**state, "started": 1.0, "at": 1010.0})
     assert restarted is not None and restarted["requests_per_s"] == 15.0
     assert same is not None and same["requests_per_s"] == 5.0

@@ -11,7 +11,8 @@ import pytest
 from django.test import override_settings
 from django.utils import timezone
 
-from inference import collector, controller
+from inference.controller import heartbeats, placement, reconciler
+from inference.metrics import collector
 from inference.models import Deployment, MetricSample, ScaleEvent, Worker, WorkerStatus
 from nodes.models import Node, NodeStatus
 from tests.support.celery_capture import SentTasks, sent_tasks  # noqa: F401  (fixture)
@@ -37,24 +38,24 @@ def live(deployment: Deployment, role: str) -> list[Worker]:
 def test_ports_and_cpus_of_a_shared_host() -> None:
     node = online_node(cpu_count=4, port_range_start=31000, port_range_end=31010)
     dep = make_deployment(threads_per_worker=2)
-    prefill = controller.place_worker(dep, "prefill")
-    decode = controller.place_worker(dep, "decode")
+    prefill = placement.place_worker(dep, "prefill")
+    decode = placement.place_worker(dep, "decode")
     assert prefill is not None and decode is not None
     assert (prefill.node_id, prefill.port, prefill.kv_port, prefill.status) == (node.pk, 31000, None, "pending")
     assert (decode.port, decode.kv_port) == (31001, 31002)  # decode also gets its KV port from the range
     assert prefill.cpu_ids == [0, 1] and decode.cpu_ids == [2, 3]  # the roles do not share cores
     assert prefill.gpu_ids == [] and decode.gpu_ids == []
-    assert controller.place_worker(dep, "decode") is None  # all four CPUs taken: no third worker
+    assert placement.place_worker(dep, "decode") is None  # all four CPUs taken: no third worker
     Node.objects.filter(pk=node.pk).update(allow_cpu_oversubscription=True)
-    third = controller.place_worker(dep, "decode")
+    third = placement.place_worker(dep, "decode")
     assert third is not None and third.port == 31003 and third.kv_port == 31004
     assert third.cpu_ids == [2, 3]  # oversubscribed: shares with its own role, not with prefill
 
 
 def test_choose_cpus_spreads_roles() -> None:
-    assert controller.choose_cpus(8, 1, "prefill", []) == [0]
-    assert controller.choose_cpus(8, 1, "decode", []) == [7]
-    assert controller.choose_cpus(2, 4, "decode", []) == [0, 1]  # clipped to the host
+    assert placement.choose_cpus(8, 1, "prefill", []) == [0]
+    assert placement.choose_cpus(8, 1, "decode", []) == [7]
+    assert placement.choose_cpus(2, 4, "decode", []) == [0, 1]  # clipped to the host
 
 
 def test_nodes_that_do_not_fit_are_skipped() -> None:
@@ -66,11 +67,11 @@ def test_nodes_that_do_not_fit_are_skipped() -> None:
     online_node(name="prefill-only", labels={"roles": ["prefill"]})
     full = online_node(name="full", port_range_start=32000, port_range_end=32000)
     make_worker(dep, full, port=32000)
-    assert controller.place_worker(dep, "decode") is None
+    assert placement.place_worker(dep, "decode") is None
     # One free port is enough for prefill but not for decode (HTTP + KV).
     spare = online_node(name="one-port", port_range_start=33000, port_range_end=33000)
-    assert controller.place_worker(dep, "decode") is None
-    worker = controller.place_worker(dep, "prefill")
+    assert placement.place_worker(dep, "decode") is None
+    worker = placement.place_worker(dep, "prefill")
     assert worker is not None and worker.node_id in {spare.pk, Node.objects.get(name="prefill-only").pk}
 
 
@@ -78,17 +79,17 @@ def test_role_labels_and_gpus_steer_placement() -> None:
     dep = make_deployment()
     gpu_host = online_node(name="gpu", gpus=[{"index": 0, "name": "H100", "memory_bytes": 1}, {"index": 1}])
     cpu_host = online_node(name="cpu")
-    first = controller.place_worker(dep, "prefill")
-    second = controller.place_worker(dep, "prefill")
-    third = controller.place_worker(dep, "prefill")
+    first = placement.place_worker(dep, "prefill")
+    second = placement.place_worker(dep, "prefill")
+    third = placement.place_worker(dep, "prefill")
     assert first is not None and second is not None and third is not None
     assert (first.node_id, first.gpu_ids) == (gpu_host.pk, [0])
     assert (second.node_id, second.gpu_ids) == (gpu_host.pk, [1])
     assert (third.node_id, third.gpu_ids) == (cpu_host.pk, [])  # GPUs used up: a CPU host next
-    decode = controller.place_worker(dep, "decode")
+    decode = placement.place_worker(dep, "decode")
     assert decode is not None and decode.node_id == cpu_host.pk  # decode keeps off GPU hosts
     labelled = online_node(name="decode-box", labels={"roles": "decode"})
-    decode2 = controller.place_worker(dep, "decode")
+    decode2 = placement.place_worker(dep, "decode")
     assert decode2 is not None and decode2.node_id == labelled.pk  # a node labelled for the role first
 
 
@@ -97,12 +98,12 @@ def test_a_node_that_just_failed_a_replica_is_avoided() -> None:
     bad = online_node(name="a-bad")
     good = online_node(name="b-good")
     make_worker(dep, bad, role="decode", status="failed")
-    worker = controller.place_worker(dep, "decode")
+    worker = placement.place_worker(dep, "decode")
     assert worker is not None and worker.node_id == good.pk
     Node.objects.filter(pk=good.pk).update(status=NodeStatus.OFFLINE)
-    assert controller.place_worker(dep, "decode") is None  # only the failing node left: wait for the cooldown
+    assert placement.place_worker(dep, "decode") is None  # only the failing node left: wait for the cooldown
     Worker.objects.filter(status="failed").update(updated_at=timezone.now() - timedelta(hours=1))
-    later = controller.place_worker(dep, "decode")
+    later = placement.place_worker(dep, "decode")
     assert later is not None and later.node_id == bad.pk
 
 
@@ -114,11 +115,11 @@ def test_cpu_ranges_never_overlap_without_oversubscription() -> None:
     make_worker(other, node, role="decode", status="stopped", cpu_ids=[2, 3])  # gone: its CPUs are free
     placed = []
     for role in ["prefill", "decode", "prefill", "decode"]:
-        worker = controller.place_worker(dep, role)
+        worker = placement.place_worker(dep, role)
         if worker is not None:
             placed.append((role, worker.cpu_ids))
     assert placed == [("prefill", [0, 1]), ("decode", [6, 7]), ("prefill", [2, 3])]  # CPUs 0-7 all taken
-    plan = controller.plan_placement_explained(dep, "prefill")
+    plan = placement.plan_placement_explained(dep, "prefill")
     assert plan.placement is None
     assert plan.refusals == [
         (node.name, "no free CPUs (needs 2 contiguous, 0 of 8 free; oversubscription not allowed)")
@@ -132,9 +133,9 @@ def test_contiguous_free_cpus_are_needed() -> None:
     make_worker(other, node, role="prefill", cpu_ids=[2])
     dep = make_deployment(threads_per_worker=2)
     # CPUs 1 and 3 are free, but not next to each other: --base-cpu-id takes a contiguous range.
-    assert controller.place_worker(dep, "decode") is None
+    assert placement.place_worker(dep, "decode") is None
     single = make_deployment(threads_per_worker=1)
-    worker = controller.place_worker(single, "decode")
+    worker = placement.place_worker(single, "decode")
     assert worker is not None and worker.cpu_ids == [3]
 
 
@@ -147,11 +148,11 @@ def test_oversubscription_is_allowed_per_node_and_used_last() -> None:
     for node in (strict, lenient):
         make_worker(other, node, role="prefill", cpu_ids=[0])
         make_worker(other, node, role="decode", cpu_ids=[1])
-    worker = controller.place_worker(dep, "decode")
+    worker = placement.place_worker(dep, "decode")
     assert worker is not None and worker.node_id == lenient.pk  # only the node that allows it
     assert worker.cpu_ids == [1]  # shares with its own role rather than with prefill
     roomy = online_node(name="c-roomy", cpu_count=2)
-    worker = controller.place_worker(dep, "decode")
+    worker = placement.place_worker(dep, "decode")
     # Free CPUs beat the labelled node that would oversubscribe.
     assert worker is not None and (worker.node_id, worker.cpu_ids) == (roomy.pk, [1])
 
@@ -169,7 +170,7 @@ def test_refusals_name_every_node_and_its_reason(settings: Any) -> None:
     online_node(name="f-one-port", port_range_start=33000, port_range_end=33000)
     failing = online_node(name="g-failing")
     make_worker(dep, failing, role="decode", status="failed")
-    plan = controller.plan_placement_explained(dep, "decode", now=now)
+    plan = placement.plan_placement_explained(dep, "decode", now=now)
     assert plan.placement is None
     assert dict(plan.refusals) == {
         "a-stale": "heartbeat stale (none within 30s)",
@@ -182,7 +183,7 @@ def test_refusals_name_every_node_and_its_reason(settings: Any) -> None:
     }
     assert [name for name, _ in plan.refusals] == sorted(dict(plan.refusals))
     Node.objects.all().delete()
-    assert controller.plan_placement_explained(dep, "decode").explain() == "no nodes registered"
+    assert placement.plan_placement_explained(dep, "decode").explain() == "no nodes registered"
 
 
 @pytest.mark.django_db(transaction=True)
@@ -202,7 +203,7 @@ def test_concurrent_reconciles_do_not_share_a_cpu(
     # Then `leaving` stops and B (prefill) reads: without the placement lock it sees CPU 0 free too
     # and takes it with port 30000 (no port conflict to stop it); with the lock it waits for A's commit.
     a_read, b_read = threading.Event(), threading.Event()
-    real_choose_cpus = controller.choose_cpus
+    real_choose_cpus = placement.choose_cpus
 
     def choose_cpus_in_order(cpu_count: int, threads: int, role: str, live_workers: Any) -> list[int]:
         cpus = real_choose_cpus(cpu_count, threads, role, live_workers)
@@ -213,12 +214,12 @@ def test_concurrent_reconciles_do_not_share_a_cpu(
             b_read.set()
         return cpus
 
-    monkeypatch.setattr(controller, "choose_cpus", choose_cpus_in_order)
+    monkeypatch.setattr(placement, "choose_cpus", choose_cpus_in_order)
     errors: list[BaseException] = []
 
     def run(dep: Deployment) -> None:
         try:
-            controller.reconcile(dep.pk)
+            reconciler.reconcile(dep.pk)
         except BaseException as exc:  # surfaced below
             errors.append(exc)
         finally:
@@ -245,7 +246,7 @@ def test_reconcile_up_places_and_sends_start_to_the_node_queue(
     node = online_node(name="host-a")
     dep = make_deployment(prefill_replicas=1, decode_replicas=2)
     with django_capture_on_commit_callbacks(execute=True):
-        result = controller.reconcile(dep)
+        result = reconciler.reconcile(dep)
     assert len(result.started) == 3 and not result.unplaced
     assert len(live(dep, "prefill")) == 1 and len(live(dep, "decode")) == 2
     starts = sent_tasks.named("start_worker")
@@ -253,7 +254,7 @@ def test_reconcile_up_places_and_sends_start_to_the_node_queue(
     assert {queue for _, queue in starts} == {"node.host-a"}
     sent_tasks.clear()
     with django_capture_on_commit_callbacks(execute=True):
-        again = controller.reconcile(dep)  # nothing to do the second time
+        again = reconciler.reconcile(dep)  # nothing to do the second time
     assert again.started == [] and sent_tasks.calls == []
     assert node.workers.count() == 3
 
@@ -270,11 +271,11 @@ def test_an_unplaceable_scale_out_is_recorded_once_with_its_reasons(
     online_node(name="prefill-box", labels={"roles": ["prefill"]}, cpu_count=1)
     dep = make_deployment(prefill_replicas=1, decode_replicas=1, decode_max=4)
     with django_capture_on_commit_callbacks(execute=True):
-        first = controller.reconcile(dep)
+        first = reconciler.reconcile(dep)
     assert len(first.started) == 2 and not first.unplaced and not refusals(dep)
     Deployment.objects.filter(pk=dep.pk).update(decode_replicas=3)
     with django_capture_on_commit_callbacks(execute=True):
-        result = controller.reconcile(dep)
+        result = reconciler.reconcile(dep)
     assert len(result.started) == 1 and result.unplaced == {"decode": 1}  # local's second CPU, then nothing
     [event] = refusals(dep)
     assert result.refused_events == [event.pk]
@@ -288,18 +289,18 @@ def test_an_unplaceable_scale_out_is_recorded_once_with_its_reasons(
     sent_tasks.clear()
     for _ in range(3):  # the reconcile loop: no new event while nothing changed
         with django_capture_on_commit_callbacks(execute=True):
-            again = controller.reconcile(dep)
+            again = reconciler.reconcile(dep)
         assert again.unplaced == {"decode": 1} and again.refused_events == [] and again.started == []
     assert len(refusals(dep)) == 1 and sent_tasks.calls == []
     # Another reason (the one-port node stops heartbeating): recorded again, once.
     Node.objects.filter(pk=tiny.pk).update(last_heartbeat=timezone.now() - timedelta(hours=1))
-    controller.reconcile(dep)
-    controller.reconcile(dep)
+    reconciler.reconcile(dep)
+    reconciler.reconcile(dep)
     assert len(refusals(dep)) == 2 and "one-port: heartbeat stale" in refusals(dep)[-1].reason
     # The operator allows oversubscription on the host: the missing worker is placed, nothing is refused.
     Node.objects.filter(pk=local.pk).update(allow_cpu_oversubscription=True)
     with django_capture_on_commit_callbacks(execute=True):
-        placed = controller.reconcile(dep)
+        placed = reconciler.reconcile(dep)
     assert len(placed.started) == 1 and not placed.unplaced and len(refusals(dep)) == 2
     assert Worker.objects.get(pk=placed.started[0]).cpu_ids in ([0], [1])
 
@@ -311,13 +312,13 @@ def test_a_refusal_is_recorded_again_after_a_placement_or_a_scale_change(
 
     online_node(name="solo", cpu_count=1)
     dep = make_deployment(prefill_replicas=0, prefill_min=0, decode_replicas=2, decode_max=4)
-    result = controller.reconcile(dep)
+    result = reconciler.reconcile(dep)
     assert len(result.started) == 1 and result.unplaced == {"decode": 1} and len(refusals(dep)) == 1
-    controller.reconcile(dep)
+    reconciler.reconcile(dep)
     assert len(refusals(dep)) == 1
     # The worker goes away and a new one is placed in its CPU: the same refusal is news again.
     Worker.objects.filter(pk=result.started[0]).update(status=WorkerStatus.STOPPED)
-    replaced = controller.reconcile(dep)
+    replaced = reconciler.reconcile(dep)
     assert len(replaced.started) == 1 and len(replaced.refused_events) == 1
     first, second = [e for e in refusals(dep) if e.reason.startswith("placement refused")]
     assert (first.reason, first.from_replicas, first.to_replicas) == (
@@ -325,8 +326,8 @@ def test_a_refusal_is_recorded_again_after_a_placement_or_a_scale_change(
     # A scale change in between (here a threshold-like step) makes the next refusal news too.
     with django_capture_on_commit_callbacks(execute=True):
         actions.scale_deployment(dep, "decode", 3, source="api", reason="more decode")
-    controller.reconcile(dep)
-    controller.reconcile(dep)
+    reconciler.reconcile(dep)
+    reconciler.reconcile(dep)
     events = list(ScaleEvent.objects.filter(deployment=dep, role="decode").order_by("created_at", "pk"))
     assert [(e.source, e.from_replicas, e.to_replicas) for e in events] == [
         ("recovery", 1, 2), ("recovery", 0, 2), ("recovery", 1, 2), ("api", 2, 3), ("recovery", 1, 3),
@@ -351,7 +352,7 @@ def test_the_demo_starts_on_two_cpus_and_its_scale_out_is_refused(
     online_node(name="local", cpu_count=2)  # what `agent --name local` registers here (sched_getaffinity)
     dep = Deployment.objects.get(name="demo")
     with django_capture_on_commit_callbacks(execute=True):
-        started = controller.reconcile(dep)
+        started = reconciler.reconcile(dep)
     assert len(started.started) == 2 and not started.unplaced
     assert {(w.role, tuple(w.cpu_ids)) for w in live(dep, "prefill") + live(dep, "decode")} == {
         ("prefill", (0,)), ("decode", (1,))}
@@ -359,7 +360,7 @@ def test_the_demo_starts_on_two_cpus_and_its_scale_out_is_refused(
     with django_capture_on_commit_callbacks(execute=True):
         actions.scale_deployment_by(dep, "decode", rule.step, source="threshold", reason="load 0.9 > 0.7", rule=rule)
     with django_capture_on_commit_callbacks(execute=True):
-        refused = controller.reconcile(dep)
+        refused = reconciler.reconcile(dep)
     assert refused.started == [] and refused.unplaced == {"decode": 1}
     [event] = refusals(dep)
     assert "local: no free CPUs (needs 1 contiguous, 0 of 2 free" in event.reason
@@ -377,11 +378,11 @@ def test_reconcile_down_drains_preferring_unhealthy_and_idle(
     make_worker(dep, node, role="prefill")
     Deployment.objects.filter(pk=dep.pk).update(decode_replicas=2)
     with django_capture_on_commit_callbacks(execute=True):
-        result = controller.reconcile(dep)
+        result = reconciler.reconcile(dep)
     assert result.stopped == [sick.pk] and result.draining == []
     Deployment.objects.filter(pk=dep.pk).update(decode_replicas=1)
     with django_capture_on_commit_callbacks(execute=True):
-        result = controller.reconcile(dep)
+        result = reconciler.reconcile(dep)
     assert result.draining == [idle.pk]
     assert {w.pk: w.status for w in Worker.objects.filter(role="decode")} == {
         busy.pk: "running", idle.pk: "draining", sick.pk: "stopping",
@@ -399,7 +400,7 @@ def test_a_stopped_deployment_drains_everything(
     running = make_worker(dep, node, role="decode")
     pending = make_worker(dep, node, role="prefill", status="pending")
     with django_capture_on_commit_callbacks(execute=True):
-        results = controller.reconcile_all()
+        results = reconciler.reconcile_all()
     assert [r.deployment_id for r in results] == [dep.pk]
     assert Worker.objects.get(pk=running.pk).status == WorkerStatus.DRAINING
     assert Worker.objects.get(pk=pending.pk).status == WorkerStatus.STOPPING
@@ -415,7 +416,7 @@ def test_silent_node_is_unreachable_and_its_healthy_workers_stay_in_rotation(
     online_node(name="alive")
     serving = make_worker(dep, silent, role="decode", port=port, status="running", last_seen=timezone.now())
     with django_capture_on_commit_callbacks(execute=True):
-        gone = controller.check_node_heartbeats()
+        gone = heartbeats.check_node_heartbeats()
     assert [n.name for n in gone] == ["silent"]
     assert Node.objects.get(pk=silent.pk).status == NodeStatus.UNREACHABLE
     kept = Worker.objects.get(pk=serving.pk)
@@ -424,12 +425,12 @@ def test_silent_node_is_unreachable_and_its_healthy_workers_stay_in_rotation(
     assert event.source == "recovery" and (event.from_replicas, event.to_replicas) == (1, 1)
     assert "unreachable" in event.reason and f"#{serving.pk}" in event.reason
     assert sent_tasks.named("reconcile_deployment") == []
-    result = controller.reconcile(dep)
+    result = reconciler.reconcile(dep)
     assert result.started == [] and [w.pk for w in live(dep, "decode")] == [serving.pk]  # no replacement
-    assert controller.check_node_heartbeats() == []  # reported once; its worker is still probed
+    assert heartbeats.check_node_heartbeats() == []  # reported once; its worker is still probed
     assert ScaleEvent.objects.filter(deployment=dep).count() == 1
     # The placement of anything new avoids the node: its agent could not start it.
-    plan = controller.plan_placement_explained(dep, "decode")
+    plan = placement.plan_placement_explained(dep, "decode")
     assert ("silent", "unreachable") in plan.refusals
 
 
@@ -443,14 +444,14 @@ def test_worker_of_an_unreachable_node_is_failed_over_once_it_stops_answering(
     alive = online_node(name="alive")
     dead = make_worker(dep, silent, role="decode", port=1, status="running", pid=4242, last_seen=now)
     with django_capture_on_commit_callbacks(execute=True):
-        controller.check_node_heartbeats(now=now)
+        heartbeats.check_node_heartbeats(now=now)
     out = Worker.objects.get(pk=dead.pk)
     assert out.status == WorkerStatus.UNHEALTHY and "/health probe failed" in out.last_error
     assert sent_tasks.named("reconcile_deployment") == []  # not yet: it may be a blip
     later = now + timedelta(seconds=16)  # NODE_HEARTBEAT_TIMEOUT_S (15 s) without an answer
     Node.objects.filter(pk=alive.pk).update(last_heartbeat=later)  # the other agent kept beating
     with django_capture_on_commit_callbacks(execute=True):
-        assert controller.check_node_heartbeats(now=later) == []
+        assert heartbeats.check_node_heartbeats(now=later) == []
     failed = Worker.objects.get(pk=dead.pk)
     assert failed.status == WorkerStatus.STOPPED and failed.pid == 4242  # kept: a returning agent reaps it
     assert "failed over" in failed.last_error
@@ -459,7 +460,7 @@ def test_worker_of_an_unreachable_node_is_failed_over_once_it_stops_answering(
     assert f"#{dead.pk}" in event.reason and "silent" in event.reason
     assert sent_tasks.named("reconcile_deployment") == [({"deployment_id": dep.pk}, None)]
     with django_capture_on_commit_callbacks(execute=True):
-        result = controller.reconcile(dep)
+        result = reconciler.reconcile(dep)
     [replacement] = live(dep, "decode")
     assert replacement.node_id == alive.pk and result.started == [replacement.pk]
 
@@ -475,11 +476,11 @@ def test_an_answer_after_a_failed_probe_puts_the_worker_back_and_a_pending_one_i
     flaky = make_worker(dep, silent, role="decode", port=port, status="running", last_seen=now)
     never = make_worker(dep, silent, role="decode", status="pending", pid=None)
     state.health = {"status": "loading"}
-    outcome = controller.probe_workers_of_silent_nodes([silent], now=now)
+    outcome = heartbeats.probe_workers_of_silent_nodes([silent], now=now)
     assert outcome == {flaky.pk: "unhealthy", never.pk: "failed_over"}
     assert Worker.objects.get(pk=never.pk).status == WorkerStatus.STOPPED
     state.health = {"status": "healthy", "running": 0}
-    assert controller.probe_workers_of_silent_nodes([silent], now=now) == {flaky.pk: "healthy"}
+    assert heartbeats.probe_workers_of_silent_nodes([silent], now=now) == {flaky.pk: "healthy"}
     assert Worker.objects.get(pk=flaky.pk).status == WorkerStatus.RUNNING
 
 
@@ -496,7 +497,7 @@ def test_manual_offline_replaces_the_workers_with_a_recorded_failover(
     assert Worker.objects.get(pk=lost.pk).status == WorkerStatus.STOPPED
     event = ScaleEvent.objects.get(deployment=dep)
     assert event.reason.startswith("failover: node gone offline (host retired)") and event.to_replicas == 0
-    controller.reconcile(dep)
+    reconciler.reconcile(dep)
     assert [w.node_id for w in live(dep, "decode")] == [fine.pk]
 
 
@@ -505,7 +506,7 @@ def test_workers_left_on_a_node_set_offline_by_hand_are_replaced() -> None:
     dead = online_node(name="dead", status=NodeStatus.OFFLINE)
     fine = online_node(name="fine")
     lost = make_worker(dep, dead, role="decode")
-    result = controller.reconcile(dep)
+    result = reconciler.reconcile(dep)
     assert result.stopped == [lost.pk]
     assert [w.node_id for w in live(dep, "decode")] == [fine.pk]
 
@@ -517,7 +518,7 @@ def test_a_worker_left_on_a_node_set_offline_by_hand_is_a_recorded_failover_with
     dead = online_node(name="dead", status=NodeStatus.OFFLINE)
     online_node(name="fine")
     lost = make_worker(dep, dead, role="decode", status="running")
-    [new] = controller.reconcile(dep).started
+    [new] = reconciler.reconcile(dep).started
     [event] = refusals(dep)
     assert event.reason.startswith("failover: node dead offline") and f"#{lost.pk}" in event.reason
     assert (event.from_replicas, event.to_replicas) == (1, 0)
@@ -535,12 +536,12 @@ def test_a_scale_out_records_how_long_its_workers_took_to_run() -> None:
 
     online_node()
     dep = make_deployment(decode_replicas=1, decode_max=4, prefill_replicas=0, prefill_min=0)
-    controller.reconcile(dep)
+    reconciler.reconcile(dep)
     Worker.objects.filter(deployment=dep).update(created_at=timezone.now() - timedelta(seconds=60))
     event = actions.scale_deployment(dep, "decode", 3, source="api", reason="traffic")
     assert event is not None
     ScaleEvent.objects.filter(pk=event.pk).update(created_at=timezone.now() - timedelta(seconds=42))
-    started = controller.reconcile(dep).started
+    started = reconciler.reconcile(dep).started
     assert sorted(event.placed_workers.values_list("pk", flat=True)) == sorted(started) and len(started) == 2
     node_actions.report_healthy(started[0], health={"status": "healthy"})
     event.refresh_from_db()
@@ -559,12 +560,12 @@ def test_failed_and_drained_workers_are_recorded_as_recovery_and_re_placed() -> 
     first = online_node(name="first")
     online_node(name="second")
     dep = make_deployment(decode_replicas=1, prefill_replicas=0, prefill_min=0)
-    [crashing] = controller.reconcile(dep).started
+    [crashing] = reconciler.reconcile(dep).started
     node_actions.report_failed(crashing, error="Traceback ...\nRuntimeError: boom")
     [failed] = refusals(dep)
     assert failed.reason.startswith(f"failover: decode worker #{crashing} failed after repeated crashes")
     assert (failed.from_replicas, failed.to_replicas) == (1, 0)
-    [replacement] = controller.reconcile(dep).started
+    [replacement] = reconciler.reconcile(dep).started
     assert list(failed.placed_workers.values_list("pk", flat=True)) == [replacement]
     assert Worker.objects.get(pk=replacement).node.name == "second"  # the failed node is avoided
 
@@ -573,7 +574,7 @@ def test_failed_and_drained_workers_are_recorded_as_recovery_and_re_placed() -> 
     drained = refusals(dep)[-1]
     assert drained.reason.startswith("re-placement: node second drained") and f"#{replacement}" in drained.reason
     with override_settings(CONTROLLER_FAILURE_COOLDOWN_S=0):
-        [again] = controller.reconcile(dep).started
+        [again] = reconciler.reconcile(dep).started
     assert list(drained.placed_workers.values_list("pk", flat=True)) == [again]
     assert Worker.objects.get(pk=again).node_id == first.pk
 
@@ -582,13 +583,13 @@ def test_a_worker_stopped_by_hand_is_re_placed_with_a_recovery_event_but_a_first
     online_node()
     dep = make_deployment(decode_replicas=1, prefill_replicas=0, prefill_min=0)
     ScaleEvent.objects.filter(deployment=dep).delete()  # no creation event: the first start records none
-    controller.reconcile(dep)
+    reconciler.reconcile(dep)
     assert refusals(dep) == []
     Deployment.objects.filter(pk=dep.pk).update(decode_replicas=2)  # raised without an event: no recovery
-    [extra] = controller.reconcile(dep).started
+    [extra] = reconciler.reconcile(dep).started
     assert refusals(dep) == []
     Worker.objects.filter(pk=extra).update(status="stopped", updated_at=timezone.now())  # stopped by hand
-    [second] = controller.reconcile(dep).started
+    [second] = reconciler.reconcile(dep).started
     [event] = refusals(dep)
     assert event.reason.startswith("re-placement: decode worker(s) placed") and event.to_replicas == 2
     assert list(event.placed_workers.values_list("pk", flat=True)) == [second]
@@ -602,7 +603,7 @@ def test_pending_start_requests_are_sent_again(
     stuck = make_worker(dep, node, role="decode", status="pending")
     Worker.objects.filter(pk=stuck.pk).update(updated_at=timezone.now() - timedelta(minutes=5))
     with django_capture_on_commit_callbacks(execute=True):
-        result = controller.reconcile(dep)
+        result = reconciler.reconcile(dep)
     assert result.resent == [stuck.pk] and result.started == []
     assert sent_tasks.named("start_worker") == [({"worker_id": stuck.pk}, node.queue_name)]
 

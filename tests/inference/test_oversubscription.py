@@ -9,7 +9,7 @@ from django.utils import timezone
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from inference import controller
+from inference.controller import placement
 from nodes import actions as node_actions
 from nodes.models import Node
 from nodes.resources import NodeResources
@@ -76,7 +76,7 @@ def test_the_setting_decides_whether_a_full_node_takes_another_worker() -> None:
     node = make_node(name="box", cpu_count=1, last_heartbeat=timezone.now())
     make_worker(make_deployment(), node, role="decode", cpu_ids=[0])
     dep = make_deployment()
-    assert controller.place_worker(dep, "decode") is None
+    assert placement.place_worker(dep, "decode") is None
     api.patch(f"/api/nodes/{node.pk}/", {"allow_cpu_oversubscription": True}, format="json")
-    worker = controller.place_worker(dep, "decode")
+    worker = placement.place_worker(dep, "decode")
     assert worker is not None and worker.cpu_ids == [0]

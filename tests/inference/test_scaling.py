@@ -8,8 +8,10 @@ import pytest
 from django.test import override_settings
 from django.utils import timezone
 
-from inference import scaling
+from inference import selectors
 from inference.models import Deployment, ScaleEvent, ScalingRule, Worker
+from inference.scaling import rules as scaling_rules
+from inference.scaling import signals as scaling_signals
 from tests.support.celery_capture import SentTasks, sent_tasks  # noqa: F401  (fixture)
 from tests.support.control_plane import make_deployment, make_node, make_worker
 
@@ -42,27 +44,27 @@ def events(deployment: Deployment) -> list[ScaleEvent]:
 def test_load_is_the_mean_capped_batch_fill_of_recent_running_workers() -> None:
     dep = make_deployment(batch_size=4)
     set_load(dep, "decode", [(2, 0), (4, 8)], T0)  # 0.5 and 3.0 → capped at 1.0
-    assert scaling.role_load(dep, "decode", now=T0) == pytest.approx(0.75)
-    assert scaling.role_load(dep, "decode", now=T0 + timedelta(minutes=5)) is None  # stale reports ignored
-    assert scaling.role_load(dep, "prefill", now=T0) is None  # no running worker
+    assert scaling_signals.role_load(dep, "decode", now=T0) == pytest.approx(0.75)
+    assert scaling_signals.role_load(dep, "decode", now=T0 + timedelta(minutes=5)) is None  # stale reports ignored
+    assert scaling_signals.role_load(dep, "prefill", now=T0) is None  # no running worker
     Worker.objects.filter(deployment=dep).update(status="unhealthy")
-    assert scaling.role_load(dep, "decode", now=T0) is None
-    assert scaling.worker_load({"running": 1, "queue_depth": 1}, 8) == 0.25
-    assert scaling.worker_load({"running": "?"}, 8) is None
+    assert scaling_signals.role_load(dep, "decode", now=T0) is None
+    assert scaling_signals.worker_load({"running": 1, "queue_depth": 1}, 8) == 0.25
+    assert scaling_signals.worker_load({"running": "?"}, 8) is None
 
 
 def test_prefill_load_reads_busy_time_and_the_queued_prompt_tokens() -> None:
     """A prefill worker whose batch is empty at the sample can still be loaded: busy or with a queue."""
     idle = {"running": 0, "queue_depth": 0, "batch_size": 8}
-    assert scaling.worker_load(idle, 8, "prefill") == 0.0
-    assert scaling.worker_load({**idle, "busy_ratio": 0.9}, 8, "prefill") == pytest.approx(0.9)
+    assert scaling_signals.worker_load(idle, 8, "prefill") == 0.0
+    assert scaling_signals.worker_load({**idle, "busy_ratio": 0.9}, 8, "prefill") == pytest.approx(0.9)
     # 1200 prompt tokens queued at 2000 tokens/s: a new prompt waits 0.6 s of the 1 s target.
     queued = {**idle, "busy_ratio": 0.1, "prompt_tokens_pending": 1200, "prefill_tokens_per_s": 2000.0}
-    assert scaling.worker_load(queued, 8, "prefill") == pytest.approx(0.6)
+    assert scaling_signals.worker_load(queued, 8, "prefill") == pytest.approx(0.6)
     with override_settings(SCALING_PREFILL_WAIT_TARGET_S=0.3):
-        assert scaling.worker_load(queued, 8, "prefill") == 1.0  # capped
+        assert scaling_signals.worker_load(queued, 8, "prefill") == 1.0  # capped
     # Decode ignores the prefill readings; the worker's own batch size wins over the deployment's.
-    assert scaling.worker_load({**queued, "running": 2}, 16, "decode") == pytest.approx(0.25)
+    assert scaling_signals.worker_load({**queued, "running": 2}, 16, "decode") == pytest.approx(0.25)
 
 
 def readings_every_10s(dep: Deployment, role: str, loads: list[tuple[int, int] | None],
@@ -76,7 +78,7 @@ def readings_every_10s(dep: Deployment, role: str, loads: list[tuple[int, int] |
             Worker.objects.filter(deployment=dep, role=role).update(last_seen=at - timedelta(minutes=5))
         else:
             set_load(dep, role, [load], at)
-        fired.append(scaling.evaluate_all(now=at))
+        fired.append(scaling_rules.evaluate_all(now=at))
     return fired
 
 
@@ -180,7 +182,7 @@ def test_a_change_by_another_scaler_restarts_the_window(sent_tasks: SentTasks) -
     ],
 )
 def test_window(start: time, end: time, at: time, inside: bool) -> None:
-    assert scaling.in_window(start, end, at) is inside
+    assert selectors.in_window(start, end, at) is inside
 
 
 def night_and_day(dep: Deployment) -> tuple[ScalingRule, ScalingRule]:
@@ -198,19 +200,19 @@ def test_schedule_wraps_midnight_in_the_platform_time_zone() -> None:
                                        start_time=time(22), end_time=time(7), target_replicas=1)
     shanghai = ZoneInfo("Asia/Shanghai")
     # 21:30 local: not yet.
-    assert scaling.evaluate_all(now=datetime(2026, 3, 10, 21, 30, tzinfo=shanghai)) == []
+    assert scaling_rules.evaluate_all(now=datetime(2026, 3, 10, 21, 30, tzinfo=shanghai)) == []
     # 23:00 local = 15:00 UTC: the night window holds decode at 1.
-    [event] = scaling.evaluate_all(now=datetime(2026, 3, 10, 15, 0, tzinfo=ZoneInfo("UTC")))
+    [event] = scaling_rules.evaluate_all(now=datetime(2026, 3, 10, 15, 0, tzinfo=ZoneInfo("UTC")))
     assert (event.role, event.from_replicas, event.to_replicas, event.source) == ("decode", 3, 1, "schedule")
     assert event.rule_id == night.pk and "night" in event.reason and "22:00–07:00" in event.reason
     # 02:00 next day, still inside: nothing to do, no event.
-    assert scaling.evaluate_all(now=datetime(2026, 3, 11, 2, 0, tzinfo=shanghai)) == []
+    assert scaling_rules.evaluate_all(now=datetime(2026, 3, 11, 2, 0, tzinfo=shanghai)) == []
     # Someone scales up by hand during the night: the schedule holds its value.
     Deployment.objects.filter(pk=dep.pk).update(decode_replicas=2)
-    [held] = scaling.evaluate_all(now=datetime(2026, 3, 11, 3, 0, tzinfo=shanghai))
+    [held] = scaling_rules.evaluate_all(now=datetime(2026, 3, 11, 3, 0, tzinfo=shanghai))
     assert (held.from_replicas, held.to_replicas) == (2, 1)
     # 07:00: the window ended and nothing is restored without a day rule.
-    assert scaling.evaluate_all(now=datetime(2026, 3, 11, 7, 0, tzinfo=shanghai)) == []
+    assert scaling_rules.evaluate_all(now=datetime(2026, 3, 11, 7, 0, tzinfo=shanghai)) == []
     dep.refresh_from_db()
     assert dep.decode_replicas == 1
 
@@ -219,8 +221,8 @@ def test_a_day_rule_sets_the_day_value_back() -> None:
     dep = make_deployment(decode_replicas=3, decode_min=1, decode_max=4)
     night, day = night_and_day(dep)
     utc = ZoneInfo("UTC")
-    [down] = scaling.evaluate_all(now=datetime(2026, 3, 10, 22, 0, tzinfo=utc))
-    [up] = scaling.evaluate_all(now=datetime(2026, 3, 11, 7, 0, tzinfo=utc))
+    [down] = scaling_rules.evaluate_all(now=datetime(2026, 3, 10, 22, 0, tzinfo=utc))
+    [up] = scaling_rules.evaluate_all(now=datetime(2026, 3, 11, 7, 0, tzinfo=utc))
     assert (down.to_replicas, down.rule_id) == (1, night.pk)
     assert (up.from_replicas, up.to_replicas, up.rule_id) == (1, 3, day.pk)
     assert [e.source for e in events(dep)] == ["schedule", "schedule"]
@@ -234,17 +236,17 @@ def test_schedule_target_is_clamped_and_pauses_threshold_rules() -> None:
     busy = threshold_rule(dep, name="busy decode", role="decode", threshold=0.7, duration_s=0, cooldown_s=0)
     night = datetime(2026, 3, 10, 23, 0, tzinfo=ZoneInfo("UTC"))
     set_load(dep, "decode", [(4, 4)], night)
-    [event] = scaling.evaluate_all(now=night)
+    [event] = scaling_rules.evaluate_all(now=night)
     assert (event.from_replicas, event.to_replicas) == (3, 2)  # min 2 wins over the target 1
     assert "clamped" in event.reason
     # Busy at night: the threshold rule is paused while the schedule holds decode.
-    assert scaling.evaluate_all(now=night + timedelta(seconds=10)) == []
+    assert scaling_rules.evaluate_all(now=night + timedelta(seconds=10)) == []
     busy.refresh_from_db()
     assert busy.breach_started_at is None
     # In the day the threshold rule works again.
     day = datetime(2026, 3, 11, 12, 0, tzinfo=ZoneInfo("UTC"))
     set_load(dep, "decode", [(4, 4)], day)
-    [up] = scaling.evaluate_all(now=day)
+    [up] = scaling_rules.evaluate_all(now=day)
     assert (up.source, up.from_replicas, up.to_replicas) == ("threshold", 2, 3)
 
 
@@ -252,10 +254,10 @@ def test_disabled_rules_and_stopped_deployments_are_skipped() -> None:
     dep = make_deployment(decode_replicas=3)
     night, _ = night_and_day(dep)
     ScalingRule.objects.filter(pk=night.pk).update(enabled=False)
-    assert scaling.evaluate_all(now=datetime(2026, 3, 10, 23, 0, tzinfo=ZoneInfo("UTC"))) == []
+    assert scaling_rules.evaluate_all(now=datetime(2026, 3, 10, 23, 0, tzinfo=ZoneInfo("UTC"))) == []
     ScalingRule.objects.filter(pk=night.pk).update(enabled=True)
     Deployment.objects.filter(pk=dep.pk).update(status="stopped")
-    assert scaling.evaluate_all(now=datetime(2026, 3, 10, 23, 0, tzinfo=ZoneInfo("UTC"))) == []
+    assert scaling_rules.evaluate_all(now=datetime(2026, 3, 10, 23, 0, tzinfo=ZoneInfo("UTC"))) == []
 
 
 def test_an_override_holds_its_count_and_pauses_the_roles_rules() -> None:
@@ -271,14 +273,14 @@ def test_an_override_holds_its_count_and_pauses_the_roles_rules() -> None:
     override = ScaleOverride.objects.create(deployment=dep, role="decode", replicas=3, rule=night,
                                             ends_at=T0 + timedelta(minutes=10), source="api", created_by="ops")
     with override_settings(TIME_ZONE="UTC"):
-        assert scaling.evaluate_all(now=T0) == []
+        assert scaling_rules.evaluate_all(now=T0) == []
         busy.refresh_from_db()
         assert busy.breach_started_at is None  # paused, not counting
         Deployment.objects.filter(pk=dep.pk).update(decode_replicas=2)  # e.g. an edit in the admin form
-        [held] = scaling.evaluate_all(now=T0 + timedelta(minutes=1))
+        [held] = scaling_rules.evaluate_all(now=T0 + timedelta(minutes=1))
         assert (held.from_replicas, held.to_replicas, held.source) == (2, 3, "api")
         assert f"override #{override.pk} by ops" in held.reason and "'night'" in held.reason
-        [after] = scaling.evaluate_all(now=T0 + timedelta(minutes=10))  # ended: the schedule is back
+        [after] = scaling_rules.evaluate_all(now=T0 + timedelta(minutes=10))  # ended: the schedule is back
         assert (after.to_replicas, after.rule_id) == (1, night.pk)
 
 
@@ -300,7 +302,7 @@ def test_slo_rules_add_workers_of_the_role_that_limits_the_latency() -> None:
     fired = []
     for i, p90 in enumerate([2.5, 2.4, 2.6]):
         set_latency(dep, T0 + timedelta(seconds=10 * i), ttft_p90_s=p90, itl_p90_s=0.030)
-        fired.append(scaling.evaluate_all(now=T0 + timedelta(seconds=10 * i)))
+        fired.append(scaling_rules.evaluate_all(now=T0 + timedelta(seconds=10 * i)))
     assert [len(e) for e in fired] == [0, 0, 1]
     event = fired[-1][0]
     assert (event.role, event.from_replicas, event.to_replicas, event.source, event.rule_id) == (
@@ -311,12 +313,12 @@ def test_slo_rules_add_workers_of_the_role_that_limits_the_latency() -> None:
     # Slow tokens: decode grows; no latency reported at all (no requests): nothing fires.
     for i in range(3):
         set_latency(dep, T0 + timedelta(seconds=40 + 10 * i), ttft_p90_s=0.2, itl_p90_s=0.120)
-        fired.append(scaling.evaluate_all(now=T0 + timedelta(seconds=40 + 10 * i)))
+        fired.append(scaling_rules.evaluate_all(now=T0 + timedelta(seconds=40 + 10 * i)))
     [slow] = fired[-1]
     assert (slow.role, slow.to_replicas, slow.source) == ("decode", 2, "slo") and "ITL p90 120.00ms" in slow.reason
     for i in range(4):
         set_latency(dep, T0 + timedelta(seconds=200 + 10 * i), ttft_p90_s=None, itl_p90_s=None)
-        assert scaling.evaluate_all(now=T0 + timedelta(seconds=200 + 10 * i)) == []
+        assert scaling_rules.evaluate_all(now=T0 + timedelta(seconds=200 + 10 * i)) == []
 
 
 @pytest.mark.parametrize(

@@ -2,9 +2,9 @@
 
 Each test starts a real prefill worker, a real decode worker and a real router (the tiny test model), drives
 them with the `load_test` console script (a closed loop of streaming requests against 127.0.0.1),
-and every CADENCE_S seconds runs what the control plane runs: `inference.collector.collect()` (the
+and every CADENCE_S seconds runs what the control plane runs: `inference.metrics.collector.collect()` (the
 collect_metrics task: scrapes each RUNNING worker's /health into `Worker.last_health`) and then
-`inference.scaling.evaluate_all()` (the evaluate_scaling_rules task), both on their own clock. The
+`inference.scaling.rules.evaluate_all()` (the evaluate_scaling_rules task), both on their own clock. The
 cadence is faster than beat's (collect 5 s, evaluate 10 s) so that a reading that drops to 0.00
 cannot slip between two samples unseen, and the rules' duration is short (20 s) so each test stays
 within about a minute.
@@ -28,8 +28,10 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from inference import collector, scaling
+from inference.metrics import collector
 from inference.models import Deployment, ScaleEvent, ScalingRule
+from inference.scaling import rules as scaling_rules
+from inference.scaling import signals as scaling_signals
 from tests.support.control_plane import make_deployment, make_node, make_worker
 from tests.support.processes import Proc, free_port, start_router, start_worker
 
@@ -127,9 +129,9 @@ def control_loop(deployment: Deployment, role: str, load: Proc, *, limit_s: floa
     while time.monotonic() - started < limit_s and load.alive():
         began = time.monotonic()
         collector.collect()
-        fired = [e for e in scaling.evaluate_all() if e.role == role]
+        fired = [e for e in scaling_rules.evaluate_all() if e.role == role]
         # The reading the rules just judged (the collector wrote it; nothing changed since).
-        ticks.append(Tick(at_s=began - started, load=scaling.role_load(deployment, role), fired=fired))
+        ticks.append(Tick(at_s=began - started, load=scaling_signals.role_load(deployment, role), fired=fired))
         if fired:
             break
         time.sleep(max(0.0, CADENCE_S - (time.monotonic() - began)))

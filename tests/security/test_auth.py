@@ -20,8 +20,8 @@ from django.test.utils import override_settings
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from inference.auth import WS_CLOSE_UNAUTHORIZED, WebSocketAuthMiddleware, bearer_key, token_cache
-from inference.limits import BodySizeLimitMiddleware
+from inference.gateway.auth import WS_CLOSE_UNAUTHORIZED, WebSocketAuthMiddleware, bearer_key, token_cache
+from inference.gateway.limits import BodySizeLimitMiddleware
 from tests.support.asgi import asgi_request, header
 from tests.support.control_plane import make_deployment
 from tests.support.processes import ROOT

@@ -8,8 +8,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
+from inference.metrics.prometheus import file_sd_targets, write_file_sd
 from inference.models import Deployment
-from inference.prometheus import file_sd_targets, write_file_sd
 
 DEFAULT_OUT = "platform/prometheus/targets/targets.json"
 

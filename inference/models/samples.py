@@ -1,0 +1,114 @@
+"""Metric samples: per role, per worker and per router, written by the collector; charts and scaling read them."""
+from __future__ import annotations
+
+from django.db import models
+
+from inference.models.deployments import Deployment, RouterEndpoint
+
+
+class MetricSample(models.Model):
+    """A deployment's role-level metrics at one moment (charts and scaling read these); pruned by age."""
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="metric_samples")
+    role = models.CharField(max_length=16)
+    at = models.DateTimeField(db_index=True)
+    workers = models.PositiveIntegerField(default=0)
+    load = models.FloatField(default=0.0)
+    ttft_s = models.FloatField(null=True, blank=True)
+    itl_s = models.FloatField(null=True, blank=True)
+    throughput_tps = models.FloatField(default=0.0)
+    queue_depth = models.FloatField(default=0.0)
+    running = models.FloatField(default=0.0)
+    kv_usage = models.FloatField(default=0.0)
+    cpu_utilization = models.FloatField(null=True, blank=True)
+    gpu_utilization = models.FloatField(null=True, blank=True)
+    # Sums and means over the role's workers of what WorkerSample holds per worker (None: not reported).
+    rss_bytes = models.BigIntegerField(null=True, blank=True)
+    gpu_memory_bytes = models.BigIntegerField(null=True, blank=True)
+    kv_transfer_bytes_per_s = models.FloatField(null=True, blank=True)
+    kv_transfer_s = models.FloatField(null=True, blank=True)
+    prefix_cache_hit_ratio = models.FloatField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-at"]
+        indexes = [models.Index(fields=["deployment", "role", "at"])]
+
+    def __str__(self) -> str:
+        return f"{self.deployment.name}/{self.role}@{self.at:%H:%M:%S}"
+
+
+class RouterSample(models.Model):
+    """What a deployment's router measured between two scrapes (as clients see it); pruned by age.
+
+    Rates are per second over the interval; quantiles come from the histograms' bucket deltas (None:
+    no observation in the interval). `worker_share` is {role: {worker url: share of the role's
+    requests the router sent to it}}.
+    """
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="router_samples")
+    router = models.ForeignKey(RouterEndpoint, on_delete=models.CASCADE, related_name="samples")
+    at = models.DateTimeField(db_index=True)
+    interval_s = models.FloatField(null=True, blank=True)
+    requests_per_s = models.FloatField(null=True, blank=True)
+    error_rate = models.FloatField(null=True, blank=True, help_text="failed / all requests finished")
+    rejected_per_s = models.FloatField(null=True, blank=True, help_text="429 answers per second")
+    tokens_per_s = models.FloatField(null=True, blank=True)
+    dispatch_p50_s = models.FloatField(null=True, blank=True)
+    dispatch_p90_s = models.FloatField(null=True, blank=True)
+    queue_wait_p50_s = models.FloatField(null=True, blank=True)
+    queue_wait_p90_s = models.FloatField(null=True, blank=True)
+    ttft_p50_s = models.FloatField(null=True, blank=True)
+    ttft_p90_s = models.FloatField(null=True, blank=True)
+    itl_p50_s = models.FloatField(null=True, blank=True)
+    itl_p90_s = models.FloatField(null=True, blank=True)
+    e2e_p50_s = models.FloatField(null=True, blank=True)
+    e2e_p90_s = models.FloatField(null=True, blank=True)
+    inflight = models.FloatField(null=True, blank=True)
+    queued = models.FloatField(null=True, blank=True)
+    decode_slots = models.FloatField(null=True, blank=True)
+    worker_share = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["-at"]
+        indexes = [models.Index(fields=["deployment", "at"])]
+
+    def __str__(self) -> str:
+        return f"{self.deployment.name}/router@{self.at:%H:%M:%S}"
+
+
+class WorkerSample(models.Model):
+    """One worker's metrics at one moment (per-worker charts); pruned by age.
+
+    The worker is named, not referenced: its samples outlive its row. Rates and means are over the
+    interval since the previous scrape; None where the worker (or the engine) does not report it.
+    """
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="worker_samples")
+    worker_id = models.PositiveIntegerField()
+    name = models.CharField(max_length=150)
+    role = models.CharField(max_length=16)
+    url = models.CharField(max_length=300, blank=True)
+    at = models.DateTimeField(db_index=True)
+    load = models.FloatField(null=True, blank=True)
+    queue_depth = models.FloatField(null=True, blank=True)
+    running = models.FloatField(null=True, blank=True)
+    kv_usage = models.FloatField(null=True, blank=True)
+    cpu_utilization = models.FloatField(null=True, blank=True)
+    gpu_utilization = models.FloatField(null=True, blank=True)
+    throughput_tps = models.FloatField(null=True, blank=True)
+    ttft_s = models.FloatField(null=True, blank=True)
+    itl_s = models.FloatField(null=True, blank=True)
+    rss_bytes = models.BigIntegerField(null=True, blank=True)
+    gpu_memory_bytes = models.BigIntegerField(null=True, blank=True)
+    kv_transfer_bytes_per_s = models.FloatField(null=True, blank=True)
+    kv_transfer_s = models.FloatField(null=True, blank=True, help_text="mean duration of one KV transfer")
+    prefix_cache_hit_ratio = models.FloatField(null=True, blank=True)
+    requests_per_s = models.FloatField(null=True, blank=True, help_text="requests the router sent it, per second")
+    request_share = models.FloatField(null=True, blank=True, help_text="its share of its role's requests")
+
+    class Meta:
+        ordering = ["-at"]
+        indexes = [models.Index(fields=["deployment", "at"]), models.Index(fields=["worker_id", "at"])]
+
+    def __str__(self) -> str:
+        return f"{self.deployment.name}/{self.name}@{self.at:%H:%M:%S}"
