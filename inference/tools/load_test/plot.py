@@ -12,6 +12,21 @@ from inference.tools.load_test.records import RequestRecord
 from inference.tools.load_test.report import summarize, summary_line
 
 
+def _histogram(ax: Any, values: list[float], name: str) -> None:
+    """A latency histogram (ms) with its p50 and p99 marked, or "no data"."""
+    if values:
+        ax.hist(values, bins=min(50, max(5, len(values) // 5)), color="tab:blue", alpha=0.8)
+        p50, p99 = np.percentile(values, [50, 99])
+        ax.axvline(float(p50), color="black", linestyle="--", label=f"p50 {p50:.1f} ms")
+        ax.axvline(float(p99), color="red", linestyle=":", label=f"p99 {p99:.1f} ms")
+        ax.legend(loc="upper right")
+    else:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(name)
+    ax.set_xlabel("ms")
+    ax.set_ylabel("count")
+
+
 def plot_metrics(
     records: Sequence[RequestRecord],
     path: str | Path,
@@ -60,21 +75,8 @@ def plot_metrics(
     if records:
         ax_time.legend(loc="upper right")
 
-    for ax, values, name in (
-        (ax_ttft, [r.ttft_s * 1000 for r in with_ttft if r.ttft_s is not None], "TTFT"),
-        (ax_itl, [itl * 1000 for r in ok for itl in r.itls_s], "Inter-token latency"),
-    ):
-        if values:
-            ax.hist(values, bins=min(50, max(5, len(values) // 5)), color="tab:blue", alpha=0.8)
-            p50, p99 = np.percentile(values, [50, 99])
-            ax.axvline(float(p50), color="black", linestyle="--", label=f"p50 {p50:.1f} ms")
-            ax.axvline(float(p99), color="red", linestyle=":", label=f"p99 {p99:.1f} ms")
-            ax.legend(loc="upper right")
-        else:
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-        ax.set_title(name)
-        ax.set_xlabel("ms")
-        ax.set_ylabel("count")
+    _histogram(ax_ttft, [r.ttft_s * 1000 for r in with_ttft if r.ttft_s is not None], "TTFT")
+    _histogram(ax_itl, [itl * 1000 for r in ok for itl in r.itls_s], "Inter-token latency")
 
     heading = f"{title}\n" if title else ""
     fig.suptitle(heading + summary_line(summary), fontsize=11)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from inference.tools.model_prep.core import TOKENIZER_FILES, ModelPrepError, is_complete_model
@@ -44,6 +45,65 @@ def _hub_unreachable(repo_id: str, reason: str) -> ModelPrepError:
 
 
 
+@dataclass(frozen=True)
+class _HubPlan:
+    """What to download: the revision (a commit hash once the hub answered), the file patterns, and why
+    the hub is out of reach (None when it answered; otherwise only the local cache is read)."""
+
+    revision: str | None
+    patterns: list[str]
+    unreachable: str | None
+
+
+def _plan_download(repo_id: str, revision: str | None) -> _HubPlan:
+    """Ask the hub once (bounded by HUB_TIMEOUT_S) which revision and weight format `repo_id` has.
+
+    Errors that no cache can fix (invalid id, gated, unknown repo or revision, no usable weights) raise
+    a ModelPrepError; an unreachable hub yields a cache-only plan.
+    """
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    safetensors_patterns = [*_HUB_COMMON_PATTERNS, *_HUB_SAFETENSORS_PATTERNS]
+    if _hub_offline():
+        return _HubPlan(revision, safetensors_patterns, "HF_HUB_OFFLINE is set")
+    try:
+        info = HfApi().model_info(repo_id, revision=revision, timeout=HUB_TIMEOUT_S)
+    except HFValidationError as exc:
+        raise ModelPrepError(f"{repo_id!r} is neither a known model name, a local folder nor a valid "
+                             f"hub repo id ({exc})") from None
+    except GatedRepoError:
+        raise ModelPrepError(f"{repo_id} is gated on the hub: accept its licence and set HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise ModelPrepError(
+            f"{repo_id} was not found on the Hugging Face hub (or it is private: set HF_TOKEN); "
+            "known offline names: smollm2, tiny, or a local folder"
+        ) from None
+    except RevisionNotFoundError:
+        raise ModelPrepError(f"revision {revision!r} of {repo_id} does not exist on the hub") from None
+    except HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else "?"
+        return _HubPlan(revision, safetensors_patterns, f"the hub answered HTTP {status}")
+    except Exception as exc:  # DNS failure, refused connection, timeout: the hub is out of reach
+        return _HubPlan(revision, safetensors_patterns, f"{type(exc).__name__}: {exc}")
+    resolved_revision = info.sha or revision  # a commit hash: snapshot_download skips its own lookup
+    siblings = [s.rfilename for s in (info.siblings or [])]
+    if any(name.endswith(".safetensors") for name in siblings):
+        return _HubPlan(resolved_revision, safetensors_patterns, None)
+    if not any(name.startswith("pytorch_model") and name.endswith(".bin") for name in siblings):
+        raise ModelPrepError(
+            f"{repo_id} has no safetensors or pytorch_model*.bin weights on the hub "
+            "(GGUF/ONNX-only repos are not supported)"
+        )
+    return _HubPlan(resolved_revision, [*_HUB_COMMON_PATTERNS, *_HUB_BIN_PATTERNS], None)
+
+
 def prepare_from_hub(repo_id: str, dest: Path, cache_dir: Path, *, force: bool = False,
                      revision: str | None = None) -> Path:
     """Download `repo_id` (config, safetensors or .bin weights, tokenizer) into the HF cache at
@@ -56,67 +116,27 @@ def prepare_from_hub(repo_id: str, dest: Path, cache_dir: Path, *, force: bool =
     if not force and is_complete_model(dest):
         return dest  # no network needed for a model prepared earlier
     try:
-        from huggingface_hub import HfApi, snapshot_download
-        from huggingface_hub.errors import (
-            GatedRepoError,
-            HfHubHTTPError,
-            HFValidationError,
-            LocalEntryNotFoundError,
-            RepositoryNotFoundError,
-            RevisionNotFoundError,
-        )
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
     except ImportError:
         raise ModelPrepError("huggingface_hub is not installed; use --source smollm2|tiny|local") from None
 
-    offline = _hub_offline()
-    patterns = [*_HUB_COMMON_PATTERNS, *_HUB_SAFETENSORS_PATTERNS]
-    resolved_revision = revision
-    unreachable: str | None = "HF_HUB_OFFLINE is set" if offline else None
-    if not offline:
-        try:
-            info = HfApi().model_info(repo_id, revision=revision, timeout=HUB_TIMEOUT_S)
-        except HFValidationError as exc:
-            raise ModelPrepError(f"{repo_id!r} is neither a known model name, a local folder nor a valid "
-                                 f"hub repo id ({exc})") from None
-        except GatedRepoError:
-            raise ModelPrepError(f"{repo_id} is gated on the hub: accept its licence and set HF_TOKEN") from None
-        except RepositoryNotFoundError:
-            raise ModelPrepError(
-                f"{repo_id} was not found on the Hugging Face hub (or it is private: set HF_TOKEN); "
-                "known offline names: smollm2, tiny, or a local folder"
-            ) from None
-        except RevisionNotFoundError:
-            raise ModelPrepError(f"revision {revision!r} of {repo_id} does not exist on the hub") from None
-        except HfHubHTTPError as exc:
-            status = exc.response.status_code if exc.response is not None else "?"
-            unreachable = f"the hub answered HTTP {status}"
-        except Exception as exc:  # DNS failure, refused connection, timeout: the hub is out of reach
-            unreachable = f"{type(exc).__name__}: {exc}"
-        else:
-            resolved_revision = info.sha or revision  # a commit hash: snapshot_download skips its own lookup
-            siblings = [s.rfilename for s in (info.siblings or [])]
-            if not any(name.endswith(".safetensors") for name in siblings):
-                if not any(name.startswith("pytorch_model") and name.endswith(".bin") for name in siblings):
-                    raise ModelPrepError(
-                        f"{repo_id} has no safetensors or pytorch_model*.bin weights on the hub "
-                        "(GGUF/ONNX-only repos are not supported)"
-                    )
-                patterns = [*_HUB_COMMON_PATTERNS, *_HUB_BIN_PATTERNS]
-
+    plan = _plan_download(repo_id, revision)
     try:
         snapshot = snapshot_download(
             repo_id,
-            revision=resolved_revision,
+            revision=plan.revision,
             cache_dir=str(cache_dir),
-            allow_patterns=patterns,
+            allow_patterns=plan.patterns,
             etag_timeout=HUB_TIMEOUT_S,
             # Unreachable hub: look in the cache only, instead of retrying the network per file.
-            local_files_only=unreachable is not None,
+            local_files_only=plan.unreachable is not None,
         )
     except LocalEntryNotFoundError:
-        raise _hub_unreachable(repo_id, unreachable or "connection failed, and it is not in the cache") from None
+        reason = plan.unreachable or "connection failed, and it is not in the cache"
+        raise _hub_unreachable(repo_id, reason) from None
     except Exception as exc:  # a download dying midway (network drop, disk full, ...)
         raise ModelPrepError(f"downloading {repo_id} from the hub failed: {type(exc).__name__}: {exc}") from None
-    if unreachable:
-        logger.warning("hub unreachable (%s); using the cached snapshot of %s", unreachable, repo_id)
+    if plan.unreachable:
+        logger.warning("hub unreachable (%s); using the cached snapshot of %s", plan.unreachable, repo_id)
     return prepare_from_local(Path(str(snapshot)), dest, force=True)

@@ -18,6 +18,10 @@ TINY_DIRNAME = "tiny-llama"
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 _BYTE_ALPHABET_SIZE = 256
+# Large enough that greedy decoding produces varied tokens instead of repeating one.
+_TINY_INIT_RANGE = 0.3
+_TINY_BOS_ID = SPECIAL_TOKENS.index("<|im_start|>")
+_TINY_EOS_ID = SPECIAL_TOKENS.index("<|im_end|>")
 
 MIN_TINY_VOCAB = _BYTE_ALPHABET_SIZE + len(SPECIAL_TOKENS)
 
@@ -126,6 +130,58 @@ def _tiny_weights(
 
 
 
+def _tiny_config(
+    *, vocab_size: int, hidden_size: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+    max_position_embeddings: int,
+) -> dict[str, Any]:
+    """The tiny model's config.json: a plain LlamaForCausalLM with the tiny tokenizer's special ids."""
+    rope_theta = 10000.0
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden_size // heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "initializer_range": _TINY_INIT_RANGE,
+        "rms_norm_eps": 1e-5,
+        # Both spellings: transformers 5 reads rope_parameters, older readers rope_theta.
+        "rope_theta": rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "bos_token_id": _TINY_BOS_ID,
+        "eos_token_id": _TINY_EOS_ID,
+        "pad_token_id": _TINY_EOS_ID,
+        "dtype": "float32",
+    }
+
+
+def _save_tiny_tokenizer(out: Path, *, vocab_size: int, model_max_length: int) -> None:
+    """Train the tiny tokenizer and save it as a PreTrainedTokenizerFast with the ChatML template."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tiny_tokenizer(vocab_size),
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|im_end|>",
+        chat_template=CHATML_TEMPLATE,
+        model_max_length=model_max_length,
+    )
+    tokenizer.save_pretrained(out, save_jinja_files=False)
+    normalise_tokenizer_config(out, model_max_length=model_max_length)
+
+
 def create_tiny_llama(
     dest: Path,
     *,
@@ -157,61 +213,21 @@ def create_tiny_llama(
         raise ModelPrepError(f"heads ({heads}) must be divisible by kv_heads ({kv_heads})")
 
     intermediate = 4 * hidden_size
-    init_range = 0.3
-    bos_id, eos_id = SPECIAL_TOKENS.index("<|im_start|>"), SPECIAL_TOKENS.index("<|im_end|>")
 
     def build(out: Path) -> None:
         from safetensors.numpy import save_file
-        from transformers import PreTrainedTokenizerFast
 
         tensors = _tiny_weights(
             seed=seed, vocab_size=vocab_size, hidden=hidden_size, intermediate=intermediate, layers=layers,
-            heads=heads, kv_heads=kv_heads, init_range=init_range,
+            heads=heads, kv_heads=kv_heads, init_range=_TINY_INIT_RANGE,
         )
         # "format": "pt" is what transformers checks before loading a safetensors file as PyTorch.
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        rope_theta = 10000.0
-        config = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": vocab_size,
-            "hidden_size": hidden_size,
-            "intermediate_size": intermediate,
-            "num_hidden_layers": layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads,
-            "head_dim": hidden_size // heads,
-            "hidden_act": "silu",
-            "max_position_embeddings": max_position_embeddings,
-            "initializer_range": init_range,
-            "rms_norm_eps": 1e-5,
-            # Both spellings: transformers 5 reads rope_parameters, older readers rope_theta.
-            "rope_theta": rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "mlp_bias": False,
-            "tie_word_embeddings": False,
-            "use_cache": True,
-            "bos_token_id": bos_id,
-            "eos_token_id": eos_id,
-            "pad_token_id": eos_id,
-            "dtype": "float32",
-        }
-        write_json(out / "config.json", config)
-        write_generation_config(out, bos_id=bos_id, eos_id=eos_id, pad_id=eos_id)
-
-        backend = _train_tiny_tokenizer(vocab_size)
-        tokenizer = PreTrainedTokenizerFast(
-            tokenizer_object=backend,
-            bos_token="<|im_start|>",
-            eos_token="<|im_end|>",
-            unk_token="<|endoftext|>",
-            pad_token="<|im_end|>",
-            chat_template=CHATML_TEMPLATE,
-            model_max_length=max_position_embeddings,
-        )
-        tokenizer.save_pretrained(out, save_jinja_files=False)
-        normalise_tokenizer_config(out, model_max_length=max_position_embeddings)
+        write_json(out / "config.json", _tiny_config(
+            vocab_size=vocab_size, hidden_size=hidden_size, intermediate=intermediate, layers=layers,
+            heads=heads, kv_heads=kv_heads, max_position_embeddings=max_position_embeddings,
+        ))
+        write_generation_config(out, bos_id=_TINY_BOS_ID, eos_id=_TINY_EOS_ID, pad_id=_TINY_EOS_ID)
+        _save_tiny_tokenizer(out, vocab_size=vocab_size, model_max_length=max_position_embeddings)
 
     return atomic_build(Path(dest), build, force=True, what="tiny Llama")
