@@ -5,11 +5,15 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
 
+import torch
+
+from .config import ModelConfig
 from .engine import LLMEngine
 from .sampling_params import SamplingParams
-from .sequence import RequestOutput
+from .sequence import RequestOutput, SequenceStatus
+from .status import EngineStatus
+from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +136,7 @@ class AsyncEngine:
         # Request ids whose consumer is behind; written under each stream's lock, read by the
         # scheduler (membership only) on the engine thread.
         self._paused: set[str] = set()
-        engine.scheduler.paused = self._paused
+        engine.pause_with(self._paused)
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
         self._inbox: list[Callable[[], None]] = []
@@ -224,11 +228,45 @@ class AsyncEngine:
         for request_id, stream in streams:
             stream.deliver(_error_output(request_id, "engine shut down"))
 
-    def __getattr__(self, name: str) -> Any:
-        """Pass read-only queries (num_waiting, kv_usage, config, ...) through to the engine."""
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.engine, name)
+    # ------------------------------------------------------------------------------------ queries
+    # What a worker reads of the engine, so that it never reaches into the engine's parts.
+
+    @property
+    def config(self) -> ModelConfig:
+        """The model's configuration (vocabulary size, context length)."""
+        return self.engine.config
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer (None for a folder without one)."""
+        return self.engine.tokenizer
+
+    def status(self) -> EngineStatus:
+        """Queue, batch and KV pool figures now (see `LLMEngine.status`)."""
+        return self.engine.status()
+
+    @property
+    def kv_pool(self) -> torch.Tensor:
+        """The KV block tensor the KV transports read and write in place."""
+        return self.engine.kv_pool
+
+    def kv_layout(self) -> dict[str, object]:
+        """The KV layout both sides of a transfer must agree on."""
+        return self.engine.kv_layout()
+
+    def reserved_hits(self, request_id: str) -> int:
+        """Blocks of a reserved request that were cached here already (takes the engine lock: call it
+        off the event loop, like `reserve`)."""
+        return self.engine.reserved_hits(request_id)
+
+    def is_live(self, request_id: str) -> bool:
+        """Whether the engine holds the request (queued, reserved, running or prefilled)."""
+        return self.engine.get_sequence(request_id) is not None
+
+    def is_computing(self, request_id: str) -> bool:
+        """Whether the request is in the running batch (not queued for a slot)."""
+        seq = self.engine.get_sequence(request_id)
+        return seq is not None and seq.status is SequenceStatus.RUNNING
 
     # ------------------------------------------------------------------------------------ internals
 

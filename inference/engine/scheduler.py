@@ -178,14 +178,37 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            seq.block_ids = bm.extend_prefix(hits, need - len(hits))
+            self.take_prefix(seq, hits, need)
             seq.num_cached = len(hits) * self.block_size
-            if self.enable_prefix_caching:
-                self.prefix_query_tokens += n
-                self.prefix_hit_tokens += seq.num_cached
             seq.chunk = budget if chunked else 0
             out.prefill.append(seq)
             tokens += min(new_tokens, budget) if chunked else new_tokens
+
+    def take_prefix(self, seq: Sequence, hits: list[int], need: int) -> None:
+        """Give `seq` its cached prefix blocks `hits` plus fresh ones up to `need` blocks, and count the
+        prefix cache's use (the one place that counts it: prefill admission and decode reservations)."""
+        seq.block_ids = self.block_manager.extend_prefix(hits, need - len(hits))
+        if self.enable_prefix_caching:
+            self.prefix_query_tokens += seq.num_tokens
+            self.prefix_hit_tokens += len(hits) * self.block_size
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Share of admitted prompt tokens served from cached blocks (0.0 before any admission)."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    def register_blocks(self, seq: Sequence, before: int) -> None:
+        """Register the blocks of `seq` that became full since `before` cached tokens under their content
+        hashes, so that later prefills can reuse them (prefix caching)."""
+        if not self.enable_prefix_caching:
+            return
+        first, full = before // self.block_size, seq.num_cached // self.block_size
+        if full <= first:
+            return
+        seq.block_hashes = block_hashes(seq.all_token_ids()[: full * self.block_size], self.block_size,
+                                        seq.block_hashes[:full])
+        for i in range(first, full):
+            self.block_manager.register(seq.block_ids[i], seq.block_hashes[i])
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks of `seq`'s longest cached prefix; at least its last token is left to compute

@@ -1,4 +1,4 @@
-"""The decode step's fast path (`LLMEngine._apply_decode`) against the general one (`_apply`): the
+"""The decode step's fast path (`OutputProcessor.apply_decode`) against the general one (`apply`): the
 same outputs, step by step, for stop tokens, EOS with and without `ignore_eos`, `max_tokens`, the
 context length, stop strings and seeded sampling, with and without a tokenizer; and the
 detokenizer's `append_plain` against `append` + `take_delta`."""
@@ -19,7 +19,8 @@ from .conftest import TinyModel
 
 def _general(engine: LLMEngine) -> LLMEngine:
     """Make `engine` apply decode steps through the general path (the reference)."""
-    setattr(engine, "_apply_decode", lambda batch, tokens: engine._apply(batch, tokens, False))  # noqa: B010
+    outputs = engine.outputs
+    setattr(outputs, "apply_decode", lambda batch, tokens: outputs.apply(batch, tokens, False))  # noqa: B010
     return engine
 
 
@@ -78,7 +79,7 @@ def _compare(path: str, prompts: list[list[int]], stop_text_of: Any, monkeypatch
     ref = _general(LLMEngine(path, block_size=4, num_blocks=128, max_model_len=limit))
     stop_text = stop_text_of(fast, stream)
     for engine in (fast, ref):
-        engine.eos_token_ids = frozenset({eos})
+        engine.outputs.eos_token_ids = frozenset({eos})
     plain_calls = 0
     original = IncrementalDetokenizer.append_plain
 

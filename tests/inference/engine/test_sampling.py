@@ -112,7 +112,7 @@ def test_stop_token_ids_eos_and_max_tokens(llama: TinyModel) -> None:
     res = engine.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, stop_token_ids=[stop_tok]))
     assert res[0].token_ids == ref[:cut] and res[0].finish_reason == "stop"
 
-    engine.eos_token_ids = frozenset({stop_tok})
+    engine.outputs.eos_token_ids = frozenset({stop_tok})
     res = engine.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
     assert res[0].token_ids == ref[:cut] and res[0].finish_reason == "stop"
     res = engine.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
