@@ -47,10 +47,13 @@ def test_a_killed_test_run_leaves_no_process(sig: signal.Signals, tiny_model_dir
     pids_file, log = tmp_path / "pids.json", tmp_path / "probe-run.log"
     env = {**os.environ, MODEL_ENV: str(tiny_model_dir), PIDS_ENV: str(pids_file),
            "TEST_ARTIFACTS": str(tmp_path / "logs")}
+    # SIGINT: started as a non-interactive shell starts a background job, with SIGINT ignored (what the
+    # run that left its workers had inherited); the session's own handler must still stop it.
+    ignore_sigint = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sig == signal.SIGINT else None
     with open(log, "wb") as out:
         run = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", PROBE],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", PROBE], cwd=ROOT, env=env,
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=ignore_sigint,
         )
     children: dict[str, dict[str, float]] = {}
     try:

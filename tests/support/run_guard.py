@@ -8,7 +8,8 @@
 - At the session's end every `Proc` (processes.py) still running is stopped.
 - A reaper process (reaper.py) outlives the session's process and stops every process that still
   carries the run's token once it has exited, which covers SIGKILL and crashes. Workers started by
-  processes.py also get a parent-death signal.
+  processes.py also get a parent-death signal. A process a test means to outlive the run must be
+  started without `INFERENCE_TEST_RUN` in its environment.
 """
 from __future__ import annotations
 
