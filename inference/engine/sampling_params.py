@@ -1,17 +1,23 @@
-"""Per-request sampling and stopping parameters."""
+"""Per-request sampling and stopping parameters: the engine's form of the wire's `Sampling`.
+
+The rules every field must follow are the wire's (inference/wire/sampling.py), so the router, the
+workers and the engine judge a value alike; this module adds the engine's defaults and the model's
+(generation_config.json).
+"""
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from inference.wire.sampling import MODEL_DEFAULT_FIELDS, Sampling, check
+
 # The sampling fields a model's generation_config.json may set as defaults, as vLLM reads them
 # (vLLM also reads repetition_penalty, which this engine does not implement; `do_sample` is
 # ignored by vLLM too: a checkpoint that wants greedy decoding says temperature 0).
-GENERATION_CONFIG_SAMPLING_FIELDS: tuple[str, ...] = ("temperature", "top_p", "top_k", "min_p")
+GENERATION_CONFIG_SAMPLING_FIELDS: tuple[str, ...] = MODEL_DEFAULT_FIELDS
 
 
 @dataclass
@@ -44,35 +50,27 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        """Raise ValueError naming the first invalid field."""
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= 1, or -1/0 to disable, got {self.top_k!r}")
-        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or null, got {self.seed!r}")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
-        ):
-            raise ValueError(
-                f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}"
-            )
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
-        if isinstance(self.seed_offset, bool) or not isinstance(self.seed_offset, int) or self.seed_offset < 0:
-            raise ValueError(f"seed_offset must be an integer >= 0, got {self.seed_offset!r}")
+        """Raise ValueError (the wire's `SamplingError`) naming the first invalid field."""
+        for f in fields(self):
+            check(f.name, getattr(self, f.name))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dictionary (lists copied)."""
         return asdict(self)
+
+    @classmethod
+    def from_wire(cls, sampling: Sampling, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """The engine's parameters for a request's wire `Sampling` (already checked field by field):
+        model-default fields it leaves unset take `defaults` (the model's), then the engine's own."""
+        values = {f.name: getattr(sampling, f.name) for f in fields(cls)}
+        for name in MODEL_DEFAULT_FIELDS:
+            if values[name] is None:
+                default = (defaults or {}).get(name)
+                if default is None:
+                    del values[name]
+                else:
+                    values[name] = default
+        return cls(**values)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], defaults: Mapping[str, Any] | None = None) -> SamplingParams:
@@ -135,4 +133,4 @@ def load_sampling_defaults(model_path: str | os.PathLike[str]) -> dict[str, Any]
 
 def _is_number(value: Any) -> bool:
     """True for int/float but not bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, int | float) and not isinstance(value, bool)

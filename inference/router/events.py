@@ -5,6 +5,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from inference.wire.sampling import Sampling
+
 
 def new_request_id() -> str:
     """A fresh public request id."""
@@ -15,11 +17,11 @@ def new_request_id() -> str:
 class GenerateRequest:
     """One generation: the prompt (text, chat messages or token ids) and the sampling parameters.
 
-    `sampling` is sent to the workers as is (the `SamplingParams.to_dict()` shape); the decode
-    worker validates it and answers 400 on bad values, which the router passes through.
+    `sampling` goes to the decode worker as the wire's JSON; the worker checks it again (with the same
+    rules) and against its own limits, answering 400, which the router passes through.
     """
 
-    sampling: dict[str, Any]
+    sampling: Sampling
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     input_ids: list[int] | None = None
@@ -27,7 +29,7 @@ class GenerateRequest:
 
     def decode_body(self, request_id: str) -> dict[str, Any]:
         """The JSON body of `POST /internal/decode`."""
-        body: dict[str, Any] = {"request_id": request_id, "sampling": self.sampling}
+        body: dict[str, Any] = {"request_id": request_id, "sampling": self.sampling.to_json()}
         if self.input_ids is not None:
             body["input_ids"] = self.input_ids
         elif self.messages is not None:

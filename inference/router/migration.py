@@ -15,17 +15,10 @@ def resumed_request(
     req: GenerateRequest, prompt_ids: list[int], emitted: list[int], migration: int
 ) -> GenerateRequest | None:
     """The request that continues `req` after `emitted` tokens, or None when nothing is left to do."""
-    max_tokens = req.sampling.get("max_tokens")
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+    # The seeded sampler counts output tokens from `seed_offset`: the new worker's first token is
+    # output token len(emitted) of the stream, as in an unbroken run.
+    sampling = req.sampling.continued(len(emitted))
+    if sampling is None or not prompt_ids:
         return None
-    remaining = max_tokens - len(emitted)
-    if remaining < 1 or not prompt_ids:
-        return None
-    return GenerateRequest(
-        # The seeded sampler counts output tokens from `seed_offset`: the new worker's first token is
-        # output token len(emitted) of the stream, as in an unbroken run.
-        sampling={**req.sampling, "max_tokens": remaining,
-                  "seed_offset": int(req.sampling.get("seed_offset") or 0) + len(emitted)},
-        input_ids=[*prompt_ids, *emitted],
-        request_id=f"{req.request_id}-m{migration}",
-    )
+    return GenerateRequest(sampling=sampling, input_ids=[*prompt_ids, *emitted],
+                           request_id=f"{req.request_id}-m{migration}")

@@ -1,13 +1,12 @@
 """The router's public request and response formats: the seed's /generate and OpenAI's APIs.
 
 Parsing turns a client's JSON into a GenerateRequest (400 `RouterError` naming the field on bad
-input, checked with the same rules as the workers' `SamplingParams.validate()` so clients get the
-message before any worker is involved); formatting turns the client events into JSON bodies and
-Server-Sent Events. Django-free: the views and the WebSocket consumer share it.
+input; the sampling fields are checked by the wire's rules, the ones the workers and the engine
+apply, so clients get the message before any worker is involved); formatting turns the client
+events into JSON bodies and Server-Sent Events. Django-free: the views and the WebSocket consumer share it.
 """
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -17,12 +16,11 @@ import orjson
 
 from inference.router.errors import RouterError
 from inference.router.events import DoneEvent, ErrorEvent, Event, GenerateRequest, TokenEvent
+from inference.wire.sampling import RULES, Sampling, SamplingError
 
 Kind = Literal["generate", "completion", "chat"]
 
 SSE_DONE = b"data: [DONE]\n\n"
-DEFAULT_MAX_TOKENS = 16
-_MAX_STOP = 16
 
 # Fields of the seed's /generate JSON. Unknown fields are refused there (typos such as
 # "max_token" would otherwise be silently ignored); OpenAI endpoints ignore unknown fields as
@@ -39,40 +37,12 @@ def bad_request(message: str) -> RouterError:
 
 
 # --------------------------------------------------------------------------------------------
-# Field checks (mirroring SamplingParams.validate)
+# Field checks (the sampling fields by the wire's rules, inference/wire/sampling.py)
 # --------------------------------------------------------------------------------------------
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _get_int(data: dict[str, Any], name: str, default: int, minimum: int) -> int:
-    value = data.get(name)
-    if value is None:
-        return default
-    if not _is_int(value) or value < minimum:
-        raise bad_request(f"'{name}' must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _get_float(data: dict[str, Any], name: str, default: float) -> float:
-    value = data.get(name)
-    if value is None:
-        return default
-    number = math.inf
-    if _is_number(value):
-        try:
-            number = float(value)
-        except OverflowError:  # a JSON integer too large for a float (e.g. 1 followed by 400 zeros)
-            pass
-    if not math.isfinite(number):
-        raise bad_request(f"'{name}' must be a finite number, got {value!r}")
-    return number
 
 
 def _get_bool(data: dict[str, Any], name: str, default: bool = False) -> bool:
@@ -84,19 +54,6 @@ def _get_bool(data: dict[str, Any], name: str, default: bool = False) -> bool:
     return value
 
 
-def _get_stop(data: dict[str, Any]) -> list[str]:
-    value = data.get("stop")
-    if value is None:
-        return []
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
-        raise bad_request("'stop' must be a non-empty string or a list of non-empty strings")
-    if len(value) > _MAX_STOP:
-        raise bad_request(f"'stop' may hold at most {_MAX_STOP} strings")
-    return list(value)
-
-
 def _get_token_ids(data: dict[str, Any], name: str) -> list[int] | None:
     value = data.get(name)
     if value is None:
@@ -106,43 +63,26 @@ def _get_token_ids(data: dict[str, Any], name: str) -> list[int] | None:
     return list(value)
 
 
-def parse_sampling(data: dict[str, Any], max_tokens_field: str = "max_tokens") -> dict[str, Any]:
-    """The workers' `sampling` object from a request body; 400 naming the first bad field.
+def parse_sampling(data: dict[str, Any], max_tokens_field: str = "max_tokens") -> Sampling:
+    """The request's `Sampling` from a client's body; 400 naming the first bad field.
 
-    temperature, top_p, top_k and min_p are passed on only when the client set them: the workers fill
-    the others from the model's generation_config.json (as vLLM does), then their own defaults.
+    temperature, top_p, top_k and min_p stay unset when the client left them out: the workers fill
+    them from the model's generation_config.json (as vLLM does), then their own defaults.
     """
-    sampling: dict[str, Any] = {"max_tokens": _get_int(data, max_tokens_field, DEFAULT_MAX_TOKENS, 1)}
-    if data.get("temperature") is not None:
-        temperature = _get_float(data, "temperature", 1.0)
-        if temperature < 0:
-            raise bad_request(f"'temperature' must be >= 0, got {temperature!r}")
-        sampling["temperature"] = temperature
-    if data.get("top_p") is not None:
-        top_p = _get_float(data, "top_p", 1.0)
-        if not 0.0 < top_p <= 1.0:
-            raise bad_request(f"'top_p' must be in (0, 1], got {top_p!r}")
-        sampling["top_p"] = top_p
-    if data.get("min_p") is not None:
-        min_p = _get_float(data, "min_p", 0.0)
-        if not 0.0 <= min_p <= 1.0:
-            raise bad_request(f"'min_p' must be in [0, 1], got {min_p!r}")
-        sampling["min_p"] = min_p
-    top_k = data.get("top_k")
-    if top_k is not None:
-        if not _is_int(top_k) or top_k < -1:
-            raise bad_request(f"'top_k' must be an integer >= 1, or -1/0 to disable, got {top_k!r}")
-        sampling["top_k"] = top_k
-    seed = data.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise bad_request(f"'seed' must be an integer or null, got {seed!r}")
-    sampling.update(
-        seed=seed,
-        stop=_get_stop(data),
-        stop_token_ids=_get_token_ids(data, "stop_token_ids") or [],
-        ignore_eos=_get_bool(data, "ignore_eos"),
-    )
-    return sampling
+    values: dict[str, Any] = {}
+    try:
+        for name in _SAMPLING_FIELDS:
+            value = data.get(max_tokens_field if name == "max_tokens" else name)
+            if value is not None:
+                values[name] = RULES[name](max_tokens_field if name == "max_tokens" else name, value)
+    except SamplingError as exc:
+        raise bad_request(exc.quoted()) from None
+    return Sampling(**values)
+
+
+# The sampling fields a client may set (`seed_offset` is the router's own, for migrations).
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "min_p", "top_k", "seed", "stop", "stop_token_ids",
+                    "ignore_eos")
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,10 +7,12 @@ from typing import Any
 from inference.engine import SamplingParams
 from inference.engine.tokenizer import Tokenizer
 from inference.server.errors import bad_request
+from inference.wire.sampling import Sampling
 
 
 def parse_sampling(data: Any, max_tokens_limit: int, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
-    """SamplingParams from the JSON `sampling` object; 400 naming the field on bad input.
+    """SamplingParams from the JSON `sampling` object (the wire's `Sampling`, checked by its rules);
+    400 naming the field on bad input.
 
     Fields the request leaves out (or null) take the model's `defaults` (its generation_config.json,
     see `load_sampling_defaults`), then SamplingParams' own.
@@ -20,8 +22,8 @@ def parse_sampling(data: Any, max_tokens_limit: int, defaults: Mapping[str, Any]
     if not isinstance(data, dict):
         raise bad_request("'sampling' must be a JSON object")
     try:
-        params = SamplingParams.from_dict(data, defaults)
-        params.validate()
+        params = SamplingParams.from_wire(Sampling.from_json(data), defaults)
+        params.validate()  # the model's defaults too
     except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: float() of a huge JSON integer
         raise bad_request(f"invalid sampling parameters: {exc}") from exc
     if params.max_tokens > max_tokens_limit:

@@ -19,6 +19,7 @@ from inference.router import (
     TokenEvent,
     WorkerPool,
 )
+from inference.wire import Sampling
 from tests.inference.router.stand_ins import FIRST_TOKEN, Cluster, dead_url
 
 T = TypeVar("T")
@@ -38,7 +39,7 @@ def make_client(
 
 
 def request(max_tokens: int = 3, prompt: str = "hello disaggregated world") -> GenerateRequest:
-    return GenerateRequest(sampling={"max_tokens": max_tokens, "temperature": 0.0}, prompt=prompt)
+    return GenerateRequest(sampling=Sampling(max_tokens=max_tokens, temperature=0.0), prompt=prompt)
 
 
 async def drain(client: DisaggregatedClient, req: GenerateRequest) -> list[Event]:
@@ -431,8 +432,8 @@ def test_no_endpoints_is_503() -> None:
 def test_chat_messages_and_token_ids_reach_the_decode_worker(stand_ins: Cluster) -> None:
     client = make_client(stand_ins.prefill_urls[:1], stand_ins.decode_urls[:1])
     messages = [{"role": "user", "content": "hi"}]
-    run(drain(client, GenerateRequest(sampling={"max_tokens": 1}, messages=messages)))
-    run(drain(client, GenerateRequest(sampling={"max_tokens": 1}, input_ids=[5, 6, 7])))
+    run(drain(client, GenerateRequest(sampling=Sampling(max_tokens=1), messages=messages)))
+    run(drain(client, GenerateRequest(sampling=Sampling(max_tokens=1), input_ids=[5, 6, 7])))
     first, second = stand_ins.decode[0].requests
     assert first["messages"] == messages and "prompt" not in first
     assert second["input_ids"] == [5, 6, 7] and "prompt" not in second

@@ -30,15 +30,15 @@ def test_generate_defaults_and_sampling() -> None:
     assert parsed.kind == "generate" and not parsed.stream
     assert parsed.request.prompt == "hi"
     # top_k, top_p and min_p are left out: the workers fill them from the model's generation_config.json.
-    assert parsed.request.sampling == {
+    assert parsed.request.sampling.to_json() == {
         "max_tokens": 5, "temperature": 0.0, "seed": 3, "stop": ["\n"], "stop_token_ids": [], "ignore_eos": False,
     }
     explicit = parse_generate({"prompt": "hi", "temperature": 1, "top_p": 0.5, "top_k": 0, "min_p": 0}).request
-    assert {k: explicit.sampling[k] for k in ("temperature", "top_p", "top_k", "min_p")} == {
+    assert {k: getattr(explicit.sampling, k) for k in ("temperature", "top_p", "top_k", "min_p")} == {
         "temperature": 1.0, "top_p": 0.5, "top_k": 0, "min_p": 0.0,
     }
     assert parse_generate({"prompt": "hi", "stream": True}).stream
-    assert parse_generate({"prompt": "hi", "min_p": 0.05}).request.sampling["min_p"] == 0.05
+    assert parse_generate({"prompt": "hi", "min_p": 0.05}).request.sampling.min_p == 0.05
 
 
 @pytest.mark.parametrize(
@@ -89,7 +89,7 @@ def test_chat_messages() -> None:
                          "max_completion_tokens": 7})
     assert parsed.request.messages == [{"role": "system", "content": "be brief"},
                                        {"role": "user", "content": "hi there"}]
-    assert parsed.request.sampling["max_tokens"] == 7
+    assert parsed.request.sampling.max_tokens == 7
     assert "messages" in bad(parse_chat, {"messages": []})
     assert "messages[0]" in bad(parse_chat, {"messages": [{"content": "x"}]})
     assert "text parts" in bad(parse_chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})

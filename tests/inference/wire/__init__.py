@@ -1,0 +1,1 @@
+"""Tests of the wire contracts between router and workers."""

@@ -1,0 +1,40 @@
+"""The decode stream's lines and the prefill call, as workers encode and the router decodes them."""
+from __future__ import annotations
+
+import pytest
+
+from inference.wire import DescriptorLine, DoneLine, ErrorLine, OtherLine, PrefillAnswer, PrefillRequest, TokenLine
+from inference.wire.stream import WireError, decode_line, descriptor_line, done_line, error_line, token_line
+
+
+def test_every_line_decodes_to_what_was_encoded() -> None:
+    assert decode_line(descriptor_line({"token": "t"}, [1, 2], {"max_tokens": 3})) == DescriptorLine(
+        {"token": "t"}, [1, 2], {"max_tokens": 3})
+    assert decode_line(token_line([5], "caf\u00e9 \u2603")) == TokenLine([5], "caf\u00e9 \u2603")
+    assert decode_line(token_line([], "")) == TokenLine([], "")
+    assert decode_line(done_line("length", {"prompt_tokens": 2}, {"decode_s": 0.5})) == DoneLine(
+        "length", {"prompt_tokens": 2}, {"decode_s": 0.5})
+    line = decode_line(error_line("lease ran out", "kv_timeout", silent_s=3.0))
+    assert isinstance(line, ErrorLine) and line.kv_timeout and line.fields["silent_s"] == 3.0
+    assert decode_line(b'{"type": "progress"}') == OtherLine("progress")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b'{"type": "token", "token_ids": [1], "text": "ca', b"[1, 2]", b'{"type": "token", "token_ids": ["x"]}',
+     b'{"type": "descriptor", "prompt_token_ids": [1]}', b'{"type": "descriptor", "descriptor": {}}',
+     b'{"type": "token", "text": "\xe2\x80"}'],
+)
+def test_lines_that_break_the_wire_are_refused(raw: bytes) -> None:
+    with pytest.raises(WireError):
+        decode_line(raw)
+
+
+def test_prefill_request_and_answer() -> None:
+    body = PrefillRequest("r1", [1, 2], {"max_tokens": 2}, {"token": "t"}).encode()
+    assert b'"request_id":"r1"' in body and b'"descriptor":{"token":"t"}' in body
+    answer = PrefillAnswer.decode(b'{"first_token": 9, "kv_bytes": 100, "prefill_s": 0.1, "transfer_s": 1}')
+    assert answer == PrefillAnswer(first_token=9, kv_bytes=100, prefill_s=0.1, transfer_s=1.0)
+    assert PrefillAnswer.decode(b"{}") == PrefillAnswer()
+    with pytest.raises(ValueError, match="not a JSON object"):
+        PrefillAnswer.decode(b"[]")
