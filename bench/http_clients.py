@@ -33,6 +33,7 @@ import orjson
 from bench.common import LOOPBACK, base_parser, fmt, log, markdown_table, parse_args, write_result
 from inference.router.ndjson import NdjsonReader
 from inference.router.upstream import UpstreamClient
+from tests.support.processes import die_with_parent
 
 _SERVER = """
 import json, sys
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(p, sys.argv[1:] if argv is None else argv)
     total, rounds = (40, 1) if args.quick else (400, 3)
     port = _free_port()
-    server = subprocess.Popen([sys.executable, "-c", _SERVER, LOOPBACK, str(port)], env=dict(os.environ))
+    server = subprocess.Popen([sys.executable, "-c", _SERVER, LOOPBACK, str(port)], env=dict(os.environ),
+                              preexec_fn=die_with_parent())  # gone with this process however it ends
     try:
         deadline = time.monotonic() + 30
         while True:  # bounded by the deadline

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from bench.common import LOOPBACK, base_parser, log, markdown_table, median, parse_args, write_result
+from tests.support.processes import die_with_parent
 
 MODULE = "bench.relay_floor"
 Scope = dict[str, Any]
@@ -114,8 +115,11 @@ def measure(gap_ms: float, rounds: int, requests: int) -> dict[str, Any]:
 
     up_port, relay_port = free_port(), free_port()
     me = [sys.executable, "-m", MODULE]
-    up = subprocess.Popen([*me, "--serve-upstream", str(up_port), "--gap-ms", str(gap_ms)])
-    relay = subprocess.Popen([*me, "--serve-relay", str(relay_port), "--upstream-port", str(up_port)])
+    # Both go with this process however it ends (die_with_parent), not only through the finally below.
+    up = subprocess.Popen([*me, "--serve-upstream", str(up_port), "--gap-ms", str(gap_ms)],
+                          preexec_fn=die_with_parent())
+    relay = subprocess.Popen([*me, "--serve-relay", str(relay_port), "--upstream-port", str(up_port)],
+                             preexec_fn=die_with_parent())
     try:
         deadline = time.monotonic() + 30
         _wait_port(up_port, deadline)

@@ -37,6 +37,7 @@ from bench.common import (
 )
 from bench.engine_ab import baseline_tree
 from bench.router_overhead import _session, throughput, via_router_sse
+from tests.support.processes import die_with_parent
 
 MODULE = "bench.router_ab"
 
@@ -53,7 +54,8 @@ def start_baseline_router(tree: Path, plat: Platform, log_dir: Path) -> tuple[su
     proc = subprocess.Popen(
         [sys.executable, "-m", "inference.launch_router", "--listen-port", str(port), "--host", "127.0.0.1",
          "--prefill-endpoint", plat.prefill_url, "--decode-endpoint", plat.decode_url],
-        cwd=tree, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=tree, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+        preexec_fn=die_with_parent())
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # bounded: 60 s to come up

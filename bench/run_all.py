@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from bench.common import ROOT
+from tests.support.processes import die_with_parent
 
 #: In run order, with the timeout (s) of the full and of the quick run.
 BENCHMARKS: dict[str, tuple[int, int]] = {
@@ -48,7 +49,7 @@ def build_command(name: str, quick: bool, out_dir: Path | None, img_dir: Path | 
 def run_bounded(cmd: list[str], timeout: float) -> int:
     """Run `cmd`; past `timeout` send SIGTERM (benchmarks then stop the processes they started, see
     `bench.common.stop_on_sigterm`), and SIGKILL 30 s later. Returns the exit status (124: timeout)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT)
+    proc = subprocess.Popen(cmd, cwd=ROOT, preexec_fn=die_with_parent())  # a killed run_all stops its benchmark
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:

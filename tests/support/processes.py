@@ -36,9 +36,10 @@ def _die_with(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _child_setup() -> Callable[[], None] | None:
-    """The parent-death setup for a child started from here: only from the main thread, whose exit is
-    the process's (from another thread the child would be stopped when that thread ends)."""
+def die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` for `subprocess.Popen`: the child gets SIGTERM when this process dies, however it
+    dies. Only from the main thread, whose exit is the process's (from another thread the child would be
+    stopped when that thread ends): None there."""
     if threading.current_thread() is threading.main_thread():
         return functools.partial(_die_with, os.getpid())
     return None
@@ -67,7 +68,7 @@ class Proc:
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.popen = subprocess.Popen(
             args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
-            preexec_fn=_child_setup(),  # a prctl through ctypes: takes no lock between fork and exec
+            preexec_fn=die_with_parent(),  # a prctl through ctypes: takes no lock between fork and exec
         )
         _running.add(self)
 
