@@ -25,12 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("inference.launch_server")
     # Imported after parsing so that --help and flag errors answer without loading torch.
     from inference.server.app import create_app
+    from inference.server.decode import DecodeWorker
     from inference.server.resources import lower_priority
-    from inference.server.worker import Worker
+    from inference.server.worker import create_worker
 
     lower_priority(args.nice)  # before any thread starts: they inherit it
     try:
-        worker = Worker(args)
+        worker = create_worker(args)
         worker.start()
     except StartupError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -38,10 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     log.info(
         "%s worker for %s on %s:%d (device %s, CPUs %s, %d KV blocks)",
         args.service_type, worker.model_name, args.host, args.port, worker.device, worker.cpus,
-        worker.engine.kv_cache.num_blocks,
+        worker.engine.status().kv_blocks,
     )
-    if worker.receiver is not None:
-        log.info("KV transfers accepted on port %d (%s)", worker.receiver.port, args.kv_transport)  # type: ignore[attr-defined]
+    if isinstance(worker, DecodeWorker):
+        log.info("KV transfers accepted on port %d (%s)", worker.receiver.port, args.kv_transport)
     # With flow control on, the worker's connections get small send buffers too, so that a
     # stream's send waits as soon as its reader falls behind (inference/server/flow.py).
     http: type[asyncio.Protocol] | str = bounded_http_protocol() if args.stream_window else "auto"

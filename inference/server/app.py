@@ -1,4 +1,5 @@
-"""The worker's HTTP API (Starlette): health, metrics, info, and the internal prefill/decode calls."""
+"""The worker's HTTP API (Starlette): health, metrics, info, abort, and the role's internal call
+(`/internal/decode` on a decode worker, `/internal/prefill` on a prefill worker)."""
 from __future__ import annotations
 
 import hmac
@@ -14,7 +15,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from inference.server import credit
+from inference.server.decode import DecodeWorker
 from inference.server.errors import WorkerError, bad_request
+from inference.server.prefill import PrefillWorker
 from inference.server.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -113,42 +116,57 @@ async def _drain(request: Request) -> bool:
     return True
 
 
-def create_app(worker: Worker) -> Starlette:
-    """The Starlette application serving one worker."""
+def _internal(worker: Worker, handler: Handler) -> Handler:
+    """Internal endpoints accept only callers holding the platform's shared secret (when set)."""
 
-    def internal(handler: Handler) -> Handler:
-        """Internal endpoints accept only callers holding the platform's shared secret (when set)."""
+    async def checked(request: Request) -> Response:
+        """The secret first (before the body is parsed), then the handler; errors as JSON."""
+        secret = worker.args.shared_secret
+        if secret:
+            given = request.headers.get("x-platform-secret", "")
+            # As bytes: compare_digest raises TypeError (a 500) for non-ASCII str, and header
+            # values are latin-1 decoded text the caller controls.
+            if not hmac.compare_digest(given.encode("latin-1"), secret.encode()):
+                return JSONResponse(
+                    {"error": {"message": "missing or wrong X-Platform-Secret", "type": "unauthorized"}},
+                    status_code=401,
+                )
+        try:
+            return await handler(request)
+        except WorkerError as exc:
+            return _error(exc)
 
-        async def checked(request: Request) -> Response:
-            """The secret first (before the body is parsed), then the handler; errors as JSON."""
-            secret = worker.args.shared_secret
-            if secret:
-                given = request.headers.get("x-platform-secret", "")
-                # As bytes: compare_digest raises TypeError (a 500) for non-ASCII str, and header
-                # values are latin-1 decoded text the caller controls.
-                if not hmac.compare_digest(given.encode("latin-1"), secret.encode()):
-                    return JSONResponse(
-                        {"error": {"message": "missing or wrong X-Platform-Secret", "type": "unauthorized"}},
-                        status_code=401,
-                    )
-            try:
-                return await handler(request)
-            except WorkerError as exc:
-                return _error(exc)
+    async def wrapped(request: Request) -> Response:
+        """Every error answer readable by every client; a caller that hung up, a quiet close."""
+        try:
+            response = await checked(request)
+        except _ClientGone:
+            # The router gave up on this request (it sends /internal/abort too): not a fault here.
+            logger.info("%s: the caller closed the connection while sending its body", request.url.path)
+            return Response(status_code=499)  # never sent: the connection is gone
+        return await _closing_unread(request, response)
 
-        async def wrapped(request: Request) -> Response:
-            """Every error answer readable by every client; a caller that hung up, a quiet close."""
-            try:
-                response = await checked(request)
-            except _ClientGone:
-                # The router gave up on this request (it sends /internal/abort too): not a fault here.
-                logger.info("%s: the caller closed the connection while sending its body", request.url.path)
-                return Response(status_code=499)  # never sent: the connection is gone
-            if response.status_code >= 400 and not await _drain(request):
-                response.headers["Connection"] = "close"
-            return response
+    return wrapped
 
-        return wrapped
+
+async def _closing_unread(request: Request, response: Response) -> Response:
+    """An error answer given before the body was read: drain the body, or close after answering."""
+    if response.status_code >= 400 and not await _drain(request):
+        response.headers["Connection"] = "close"
+    return response
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    """An unknown path (including the other role's endpoints) as a JSON 404."""
+    response = JSONResponse(
+        {"error": {"message": f"no {request.method} {request.url.path} on this worker", "type": "not_found"}},
+        status_code=404,
+    )
+    return await _closing_unread(request, response)
+
+
+def _common_routes(worker: Worker) -> list[Route]:
+    """What both roles serve: health, metrics, info, models, abort."""
 
     async def health(request: Request) -> Response:
         return JSONResponse(worker.health())
@@ -164,9 +182,27 @@ def create_app(worker: Worker) -> Starlette:
             {"object": "list", "data": [{"id": worker.model_name, "object": "model", "owned_by": "platform"}]}
         )
 
+    async def abort(request: Request) -> Response:
+        body = await _json_body(request)
+        request_id = body.get("request_id")
+        if not isinstance(request_id, str) or not request_id:
+            raise bad_request("'request_id' must be a non-empty string")
+        await worker.abort(request_id)
+        return JSONResponse({"aborted": request_id})
+
+    return [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/info", info, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/internal/abort", _internal(worker, abort), methods=["POST"]),
+    ]
+
+
+def _decode_routes(worker: DecodeWorker) -> list[Route]:
+    """`POST /internal/decode`: the NDJSON event stream, credited when the router sends credit."""
+
     async def decode(request: Request) -> Response:
-        if worker.role != "decode":
-            raise WorkerError(404, "this is a prefill worker: /internal/decode lives on decode workers")
         credit_header = request.headers.get(credit.HEADER)
         stream_credit = None
         if credit_header is None:
@@ -184,19 +220,23 @@ def create_app(worker: Worker) -> Starlette:
             return credit.CreditedStreamResponse(ndjson(), stream_credit, media_type="application/x-ndjson")
         return StreamingResponse(ndjson(), media_type="application/x-ndjson")
 
+    return [Route("/internal/decode", _internal(worker, decode), methods=["POST"])]
+
+
+def _prefill_routes(worker: PrefillWorker) -> list[Route]:
+    """`POST /internal/prefill`: compute, send the KV, answer with the first token."""
+
     async def prefill(request: Request) -> Response:
-        if worker.role != "prefill":
-            raise WorkerError(404, "this is a decode worker: /internal/prefill lives on prefill workers")
         body = await _json_body(request)
         return JSONResponse(await worker.prefill(body))
 
-    async def abort(request: Request) -> Response:
-        body = await _json_body(request)
-        request_id = body.get("request_id")
-        if not isinstance(request_id, str) or not request_id:
-            raise bad_request("'request_id' must be a non-empty string")
-        await worker.abort(request_id)
-        return JSONResponse({"aborted": request_id})
+    return [Route("/internal/prefill", _internal(worker, prefill), methods=["POST"])]
+
+
+def create_app(worker: Worker) -> Starlette:
+    """The Starlette application serving one worker: the common routes and its role's own (the other
+    role's endpoints answer 404 like any unknown path)."""
+    role_routes = _decode_routes(worker) if isinstance(worker, DecodeWorker) else _prefill_routes(worker)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -204,14 +244,7 @@ def create_app(worker: Worker) -> Starlette:
         worker.stop()
 
     return Starlette(
-        routes=[
-            Route("/health", health, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-            Route("/info", info, methods=["GET"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/internal/decode", internal(decode), methods=["POST"]),
-            Route("/internal/prefill", internal(prefill), methods=["POST"]),
-            Route("/internal/abort", internal(abort), methods=["POST"]),
-        ],
+        routes=[*_common_routes(worker), *role_routes],
+        exception_handlers={404: _not_found},
         lifespan=lifespan,
     )

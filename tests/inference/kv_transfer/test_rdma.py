@@ -497,8 +497,9 @@ def test_worker_builds_the_rdma_transport_on_an_available_device(
 ) -> None:
     from inference.kv_transfer import rdma_detect, verbs
     from inference.server.args import parse_args
+    from inference.server.decode import DecodeWorker
     from inference.server.errors import StartupError
-    from inference.server.worker import Worker
+    from inference.server.prefill import PrefillWorker
 
     class FakeVerbs:
         @classmethod
@@ -512,9 +513,9 @@ def test_worker_builds_the_rdma_transport_on_an_available_device(
     monkeypatch.setattr(verbs, "PyverbsVerbs", FakeVerbs)
     base = ["--model-path", str(tiny_model_dir), "--num-kv-blocks", "8", "--rdma-device"]
     with pytest.raises(StartupError, match=r"mlx5_roce0: no such device \(found \['mlx5_0'\]\).*ibv_devices"):
-        Worker(parse_args([*base, "mlx5_roce0", "--service-type", "prefill"]))
-    prefill = Worker(parse_args([*base, "mlx5_0", "--service-type", "prefill"]))
-    decode = Worker(parse_args([*base, "mlx5_0", "--service-type", "decode", "--host", "127.0.0.1"]))
+        PrefillWorker(parse_args([*base, "mlx5_roce0", "--service-type", "prefill"]))
+    prefill = PrefillWorker(parse_args([*base, "mlx5_0", "--service-type", "prefill"]))
+    decode = DecodeWorker(parse_args([*base, "mlx5_0", "--service-type", "decode", "--host", "127.0.0.1"]))
     try:
         assert isinstance(prefill.sender, RdmaKVSender)
         assert isinstance(decode.receiver, RdmaKVReceiver)

@@ -8,7 +8,7 @@ import pytest
 
 from inference.server.args import ServerArgs, build_parser, parse_args, parse_bytes
 from inference.server.errors import StartupError
-from inference.server.worker import Worker
+from inference.server.worker import create_worker
 from tests.support.worker_flags import refusal, worker_argv
 
 
@@ -70,7 +70,7 @@ def test_worker_refuses_a_pool_below_one_sequence(tiny_model_dir: Path) -> None:
     """A --kv-cache-memory that cannot hold one sequence of --max-sequence-length stops the worker at
     startup with a message naming both flags."""
     with pytest.raises(StartupError) as err:
-        Worker(parse_args([*_base(tiny_model_dir), "--kv-cache-memory", "8KiB", "--max-sequence-length", "256"]))
+        create_worker(parse_args([*_base(tiny_model_dir), "--kv-cache-memory", "8KiB", "--max-sequence-length", "256"]))
     text = str(err.value)
     assert "--kv-cache-memory 8.0 KiB" in text and "--max-sequence-length" in text
 
@@ -78,12 +78,12 @@ def test_worker_refuses_a_pool_below_one_sequence(tiny_model_dir: Path) -> None:
 def test_health_reports_the_pool_and_derived_batch(tiny_model_dir: Path) -> None:
     """/health carries kv_blocks and kv_bytes; with no --batch-size the batch is derived from the pool
     (a pool of 3 max-length sequences here) and reported as batch_size in /health and /info."""
-    probe = Worker(parse_args([*_base(tiny_model_dir), "--num-kv-blocks", "2"]))
-    block_bytes = probe.engine.kv_cache.block_nbytes
+    probe = create_worker(parse_args([*_base(tiny_model_dir), "--num-kv-blocks", "2"]))
+    block_bytes = probe.layout.block_nbytes
     probe.stop()
     seq_blocks = 256 // probe.layout.block_size
     budget = 3 * seq_blocks * block_bytes
-    worker = Worker(parse_args([*_base(tiny_model_dir), "--kv-cache-memory", str(budget),
+    worker = create_worker(parse_args([*_base(tiny_model_dir), "--kv-cache-memory", str(budget),
                                 "--max-sequence-length", "256"]))
     try:
         health = worker.health()

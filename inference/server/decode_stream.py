@@ -1,0 +1,165 @@
+"""One decode request's NDJSON event stream: descriptor, then (once its KV arrived) tokens, then done.
+
+Lines: `{"type": "descriptor", "descriptor", "prompt_token_ids", "sampling"}` first; `{"type":
+"token", "token_ids", "text"}` per engine output; `{"type": "done", "finish_reason", "usage",
+"timings"}` at the end, or `{"type": "error", "message"[, "reason": "kv_timeout", ...]}`. The state
+of the request's run (outcome, timings, tokens sent) lives in a `DecodeStream`, so each step of it is a
+short method; the worker (decode.py) reserves, waits for the KV and aborts.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from inference.engine import RequestOutput
+from inference.kv_transfer import TransferDescriptor, TransferStats
+from inference.server.credit import StreamCredit
+
+if TYPE_CHECKING:
+    from inference.server.decode import DecodeWorker
+
+# How long a decode stream waits for the next engine output (or router credit) before giving up.
+OUTPUT_TIMEOUT_S = 120.0
+
+Event = dict[str, Any]
+
+
+@dataclass
+class KVWaiter:
+    """A decode request waiting for its KV: the event is set from the receiver thread."""
+
+    loop: asyncio.AbstractEventLoop
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    stats: TransferStats | None = None
+    # Set (with the event) by an abort, so the stream ends now instead of at the end of the lease.
+    aborted: bool = False
+
+
+@dataclass
+class DecodeStream:
+    """A reserved decode request from its descriptor to its last line.
+
+    `sampling`: the parameters resolved on this worker (model defaults filled in), which the router
+    hands to the prefill worker so that the first token is sampled exactly as the rest.
+    """
+
+    worker: DecodeWorker
+    request_id: str
+    prompt_token_ids: list[int]
+    descriptor: TransferDescriptor
+    waiter: KVWaiter
+    received_at: float
+    sampling: dict[str, Any]
+    credit: StreamCredit | None = None
+    outcome: str = "aborted"
+    finished: bool = False
+    completion_tokens: int = 0
+    last_token_at: float | None = None
+    kv_wait_s: float = 0.0
+    decode_started: float = 0.0
+
+    async def events(self) -> AsyncIterator[Event]:
+        """The stream's lines; however it ends, the outcome is counted and an unfinished request aborted."""
+        try:
+            yield {"type": "descriptor", "descriptor": self.descriptor.to_dict(),
+                   "prompt_token_ids": self.prompt_token_ids, "sampling": self.sampling}
+            expiry = await self.worker.wait_for_kv(self.request_id, self.waiter)
+            if expiry is not None:
+                self.outcome = "kv_timeout"
+                # `reason` lets the router tell a lease that ran out (the prefill side went silent:
+                # it retries with a fresh reservation) from a failing decode worker.
+                yield {"type": "error", "reason": "kv_timeout", **expiry}
+                return
+            if self.waiter.aborted:
+                return
+            async for event in self._generated():
+                yield event
+        except TimeoutError:
+            self.outcome = "error"
+            yield {"type": "error", "message": f"no output from the engine for {OUTPUT_TIMEOUT_S:.0f}s"}
+        finally:
+            await self.worker.decode_ended(self.request_id, self.outcome, self.finished)
+
+    async def _generated(self) -> AsyncIterator[Event]:
+        """Token lines within the router's credit, then the final line."""
+        self.kv_wait_s = time.perf_counter() - self.received_at
+        self.decode_started = time.perf_counter()
+        stream = self.worker.engine.stream(self.request_id)
+        while True:
+            if not await self._credit_allows():
+                self.outcome = "error"
+                yield {"type": "error", "message": f"no credit from the router for {OUTPUT_TIMEOUT_S:.0f}s"}
+                return
+            try:
+                # asyncio.timeout arms a timer; wait_for would also wrap each token's wait in a task
+                # of its own (once per generated token, on the loop that also handles aborts).
+                async with asyncio.timeout(OUTPUT_TIMEOUT_S):
+                    out = await anext(stream)
+            except StopAsyncIteration:
+                break
+            event = self._token_line(out)
+            if event is not None:
+                yield event
+            if out.finished:
+                yield self._final_line(out)
+                return
+        self.outcome = "error"
+        yield {"type": "error", "message": "engine stream ended without finishing"}
+
+    async def _credit_allows(self) -> bool:
+        """Wait until the credit covers the next token; False when the router gave none for too long.
+
+        Outputs wait in the engine's channel meanwhile; past its window the sequence pauses. Bounded:
+        a router that stopped acknowledging has closed or aborted."""
+        credit = self.credit
+        if credit is None or credit.allows(self.completion_tokens):
+            return True
+        try:
+            async with asyncio.timeout(OUTPUT_TIMEOUT_S):
+                await credit.wait(self.completion_tokens)
+        except TimeoutError:
+            return False
+        return True
+
+    def _token_line(self, out: RequestOutput) -> Event | None:
+        """The token line of an output (None when it carries neither tokens nor text); TTFT, ITL."""
+        n = len(out.new_token_ids)
+        if not n:
+            return {"type": "token", "token_ids": [], "text": out.new_text} if out.new_text else None
+        now = time.perf_counter()
+        metrics, signals = self.worker.metrics, self.worker.signals
+        if self.last_token_at is None:
+            metrics.ttft.observe(now - self.received_at)
+            signals.observe("ttft", now - self.received_at)
+        else:
+            metrics.itl.observe((now - self.last_token_at) / n)
+            signals.observe("itl", (now - self.last_token_at) / n)
+        self.last_token_at = now
+        self.completion_tokens += n
+        metrics.generation_tokens.inc(n)
+        return {"type": "token", "token_ids": out.new_token_ids, "text": out.new_text}
+
+    def _final_line(self, out: RequestOutput) -> Event:
+        """The last line of a finished request: `done` with usage and timings, or the error."""
+        self.finished = True
+        if out.finish_reason in ("abort", "error"):
+            # One label for every abort, whichever way it reached the stream.
+            self.outcome = "aborted" if out.finish_reason == "abort" else "error"
+            return {"type": "error", "message": f"request ended: {out.finish_reason}"}
+        self.outcome = "ok"
+        self.worker.metrics.e2e.observe(time.perf_counter() - self.received_at)
+        stats = self.waiter.stats
+        return {
+            "type": "done",
+            "finish_reason": out.finish_reason,
+            "usage": {"prompt_tokens": len(self.prompt_token_ids), "completion_tokens": self.completion_tokens},
+            "timings": {
+                "kv_wait_s": round(self.kv_wait_s, 6),
+                "decode_s": round(time.perf_counter() - self.decode_started, 6),
+                "kv_transfer_s": round(stats.seconds, 6) if stats else None,
+                "kv_bytes": stats.nbytes if stats else 0,
+            },
+        }
