@@ -16,6 +16,7 @@ import asyncio
 import collections
 import contextlib
 import hmac
+import ipaddress
 import json
 import os
 import signal
@@ -36,10 +37,24 @@ from inference.server import credit as credit_protocol
 from inference.server.errors import WorkerError, bad_request
 
 LOOPBACK = "127.0.0.1"
+# Workers one control call may start.
+MAX_START = 1000
+# What `POST /sim/fault` can make a worker's health check see (None: answer normally).
+FAULTS = (None, "unhealthy", "silent")
+# How long a `silent` worker holds a health check (past the router's 4 s timeout; bounded).
+SILENT_S = 30.0
 MAX_BODY_BYTES = 8 * 2**20
 # Below the router's 3 s client keep-alive, as uvicorn's 5 s default on the real workers.
 KEEPALIVE_S = 5.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is an IPv4 loopback address (every 127.x.y.z is local on Linux)."""
+    try:
+        return ipaddress.ip_address(host) in ipaddress.ip_network("127.0.0.0/8")
+    except ValueError:
+        return False
 
 
 def _error(exc: WorkerError) -> web.Response:
@@ -60,21 +75,52 @@ def _object(raw: bytes) -> dict[str, Any]:
 class Fleet:
     """The workers of this process by port, their HTTP application, and request counters."""
 
-    def __init__(self, config: SimConfig, secret: str = "") -> None:
+    def __init__(self, config: SimConfig, secret: str = "", host: str = LOOPBACK) -> None:
         self.config = config
         self.secret = secret
+        self.host = host
         self.workers: dict[int, SimWorker] = {}
+        self._sites: dict[int, web.SockSite] = {}
+        self.runner: web.AppRunner | None = None
         self.hits: collections.Counter[str] = collections.Counter()
         self.started_at = time.time()
         self._client: aiohttp.ClientSession | None = None
 
     # ------------------------------------------------------------------ workers
-    def add(self, role: str, sock: socket.socket) -> SimWorker:
-        """A worker of `role` on the bound socket `sock`."""
+    async def start_worker(self, role: str) -> SimWorker:
+        """A new worker of `role`, listening on a free port of this fleet's host (after `setup`)."""
+        if role not in ("prefill", "decode"):
+            raise bad_request(f"role must be prefill or decode, not {role!r}")
+        assert self.runner is not None, "setup() first"
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, 0))
         port = int(sock.getsockname()[1])
-        worker = SimWorker(role, port, self.config, self.deliver_kv)
+        worker = SimWorker(role, port, self.config, self.deliver_kv, host=self.host)
+        site = web.SockSite(self.runner, sock, shutdown_timeout=1.0)
+        await site.start()
         self.workers[port] = worker
+        self._sites[port] = site
         return worker
+
+    async def stop_worker(self, port: int) -> bool:
+        """Stop listening on `port` and forget its worker (streams in progress end); False if unknown."""
+        site = self._sites.pop(port, None)
+        self.workers.pop(port, None)
+        if site is None:
+            return False
+        await site.stop()
+        return True
+
+    def url(self, worker: SimWorker) -> str:
+        """The base URL of `worker`."""
+        return f"http://{self.host}:{worker.port}"
+
+    async def setup(self) -> None:
+        """Prepare the application runner that every port's site shares."""
+        self.runner = web.AppRunner(self.app(), access_log=None, keepalive_timeout=KEEPALIVE_S,
+                                    handler_cancellation=True, shutdown_timeout=1.0)
+        await self.runner.setup()
 
     def _worker(self, request: web.Request) -> SimWorker:
         transport = request.transport
@@ -89,7 +135,7 @@ class Fleet:
         directly when it lives in this process, else over HTTP; the bytes a real transfer moves."""
         nbytes = len(descriptor.get("block_ids") or []) * self.config.block_nbytes
         request_id, token = str(descriptor["request_id"]), str(descriptor["token"])
-        local = self.workers.get(int(descriptor["port"])) if descriptor["host"] == LOOPBACK else None
+        local = self.workers.get(int(descriptor["port"])) if descriptor["host"] == self.host else None
         if local is not None:
             if self.config.kv_transfer_s:
                 await asyncio.sleep(self.config.kv_transfer_s)
@@ -133,7 +179,12 @@ class Fleet:
 
     async def health(self, request: web.Request) -> web.StreamResponse:
         self.hits["health"] += 1
-        return web.json_response(self._worker(request).health(), dumps=lambda o: orjson.dumps(o).decode())
+        worker = self._worker(request)
+        if worker.fault == "silent":  # a wedged process: no answer within any health timeout
+            await asyncio.sleep(SILENT_S)
+        if worker.fault == "unhealthy":
+            return web.json_response({**worker.health(), "status": "unhealthy"}, status=503)
+        return web.json_response(worker.health(), dumps=lambda o: orjson.dumps(o).decode())
 
     async def metrics(self, request: web.Request) -> web.StreamResponse:
         self.hits["metrics"] += 1
@@ -222,6 +273,35 @@ class Fleet:
             raise bad_request(f"bad KV message: {exc}") from exc
         return web.json_response({"ok": ok}, status=200 if ok else 409)
 
+    async def control_workers(self, request: web.Request) -> web.StreamResponse:
+        """`POST /sim/workers {"role", "count"}`: start workers; `{"stop": [urls]}`: stop those."""
+        body = await self._body(request)
+        if "stop" in body:
+            urls = body["stop"]
+            if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+                raise bad_request("'stop' must be a list of worker URLs")
+            stopped = [u for u in urls if await self.stop_worker(int(u.rsplit(":", 1)[-1].rstrip("/")))]
+            return web.json_response({"stopped": stopped})
+        count = body.get("count", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_START:
+            raise bad_request(f"'count' must be an integer in [1, {MAX_START}]")
+        started = [self.url(await self.start_worker(str(body.get("role")))) for _ in range(count)]
+        return web.json_response({"started": started})
+
+    async def control_fault(self, request: web.Request) -> web.StreamResponse:
+        """`POST /sim/fault {"url", "fault"}`: make a worker's /health answer `unhealthy`, stay `silent`,
+        or (null) answer normally again."""
+        body = await self._body(request)
+        fault = body.get("fault")
+        if fault not in FAULTS:
+            raise bad_request(f"'fault' must be one of {', '.join(map(str, FAULTS))}")
+        port = str(body.get("url", "")).rsplit(":", 1)[-1].rstrip("/")
+        worker = self.workers.get(int(port)) if port.isdigit() else None
+        if worker is None:
+            raise WorkerError(404, f"no simulated worker at {body.get('url')!r} in this process", "not_found")
+        worker.fault = fault
+        return web.json_response({"url": self.url(worker), "fault": fault})
+
     async def stats(self, request: web.Request) -> web.StreamResponse:
         roles = collections.Counter(w.role for w in self.workers.values())
         return web.json_response({"pid": os.getpid(), "workers": dict(roles), "hits": dict(self.hits),
@@ -239,6 +319,8 @@ class Fleet:
         app.router.add_post("/internal/abort", self.internal(self.abort))
         app.router.add_post("/sim/kv", self.internal(self.kv))
         app.router.add_get("/sim/stats", self.stats)
+        app.router.add_post("/sim/workers", self.internal(self.control_workers))
+        app.router.add_post("/sim/fault", self.internal(self.control_fault))
         return app
 
     async def close(self) -> None:
@@ -247,46 +329,36 @@ class Fleet:
             await self._client.close()
 
 
-def _bind() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((LOOPBACK, 0))
-    return sock
-
-
 def write_ready(path: Path, fleet: Fleet) -> None:
     """The URLs of every worker, written atomically (a starter waits for this file)."""
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
-    for port, worker in fleet.workers.items():
-        urls[worker.role].append(f"http://{LOOPBACK}:{port}")
+    for worker in fleet.workers.values():
+        urls[worker.role].append(fleet.url(worker))
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps({"pid": os.getpid(), **urls}))
     tmp.replace(path)
 
 
 async def serve(config: SimConfig, prefill: int, decode: int, ready_file: Path | None, secret: str = "",
-                stop: asyncio.Event | None = None) -> None:
+                stop: asyncio.Event | None = None, host: str = LOOPBACK) -> None:
     """Run `prefill` + `decode` simulated workers until `stop` is set (SIGTERM/SIGINT set it)."""
-    fleet = Fleet(config, secret)
+    fleet = Fleet(config, secret, host)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread: the caller stops us
             loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(fleet.app(), access_log=None, keepalive_timeout=KEEPALIVE_S, handler_cancellation=True,
-                           shutdown_timeout=1.0)
-    await runner.setup()
+    await fleet.setup()
+    assert fleet.runner is not None
     try:
         for role, count in (("prefill", prefill), ("decode", decode)):
             for _ in range(count):
-                sock = _bind()
-                fleet.add(role, sock)
-                await web.SockSite(runner, sock, shutdown_timeout=1.0).start()
+                await fleet.start_worker(role)
         if ready_file is not None:
             write_ready(ready_file, fleet)
         await stop.wait()
     finally:
-        await runner.cleanup()
+        await fleet.runner.cleanup()
         await fleet.close()
 
 
@@ -296,17 +368,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", type=int, default=1, help="simulated prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=1, help="simulated decode workers (default 1)")
     p.add_argument("--ready-file", type=Path, default=None, help="where to write the URLs once listening")
+    p.add_argument("--host", default=LOOPBACK,
+                   help="loopback address to listen on, e.g. 127.0.0.12 for simulated node 12 (default 127.0.0.1)")
     p.add_argument("--secret", default=os.environ.get("PLATFORM_SHARED_SECRET", ""),
                    help="X-Platform-Secret the internal endpoints require (default: PLATFORM_SHARED_SECRET)")
     add_arguments(p)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if args.prefill < 0 or args.decode < 0 or args.prefill + args.decode < 1:
         p.error("--prefill and --decode must be >= 0, and at least one worker")
+    if not is_loopback(args.host):
+        p.error(f"--host {args.host}: simulated workers listen on loopback addresses only (127.0.0.0/8)")
     try:
         config = from_arguments(args)
     except ValueError as exc:
         p.error(str(exc))
-    asyncio.run(serve(config, args.prefill, args.decode, args.ready_file, args.secret))
+    asyncio.run(serve(config, args.prefill, args.decode, args.ready_file, args.secret, host=args.host))
     return 0
 
 

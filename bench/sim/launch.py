@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -29,6 +31,9 @@ class SimFleet:
     prefill: list[str]
     decode: list[str]
     procs: list[Proc] = field(default_factory=list)
+    # One worker URL per fleet process: where its /sim/stats and /sim/workers answer.
+    control_urls: list[str] = field(default_factory=list)
+    secret: str = ""
 
     @property
     def pids(self) -> list[int]:
@@ -38,7 +43,7 @@ class SimFleet:
     def stats(self) -> dict[str, int]:
         """Requests served by path, summed over the fleet processes (`GET /sim/stats` of each)."""
         total: dict[str, int] = {}
-        for proc, url in zip(self.procs, self._one_url_per_proc, strict=True):
+        for proc, url in zip(self.procs, self.control_urls, strict=True):
             if not proc.alive():
                 continue
             hits = httpx.get(url + "/sim/stats", timeout=10).json()["hits"]
@@ -46,7 +51,13 @@ class SimFleet:
                 total[key] = total.get(key, 0) + int(value)
         return total
 
-    _one_url_per_proc: list[str] = field(default_factory=list)
+    def control(self, shard: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`POST /sim/<path>` to fleet process `shard` (start/stop workers, inject a fault)."""
+        response = httpx.post(f"{self.control_urls[shard]}/sim/{path}", json=body, timeout=30,
+                              headers={"X-Platform-Secret": self.secret} if self.secret else None)
+        response.raise_for_status()
+        answer: dict[str, Any] = response.json()
+        return answer
 
 
 @dataclass
@@ -76,19 +87,22 @@ def _wait_ready(proc: Proc, path: Path, deadline: float) -> dict[str, list[str]]
 
 @contextlib.contextmanager
 def fleet_processes(prefill: int, decode: int, log_dir: Path, config: SimConfig | None = None,
-                    shards: int = 1) -> Iterator[SimFleet]:
-    """`prefill` + `decode` simulated workers in `shards` processes; all stopped on exit."""
+                    shards: int = 1, hosts: Sequence[str] = ()) -> Iterator[SimFleet]:
+    """`prefill` + `decode` simulated workers in `shards` processes; all stopped on exit. `hosts`: the
+    loopback address of each shard (a simulated node each; default 127.0.0.1 for all)."""
     if shards < 1 or prefill < 0 or decode < 0 or prefill + decode < shards:
         raise ValueError("need shards >= 1 and at least one worker per shard")
+    if hosts and len(hosts) != shards:
+        raise ValueError(f"{len(hosts)} hosts for {shards} shards")
     config = config or SimConfig()
     log_dir.mkdir(parents=True, exist_ok=True)
-    fleet = SimFleet([], [])
+    fleet = SimFleet([], [], secret=os.environ.get("PLATFORM_SHARED_SECRET", ""))
     try:
         started: list[tuple[Proc, Path]] = []
         for i, (p, d) in enumerate(zip(_split(prefill, shards), _split(decode, shards), strict=True)):
             ready = log_dir / f"sim-fleet-{i}-{time.monotonic_ns()}.json"
             args = [sys.executable, "-m", "bench.sim.fleet", "--prefill", str(p), "--decode", str(d),
-                    "--ready-file", str(ready), *config.to_argv()]
+                    "--ready-file", str(ready), "--host", hosts[i] if hosts else "127.0.0.1", *config.to_argv()]
             proc = Proc(f"sim-fleet-{i}", args, log_dir)
             fleet.procs.append(proc)
             started.append((proc, ready))
@@ -98,7 +112,7 @@ def fleet_processes(prefill: int, decode: int, log_dir: Path, config: SimConfig 
             ready.unlink()
             fleet.prefill += urls["prefill"]
             fleet.decode += urls["decode"]
-            fleet._one_url_per_proc.append((urls["decode"] or urls["prefill"])[0])
+            fleet.control_urls.append((urls["decode"] or urls["prefill"])[0])
         yield fleet
     finally:
         for proc in fleet.procs:
@@ -107,10 +121,10 @@ def fleet_processes(prefill: int, decode: int, log_dir: Path, config: SimConfig 
 
 @contextlib.contextmanager
 def sim_platform(prefill: int, decode: int, log_dir: Path, config: SimConfig | None = None, *, shards: int = 1,
-                 policy: str = "round-robin", router_env: dict[str, str] | None = None,
+                 hosts: Sequence[str] = (), policy: str = "round-robin", router_env: dict[str, str] | None = None,
                  router_extra: Sequence[str] = ()) -> Iterator[SimPlatform]:
     """A simulated fleet and the real router with all of its workers as static endpoints."""
-    with fleet_processes(prefill, decode, log_dir, config, shards) as fleet:
+    with fleet_processes(prefill, decode, log_dir, config, shards, hosts) as fleet:
         router, url = start_router(fleet.prefill, fleet.decode, log_dir, policy=policy, env=router_env,
                                    extra=list(router_extra))
         try:

@@ -103,11 +103,14 @@ def prompt_ids(body: dict[str, Any], vocab_size: int) -> list[int]:
 class SimWorker:
     """A prefill or decode worker at `port`, answering like inference.server.worker.Worker."""
 
-    def __init__(self, role: str, port: int, config: SimConfig, deliver: KVDelivery) -> None:
+    def __init__(self, role: str, port: int, config: SimConfig, deliver: KVDelivery, host: str = "127.0.0.1") -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, not {role!r}")
         self.role = role
         self.port = port
+        self.host = host
+        # Set by the fleet's fault control: "unhealthy" or "silent" health checks (None: normal).
+        self.fault: str | None = None
         self.config = config
         self.deliver = deliver
         self.metrics = WorkerMetrics(role, config.model)
@@ -221,7 +224,7 @@ class SimWorker:
         cfg = self.config
         prompt_blocks = math.ceil(len(r.prompt_ids) / cfg.block_size)
         return {
-            "request_id": r.request_id, "transport": "tcp", "host": "127.0.0.1", "port": self.port,
+            "request_id": r.request_id, "transport": "tcp", "host": self.host, "port": self.port,
             "block_ids": list(range(prompt_blocks)), "num_tokens": len(r.prompt_ids),
             "layout": cfg.layout(), "lease_expires_at": r.lease_expires_at, "token": r.token, "rdma": None,
             "lease_s": cfg.kv_lease_timeout_s, "lease_cap_at": r.lease_expires_at, "first_block": 0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -124,3 +125,36 @@ def test_router_scale_refuses_bad_flags(argv: list[str], capsys: pytest.CaptureF
     with pytest.raises(SystemExit):
         router_scale.main(["--quick", *argv])
     assert "--" in capsys.readouterr().err
+
+
+def test_workers_added_stopped_and_faulted_at_run_time(log_dir: Path) -> None:
+    """Simulated nodes on their own loopback addresses; the control API starts and stops workers and
+    makes one's health fail, which takes it out of the real router's rotation."""
+    with sim_platform(2, 2, log_dir, FAST, shards=2, hosts=["127.0.0.2", "127.0.0.3"]) as plat:
+        fleet = plat.fleet
+        assert {u.split("//")[1].split(":")[0] for u in fleet.decode} == {"127.0.0.2", "127.0.0.3"}
+        added = fleet.control(1, "workers", {"role": "decode", "count": 3})["started"]
+        assert len(added) == 3 and all(u.startswith("http://127.0.0.3:") for u in added)
+        for url in added:
+            health = httpx.get(url + "/health", timeout=10).json()
+            assert health["status"] == "healthy" and health["role"] == "decode" and health["stream_credit"] is True
+        assert fleet.control(1, "workers", {"stop": added[:2]})["stopped"] == added[:2]
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(added[0] + "/health", timeout=5)
+        with pytest.raises(httpx.HTTPStatusError):
+            fleet.control(1, "workers", {"role": "router", "count": 1})
+        victim = fleet.decode[0]
+        shard = 0 if victim.startswith("http://127.0.0.2:") else 1
+        fleet.control(shard, "fault", {"url": victim, "fault": "unhealthy"})
+        assert httpx.get(victim + "/health", timeout=10).status_code == 503
+        deadline = time.monotonic() + 15
+        healthy = True
+        while healthy and time.monotonic() < deadline:  # the router checks every 2 s
+            status = httpx.get(plat.router_url + "/health", timeout=10).json()
+            healthy = next(e["healthy"] for e in status["decode"] if e["url"] == victim)
+            time.sleep(0.3)
+        assert not healthy
+        with httpx.Client(base_url=plat.router_url, timeout=30, trust_env=False) as client:
+            for _ in range(3):  # every request goes to the other decode worker
+                answer = client.post("/generate", json={"input_ids": [9] * 20, "max_tokens": 3})
+                assert answer.status_code == 200 and answer.json()["decode"] != victim
