@@ -14,6 +14,9 @@ import io
 import pstats
 import time
 from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
 
 from inference.router import WorkerPool
 from inference.router.health import check_endpoint, new_session
@@ -42,6 +45,60 @@ async def _rounds(pool: WorkerPool, rounds: int, pause_s: float, profiler: cProf
     return out
 
 
+class _LeanChecker:
+    """A prototype of the cheaper check proposed for inference/router/health.py (not used by the
+    router): one kept-alive connection per endpoint, the request bytes built once, the answer's
+    length from its header and its body parsed by orjson; no URL, request or timer objects."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.request = f"GET /health HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n\r\n".encode()
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def check(self) -> bool:
+        """One GET /health over the kept connection (reopened if needed); True when healthy."""
+        async with asyncio.timeout(5.0):
+            return await self._check()
+
+    async def _check(self) -> bool:
+        if self.writer is None or self.writer.is_closing():
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        assert self.reader is not None
+        self.writer.write(self.request)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line[:15].lower() == b"content-length:":
+                length = int(line[15:])
+        body = orjson.loads(await self.reader.readexactly(length))
+        return head.startswith(b"HTTP/1.1 200") and body.get("status") == "healthy"
+
+    def close(self) -> None:
+        """Close the connection."""
+        if self.writer is not None:
+            self.writer.close()
+
+
+async def _lean_rounds(urls: list[str], rounds: int, pause_s: float) -> list[float]:
+    checkers = [_LeanChecker(url) for url in urls]
+    out = []
+    try:
+        for i in range(rounds + 1):
+            t0 = time.thread_time()
+            results = await asyncio.gather(*(c.check() for c in checkers))
+            if i > 0:
+                out.append(time.thread_time() - t0)
+            if not all(results):
+                raise RuntimeError(f"{results.count(False)} of {len(results)} lean health checks failed")
+            await asyncio.sleep(pause_s)
+    finally:
+        for c in checkers:
+            c.close()
+    return out
+
+
 def measure(prefill_urls: list[str], decode_urls: list[str], rounds: int, pause_s: float = 2.0,
             top: int = 12) -> dict[str, Any]:
     """CPU per health check over `rounds` rounds of every endpoint, and the profile of those rounds."""
@@ -59,7 +116,9 @@ def measure(prefill_urls: list[str], decode_urls: list[str], rounds: int, pause_
                      "cum_us_per_check": cumtime * 1e6 / checks})
     rows.sort(key=lambda r: r["own_us_per_check"], reverse=True)
     cpu_per_check_us = sum(plain) * 1e6 / (n * len(plain))
+    lean = asyncio.run(_lean_rounds(prefill_urls + decode_urls, rounds, pause_s))
     return {
+        "prototype_lean_cpu_us_per_check": sum(lean) * 1e6 / (n * len(lean)),
         "endpoints": n, "rounds": len(plain), "cpu_us_per_check": cpu_per_check_us,
         "cpu_ms_per_round": sum(plain) * 1000 / len(plain),
         "core_share_at_interval": cpu_per_check_us * n / 1e6 / pause_s,

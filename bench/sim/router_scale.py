@@ -92,9 +92,11 @@ def measure_router(plat: SimPlatform, decode: int, prefill: int, idle_s: float, 
     asyncio.run(_requests(plat.router_url, prompts, min(count, 2 * CLIENTS), CLIENTS))  # warm-up
     time.sleep(2 * HEALTH_INTERVAL_S)  # let the warm-up's connections settle into the health rhythm
     hits0 = plat.fleet.stats().get("health", 0)
+    fleet0 = sum(process_cpu_seconds(pid) for pid in plat.fleet.pids)
     cpu0, t0 = process_cpu_seconds(plat.router_pid), time.monotonic()
     time.sleep(idle_s)
     cpu1, t1 = process_cpu_seconds(plat.router_pid), time.monotonic()
+    fleet1 = sum(process_cpu_seconds(pid) for pid in plat.fleet.pids)
     hits1 = plat.fleet.stats().get("health", 0)
     idle_share = (cpu1 - cpu0) / (t1 - t0)
     run = asyncio.run(_requests(plat.router_url, prompts, count, CLIENTS))
@@ -106,6 +108,7 @@ def measure_router(plat: SimPlatform, decode: int, prefill: int, idle_s: float, 
         "idle_s": t1 - t0, "health_checks_per_s": (hits1 - hits0) / (t1 - t0),
         "router_idle_cpu_share": idle_share,
         "router_cpu_us_per_health_check": (cpu1 - cpu0) * 1e6 / max(1, hits1 - hits0),
+        "fleet_idle_cpu_share": (fleet1 - fleet0) / (t1 - t0),
         **run, "requests_per_s": count / run["wall_s"],
         "router_cpu_ms_per_request": raw_ms, "router_cpu_ms_per_request_net_of_health": net_ms,
     }
@@ -117,10 +120,18 @@ def _tables(result: dict[str, Any]) -> str:
              r["ok"], r["errors"], fmt(r["requests_per_s"], 1), fmt(r["router_cpu_ms_per_request"], 3),
              fmt(r["router_cpu_ms_per_request_net_of_health"], 3)] for r in result["router"]]
     prows = [[r["policy"], r["decode_endpoints"], fmt(r["cpu_us_per_request_median"], 1)]
-             for r in result["policy_admission"] + result["policy_admission_prototype"]]
+             for r in result["policy_admission"]]
+    prows += [[f"{r['policy']} (prototype)", r["decode_endpoints"], fmt(r["cpu_us_per_request_median"], 1)]
+              for r in result["policy_admission_prototype"]]
+    hp = result.get("health_profile")
+    health = "" if hp is None else (
+        f"\n\nhealth checks in process, {hp['endpoints']} endpoints: {fmt(hp['cpu_us_per_check'], 0)} µs CPU per check "
+        f"({fmt(100 * hp['core_share_at_interval'], 2)} % of a core at {HEALTH_INTERVAL_S:g} s); lean prototype "
+        f"{fmt(hp['prototype_lean_cpu_us_per_check'], 0)} µs per check")
     return (markdown_table(["decode", "prefill", "health checks/s", "router idle CPU %", "µs/check",
                             "ok", "errors", "req/s", "router CPU ms/req", "net of health"], rows)
-            + "\n\n" + markdown_table(["policy", "decode endpoints", "policy+admission CPU µs/request"], prows))
+            + "\n\n" + markdown_table(["policy", "decode endpoints", "policy+admission CPU µs/request"], prows)
+            + health)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -116,7 +116,11 @@ def test_router_scale_quick(tmp_path: Path, log_dir: Path) -> None:
     assert row["health_checks_per_s"] > 0 and math.isfinite(row["router_cpu_ms_per_request"])
     assert {r["policy"] for r in result["policy_admission"]} == set(router_scale.POLICIES)
     assert all(r["cpu_us_per_request_median"] > 0 for r in result["policy_admission"])
-    assert result["health_profile"]["endpoints"] == 5 and result["health_profile"]["cpu_us_per_check"] > 0
+    profile = result["health_profile"]
+    assert profile["endpoints"] == 5 and profile["cpu_us_per_check"] > 0
+    assert profile["prototype_lean_cpu_us_per_check"] > 0
+    assert profile["profile_top_own_time"] and result["policy_profile"]["top_own_time"]
+    assert row["fleet_idle_cpu_share"] >= 0
     assert set(result["verdict"]) >= {"policy_admission_target_met", "health_target_met"}
 
 
