@@ -8,6 +8,7 @@ samples.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -68,62 +69,18 @@ class ModelRunner:
         if use_compile:
             check_compile_available(device)  # before the weights load: fail fast
         self.model: LlamaForCausalLM = load_model(model_path, config, device, self.dtype)
-        # On a CPU the C++ kernels (decode attention over the paged cache, fused norms, RoPE, SiLU·mul,
-        # the fp32 panel GEMM) when they build here (cpu_kernels.py); torch ops otherwise, and with
-        # --compile (inductor fuses).
-        ops = None
-        if device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and not use_compile:
-            ops = load_kernels()
-        if not use_compile and panel_linear_preferred(self.dtype, ops):
-            prepack_linears(self.model, panel_ops=ops)  # fp32 on an AVX2 CPU: the panel kernel
-        elif not use_compile and prepacked_linear_available(self.dtype, device):
-            prepack_linears(self.model)  # on a CPU: weights reordered once for oneDNN
-        block_bytes = KVCache.bytes_per_block(
-            config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim, self.dtype
+        ops = self._choose_kernels(use_compile)
+        if not use_compile:
+            self._prepack(ops)
+        num_blocks = self._size_pool(
+            num_blocks, max_num_seqs, max_model_len, max_num_batched_tokens, kv_cache_bytes, gpu_memory_utilization
         )
-        if num_blocks is not None:
-            self.max_num_seqs = max_num_seqs or AUTO_BATCH_CAP["cpu"]
-            self.kv_budget_bytes = num_blocks * block_bytes
-        else:
-            if device.type == "cuda" and kv_cache_bytes is None:
-                budget = self._profile_gpu_budget(gpu_memory_utilization, max_num_seqs, max_num_batched_tokens)
-                source = f"--gpu-memory-utilization {gpu_memory_utilization}"
-            else:  # a CPU, or an explicit size on a GPU (it replaces the utilization rule, as in vLLM)
-                budget = cpu_kv_bytes(kv_cache_bytes)
-                source = (
-                    f"--kv-cache-memory {format_bytes(kv_cache_bytes)}" if kv_cache_bytes is not None else
-                    f"--kv-cache-memory (default: {CPU_KV_FRACTION:.0%} of the available memory)"
-                )
-            plan = plan_pool(
-                budget_bytes=budget,
-                block_bytes=block_bytes,
-                block_size=block_size,
-                max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs,
-                device_kind=device.type,
-                source=source,
-            )
-            num_blocks, self.max_num_seqs, self.kv_budget_bytes = plan.num_blocks, plan.max_num_seqs, budget
         self.kv_cache = KVCache(
-            num_blocks,
-            config.num_hidden_layers,
-            block_size,
-            config.num_key_value_heads,
-            config.head_dim,
-            self.dtype,
-            device,
+            num_blocks, config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim,
+            self.dtype, device,
         )
         self.compiled = use_compile
-        # Slot rows of the decode batch, reused between decode steps of an unchanged batch, and what
-        # else a decode step derives from its batch alone: whether every sequence is greedy (the
-        # params of a sequence never change), and `arange(batch)` (`last_index`).
-        self._slots = DecodeSlotCache(block_size, self.kv_cache.block_stride)
-        self._batch_greedy = False
-        self._aranges: dict[int, torch.Tensor] = {}
-        # Set by a greedy kernel decode step, cleared by every `run`: the next decode step's lengths and
-        # input ids (this step's lengths + 1, the tokens it sampled), valid when that step runs the
-        # same batch (see `prepare`).
-        self._next_decode: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._init_step_caches()
         if use_compile:
             compile_model(self.model)
         self.model.cpu_ops = ops
@@ -133,6 +90,74 @@ class ModelRunner:
             dtype_name(self.dtype), device, num_blocks, format_bytes(self.kv_cache.nbytes), self.max_num_seqs,
             ", compiled" if use_compile else "", ", CPU kernels" if self.decode_kernel else "",
         )
+
+    def _choose_kernels(self, use_compile: bool) -> Any:
+        """The C++ CPU kernels (decode attention over the paged cache, fused norms, RoPE, SiLU·mul, the
+        fp32 panel GEMM) when they build here (cpu_kernels.py), on a CPU in fp32 or bf16; None (torch
+        ops) otherwise, and with --compile (inductor fuses)."""
+        if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and not use_compile:
+            return load_kernels()
+        return None
+
+    def _prepack(self, ops: Any) -> None:
+        """Pack the linear layers' weights once for the kernel that runs them: the panel GEMM for fp32 on
+        an AVX2 CPU, oneDNN's reordered weights elsewhere on a CPU; left as they are otherwise."""
+        if panel_linear_preferred(self.dtype, ops):
+            prepack_linears(self.model, panel_ops=ops)
+        elif prepacked_linear_available(self.dtype, self.device):
+            prepack_linears(self.model)
+
+    def _size_pool(
+        self,
+        num_blocks: int | None,
+        max_num_seqs: int | None,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        kv_cache_bytes: int | None,
+        gpu_memory_utilization: float,
+    ) -> int:
+        """The KV pool's block count; sets `max_num_seqs` and `kv_budget_bytes` (see `__init__`)."""
+        config, device = self.config, self.device
+        block_bytes = KVCache.bytes_per_block(
+            config.num_hidden_layers, self.block_size, config.num_key_value_heads, config.head_dim, self.dtype
+        )
+        if num_blocks is not None:
+            self.max_num_seqs = max_num_seqs or AUTO_BATCH_CAP["cpu"]
+            self.kv_budget_bytes = num_blocks * block_bytes
+            return num_blocks
+        if device.type == "cuda" and kv_cache_bytes is None:
+            budget = self._profile_gpu_budget(gpu_memory_utilization, max_num_seqs, max_num_batched_tokens)
+            source = f"--gpu-memory-utilization {gpu_memory_utilization}"
+        else:  # a CPU, or an explicit size on a GPU (it replaces the utilization rule, as in vLLM)
+            budget = cpu_kv_bytes(kv_cache_bytes)
+            source = (
+                f"--kv-cache-memory {format_bytes(kv_cache_bytes)}" if kv_cache_bytes is not None else
+                f"--kv-cache-memory (default: {CPU_KV_FRACTION:.0%} of the available memory)"
+            )
+        plan = plan_pool(
+            budget_bytes=budget,
+            block_bytes=block_bytes,
+            block_size=self.block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            device_kind=device.type,
+            source=source,
+        )
+        self.max_num_seqs, self.kv_budget_bytes = plan.max_num_seqs, budget
+        return plan.num_blocks
+
+    def _init_step_caches(self) -> None:
+        """What decode steps reuse between steps of an unchanged batch (empty at first)."""
+        # Slot rows of the decode batch, reused between decode steps of an unchanged batch, and what
+        # else a decode step derives from its batch alone: whether every sequence is greedy (the
+        # params of a sequence never change), and `arange(batch)` (`last_index`).
+        self._slots = DecodeSlotCache(self.block_size, self.kv_cache.block_stride)
+        self._batch_greedy = False
+        self._aranges: dict[int, torch.Tensor] = {}
+        # Set by a greedy kernel decode step, cleared by every `run`: the next decode step's lengths and
+        # input ids (this step's lengths + 1, the tokens it sampled), valid when that step runs the
+        # same batch (see `prepare`).
+        self._next_decode: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @torch.inference_mode()
     def _profile_gpu_budget(self, utilization: float, max_num_seqs: int | None, max_tokens: int) -> int:
