@@ -59,12 +59,15 @@ def kernels_enabled() -> bool:
 
 
 def _build_name() -> str:
-    """The extension's name: a hash of the sources, the flags and the CPU's feature set. torch keeps one
-    build per name and rebuilds it whenever the sources differ, so two trees with different kernels (an
-    A/B run, a git worktree) would otherwise rebuild each other's on every start; and the build uses
-    -march=native, so a cache folder shared by hosts with different CPUs must not mix their binaries."""
+    """The extension's name: a hash of the sources (where they are and what they say), the flags and the
+    CPU's feature set. One build folder holds one build, rebuilt whenever its compile commands change, and
+    the sources' paths are part of those commands: two trees run by one venv (a git worktree for an A/B
+    run or a drill, a copy) would otherwise rebuild each other's on every start even with identical
+    kernels. The build uses -march=native, so a folder shared by hosts with different CPUs must not mix
+    their binaries either."""
     digest = hashlib.sha256(" ".join(CFLAGS).encode())
     for path in SOURCES:
+        digest.update(str(path.resolve()).encode())
         digest.update(path.read_bytes())
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -131,3 +131,21 @@ def test_a_lock_left_by_a_killed_build_does_not_delay_a_start(tmp_path: Path) ->
     assert ctypes.CDLL(path).kernel_build_probe() == 42
     assert not (build_dir / "lock").exists()
     assert elapsed < 60, elapsed  # a compile and a link; torch's own wait would never end
+
+
+def test_two_trees_with_the_same_kernels_build_in_folders_of_their_own(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worktree run by the same venv (an A/B run, a drill): same sources, other paths, so other compile
+    commands; sharing one folder, each start would rebuild the other's build."""
+    names = []
+    for tree in ("a", "b", "a"):
+        csrc = tmp_path / tree / "csrc"
+        csrc.mkdir(parents=True, exist_ok=True)
+        copies = []
+        for source in cpu_kernels.SOURCES:
+            (csrc / source.name).write_bytes(source.read_bytes())
+            copies.append(csrc / source.name)
+        monkeypatch.setattr(cpu_kernels, "SOURCES", copies)
+        names.append(cpu_kernels._build_name())
+    assert names[0] != names[1]
+    assert names[0] == names[2]
