@@ -10,5 +10,6 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 app = Celery("config")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
-# The agent's tasks (nodes.tasks.*) live in inference.agent.tasks, which is no app's `tasks` module.
+# The agent's tasks (inference.agent.tasks.*, and their legacy names nodes.tasks.*) live in
+# inference.agent.tasks, which is no app's `tasks` module.
 app.autodiscover_tasks(["inference.agent"])

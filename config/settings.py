@@ -139,17 +139,17 @@ else:
 # The controller's queue. Agents consume only their own queue node.<name>. Another name lets two
 # platforms share one Redis (the multi-host test uses it to stay apart from other test runs).
 CELERY_TASK_DEFAULT_QUEUE = env_str("PLATFORM_CONTROL_QUEUE", "control") or "control"
-# The agent's tasks (registered as nodes.tasks.*) go to the queue of the worker's node even when
-# called with a bare .delay().
+# The agent's tasks (inference.agent.tasks.*, or their legacy names nodes.tasks.*) go to the queue of the
+# worker's node even when sent without a queue.
 CELERY_TASK_ROUTES = ["inference.agent.tasks.route_node_task"]
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_TIMEZONE = TIME_ZONE
 
-# Metric samples (charts, scaling) older than this are pruned (inference.actions.prune_metric_samples).
+# Metric samples (charts, scaling) older than this are pruned (inference.actions.samples.prune_metric_samples).
 METRICS_RETENTION_HOURS = env_int("METRICS_RETENTION_HOURS", 72, minimum=1)
 # Stopped and failed Worker rows older than this (since their last change) are deleted
-# (inference.worker_actions.prune_stopped_workers, hourly): every `make down`/`make up` leaves a set behind.
+# (inference.actions.workers.prune_stopped_workers, hourly): every `make down`/`make up` leaves a set behind.
 WORKER_RETENTION_HOURS = env_int("WORKER_RETENTION_HOURS", 24, minimum=1)
 
 REST_FRAMEWORK = {

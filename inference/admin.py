@@ -17,7 +17,10 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from inference import actions, selectors
+from inference import jobs
+from inference.actions import deployments as deployment_actions
+from inference.actions import rules as rule_actions
+from inference.actions import scale as scale_actions
 from inference.models import (
     Deployment,
     MetricSample,
@@ -33,6 +36,8 @@ from inference.models import (
 )
 from inference.models import Model as ServedModel
 from inference.node_admin import LiveWorkerInline, age_text, health_summary, status_badge
+from inference.selectors import charts
+from inference.selectors import metrics as metric_selectors
 
 RECENT_EVENTS = 20
 
@@ -170,14 +175,14 @@ class DeploymentAdminForm(forms.ModelForm):
         fields = "__all__"
 
     def clean(self) -> dict[str, Any]:
-        """Refuse replica edits a schedule rule would revert (actions.replica_edit_conflict)."""
+        """Refuse replica edits a schedule rule would revert (scale_actions.replica_edit_conflict)."""
         data = super().clean() or {}
         if self.instance.pk is None:
             return data
         for role in WorkerRole.values:
             field = f"{role}_replicas"
             if field in self.changed_data and data.get(field) is not None:
-                conflict = actions.replica_edit_conflict(self.instance, role, data[field])
+                conflict = scale_actions.replica_edit_conflict(self.instance, role, data[field])
                 if conflict is not None:
                     raise ValidationError({field: str(conflict)})
         return data
@@ -257,9 +262,9 @@ class DeploymentAdmin(admin.ModelAdmin):
     # --- saving: through inference.actions so replica changes become ScaleEvents ---
 
     def save_model(self, request: HttpRequest, obj: Deployment, form: Any, change: bool) -> None:
-        """Save through actions.save_deployment; replica counts not edited in the form keep their
+        """Save through deployment_actions.save_deployment; replica counts not edited in the form keep their
         current value (an autoscale since the page was opened is not reverted)."""
-        events = actions.save_deployment(
+        events = deployment_actions.save_deployment(
             obj,
             changed_fields=form.changed_data if change else None,
             source="manual",
@@ -271,7 +276,7 @@ class DeploymentAdmin(admin.ModelAdmin):
             )
 
     def save_formset(self, request: HttpRequest, form: Any, formset: Any, change: bool) -> None:
-        """Rules go through actions.save_rule (a changed condition restarts the breach timer)."""
+        """Rules go through rule_actions.save_rule (a changed condition restarts the breach timer)."""
         if formset.model is not ScalingRule:
             super().save_formset(request, form, formset, change)
             return
@@ -280,55 +285,56 @@ class DeploymentAdmin(admin.ModelAdmin):
             rule.delete()
         changed = {id(f.instance): f.changed_data for f in formset.forms}
         for rule in rules:
-            actions.save_rule(rule, changed_fields=changed.get(id(rule)))
+            rule_actions.save_rule(rule, changed_fields=changed.get(id(rule)))
         formset.save_m2m()
 
     def has_delete_permission(self, request: HttpRequest, obj: Deployment | None = None) -> bool:
         """A deployment with live workers cannot be deleted (stop it first)."""
-        if obj is not None and actions.live_worker_count(obj):
+        if obj is not None and deployment_actions.live_worker_count(obj):
             return False
         return bool(super().has_delete_permission(request, obj))
 
     def delete_model(self, request: HttpRequest, obj: Deployment) -> None:
-        """Delete through actions.delete_deployment (refuses while workers are live)."""
-        actions.delete_deployment(obj)
+        """Delete through deployment_actions.delete_deployment (refuses while workers are live)."""
+        deployment_actions.delete_deployment(obj)
 
     def delete_queryset(self, request: HttpRequest, queryset: QuerySet) -> None:
         """Delete the selected deployments that have no live workers; report the others."""
         for deployment in queryset:
             try:
-                actions.delete_deployment(deployment)
-            except actions.DeploymentInUse as exc:
+                deployment_actions.delete_deployment(deployment)
+            except deployment_actions.DeploymentInUse as exc:
                 self.message_user(request, str(exc), messages.ERROR)
 
     # --- scale actions ---
 
     def _scale(self, request: HttpRequest, queryset: QuerySet, role: str, delta: int) -> None:
+        """Queue the scale through scale_actions.request_manual_scale, as the REST API does; the messages say
+        what the controller is asked to do (it applies the change within seconds)."""
         for deployment in queryset:
             try:
-                event = actions.manual_scale_by(
-                    deployment,
-                    role,
-                    delta,
-                    source="manual",
-                    actor=str(request.user),
+                queued = scale_actions.request_manual_scale(
+                    deployment, role, delta=delta, source="manual", actor=str(request.user),
                     reason=f"admin action {role} {delta:+d} by {request.user}",
-                )
-            except actions.ScheduleConflict as exc:
+                )  # fmt: skip
+            except scale_actions.ScheduleConflict as exc:
                 # Refused rather than applied and silently set back by the rule a moment later.
                 self.message_user(request, f"{deployment.name}: {exc}", messages.ERROR)
                 continue
-            if event is None:
+            except jobs.JobNotQueued as exc:
+                self.message_user(request, f"{deployment.name}: not scaled: {exc}", messages.ERROR)
+                continue
+            if not queued.changes:
                 low, high = deployment.bounds(role)
                 self.message_user(
                     request,
-                    f"{deployment.name}: {role} stays at {deployment.replicas(role)} (bounds [{low}, {high}]).",
+                    f"{deployment.name}: {role} stays at {queued.current} (bounds [{low}, {high}]).",
                     messages.WARNING,
                 )
             else:
                 self.message_user(
                     request,
-                    f"{deployment.name}: {role} {event.from_replicas} → {event.to_replicas}.",
+                    f"{deployment.name}: {role} {queued.current} → {queued.target} queued for the controller.",
                     messages.SUCCESS,
                 )
 
@@ -380,7 +386,7 @@ class DeploymentAdmin(admin.ModelAdmin):
         """The live charts page of one deployment (drawn with uPlot by inference/static/inference/metrics.js):
         the router's series first, then the workers' (per role, or per worker with the page's toggle)."""
         deployment = self._viewable(request, object_id)
-        router_charts = [c for c in selectors.CHARTS if c["source"] in {"router", "worker"}]
+        router_charts = [c for c in charts.CHARTS if c["source"] in {"router", "worker"}]
         context = {
             **self.admin_site.each_context(request),
             "opts": self.opts,
@@ -389,7 +395,7 @@ class DeploymentAdmin(admin.ModelAdmin):
             "data_url": reverse("admin:inference_deployment_metrics_data", args=[deployment.pk]),
             "sections": [
                 {"title": "Router (as its clients see it)", "charts": router_charts},
-                {"title": "Workers", "charts": [c for c in selectors.CHARTS if c not in router_charts]},
+                {"title": "Workers", "charts": [c for c in charts.CHARTS if c not in router_charts]},
             ],
             "routers": list(deployment.routers.filter(enabled=True)),
             "roles": WorkerRole.values,
@@ -397,11 +403,11 @@ class DeploymentAdmin(admin.ModelAdmin):
         return TemplateResponse(request, "admin/inference/deployment/metrics.html", context)
 
     def metrics_data_view(self, request: HttpRequest, object_id: str) -> JsonResponse:
-        """JSON of selectors.deployment_metric_series (`?minutes=`, `?role=`, `?max_points=`), staff only."""
+        """JSON of metric_selectors.deployment_metric_series (`?minutes=`, `?role=`, `?max_points=`), staff only."""
         deployment = self._viewable(request, object_id)
         try:
-            data = selectors.metric_series_query(deployment, request.GET)
-        except selectors.InvalidQuery as exc:
+            data = metric_selectors.metric_series_query(deployment, request.GET)
+        except metric_selectors.InvalidQuery as exc:
             return JsonResponse({"error": exc.errors}, status=400)
         return JsonResponse(data)  # admin_view() already marks it never_cache: live data
 
@@ -433,8 +439,8 @@ class ScalingRuleAdmin(admin.ModelAdmin):
         return f"{rule.start_time}–{rule.end_time} → {rule.target_replicas} replicas"
 
     def save_model(self, request: HttpRequest, obj: ScalingRule, form: Any, change: bool) -> None:
-        """Save through actions.save_rule (a changed condition restarts the breach timer)."""
-        actions.save_rule(obj, changed_fields=form.changed_data if change else None)
+        """Save through rule_actions.save_rule (a changed condition restarts the breach timer)."""
+        rule_actions.save_rule(obj, changed_fields=form.changed_data if change else None)
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):

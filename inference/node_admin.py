@@ -21,7 +21,8 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.text import Truncator
 
-from inference import worker_actions
+from inference.actions import nodes as node_workers
+from inference.actions import workers as worker_actions
 from inference.controller.pinning import CpuOverlap, live_cpu_overlaps, overlapping_worker_ids
 from inference.models import ACTIVE_WORKER_STATUSES, Worker, WorkerStatus
 from nodes import actions as node_actions
@@ -375,10 +376,10 @@ class NodeAdmin(admin.ModelAdmin):
 
     @admin.action(description="Drain node", permissions=["change"])
     def drain_nodes(self, request: HttpRequest, queryset: QuerySet) -> None:
-        """Drain each selected node through inference.worker_actions.drain_node."""
+        """Drain each selected node through inference.actions.nodes.drain_node."""
         for node in queryset:
             try:
-                worker_actions.drain_node(node)
+                node_workers.drain_node(node)
             except Exception as exc:  # report each node's failure and carry on with the others
                 self.message_user(request, f"Could not drain {node.name}: {exc}", messages.ERROR)
             else:
@@ -396,13 +397,13 @@ class NodeAdmin(admin.ModelAdmin):
 
     @admin.action(description="Mark offline (re-place its workers elsewhere)", permissions=["change"])
     def mark_nodes_offline(self, request: HttpRequest, queryset: QuerySet) -> None:
-        """Give up on each selected node through inference.worker_actions.mark_node_offline (for a host known gone:
+        """Give up on each selected node through inference.actions.nodes.mark_node_offline (for a host known gone:
         an UNREACHABLE node's workers otherwise stay as long as their /health answers)."""
         for node in queryset:
             if node.status == NodeStatus.OFFLINE:
                 self.message_user(request, f"{node.name} is offline already.", messages.WARNING)
                 continue
-            given_up = worker_actions.mark_node_offline(node, reason=f"marked offline by {request.user}")
+            given_up = node_workers.mark_node_offline(node, reason=f"marked offline by {request.user}")
             self.message_user(
                 request, f"{node.name} is offline; {len(given_up)} worker(s) re-placed elsewhere.", messages.SUCCESS
             )
@@ -545,7 +546,7 @@ class WorkerAdmin(admin.ModelAdmin):
 
     @admin.action(description="Restart worker", permissions=["change"])
     def restart_workers(self, request: HttpRequest, queryset: QuerySet) -> None:
-        """Restart each selected worker through inference.worker_actions.restart_worker."""
+        """Restart each selected worker through inference.actions.workers.restart_worker."""
         done: list[str] = []
         for worker in queryset.select_related("deployment", "node"):
             try:

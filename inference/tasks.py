@@ -11,7 +11,9 @@ from typing import Any
 
 from celery import shared_task
 
-from inference import actions, worker_actions
+from inference.actions import samples as sample_actions
+from inference.actions import scale as scale_actions
+from inference.actions import workers as worker_actions
 from inference.controller import heartbeats, reconciler
 from inference.metrics import collector
 from inference.models import Deployment
@@ -33,13 +35,22 @@ def reconcile_all() -> int:
 
 
 @shared_task(name="inference.tasks.scale_deployment_task", ignore_result=True)
-def scale_deployment_task(*, deployment_id: int, role: str, replicas: int, source: str, reason: str) -> int | None:
-    """Set a role's desired replicas (clamped to min/max, recorded as a ScaleEvent); returns the event id."""
+def scale_deployment_task(
+    *, deployment_id: int, role: str, source: str, reason: str, replicas: int | None = None, delta: int | None = None
+) -> int | None:
+    """Set a role's desired replicas to `replicas`, or change them by `delta` (read under the lock); clamped
+    to min/max and recorded as a ScaleEvent. Returns the event id (None: nothing changed)."""
     deployment = Deployment.objects.filter(pk=deployment_id).first()
     if deployment is None:
         logger.warning("scale_deployment_task: deployment #%s no longer exists", deployment_id)
         return None
-    event = actions.scale_deployment(deployment, role, replicas, source=source, reason=reason)
+    if delta is not None:
+        event = scale_actions.scale_deployment_by(deployment, role, delta, source=source, reason=reason)
+    elif replicas is not None:
+        event = scale_actions.scale_deployment(deployment, role, replicas, source=source, reason=reason)
+    else:
+        logger.warning("scale_deployment_task for deployment #%s names neither replicas nor delta", deployment_id)
+        return None
     return event.pk if event is not None else None
 
 
@@ -71,4 +82,4 @@ def prune_workers() -> int:
 @shared_task(name="inference.tasks.prune_metrics", ignore_result=True)
 def prune_metrics() -> int:
     """Delete MetricSamples older than METRICS_RETENTION_HOURS; returns how many."""
-    return actions.prune_metric_samples()
+    return sample_actions.prune_metric_samples()

@@ -2,7 +2,7 @@
 
 `nodes` is the lower layer of the control plane: it knows hosts, not what runs on them, and imports
 nothing of `inference`. Everything that concerns workers on a node (draining it, giving it up, failover,
-the agent's reports) is in `inference.worker_actions`, which builds on these.
+the agent's reports) is in `inference.actions.workers` and `inference.actions.nodes`, which build on these.
 """
 from __future__ import annotations
 

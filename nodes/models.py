@@ -11,7 +11,7 @@ class NodeStatus(models.TextChoices):
     DRAINING = "draining", "Draining"
     # The agent went silent (no heartbeat within NODE_HEARTBEAT_TIMEOUT_S) but its workers may well be
     # serving: they stay in rotation while their own /health answers the controller, no new workers are
-    # placed here, and a restarted agent adopts them (see inference.worker_actions.mark_node_unreachable).
+    # placed here, and a restarted agent adopts them (see inference.actions.nodes.mark_node_unreachable).
     UNREACHABLE = "unreachable", "Unreachable"
     OFFLINE = "offline", "Offline"  # the agent shut down (or an operator gave up on the host): workers re-placed
 

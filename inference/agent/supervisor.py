@@ -16,7 +16,7 @@ Per worker, `tick()` moves through these phases (every wait is bounded by a sett
 A crash (the process exited while it should run) is restarted after `backoff_delay(n)` where n counts
 the crashes within `restart_window_s`; the (max_restarts + 1)-th crash in the window gives up: FAILED,
 and the controller re-places the replica. What happens is reported to the database through
-`inference.worker_actions` (conditional updates, so a late report never undoes a controller decision).
+`inference.actions.workers` (conditional updates, so a late report never undoes a controller decision).
 
 Every `sync_interval_s` the supervisor also compares its processes with the database: live workers of
 this node that it does not run are started (a lost Celery message), and processes of workers that the
@@ -50,7 +50,8 @@ import psutil
 from django.conf import settings
 from django.db import close_old_connections, connection
 
-from inference import worker_actions
+from inference.actions import recovery
+from inference.actions import workers as worker_actions
 from inference.models import ACTIVE_WORKER_STATUSES, Worker, WorkerRole, WorkerStatus
 from inference.server.args import ServerArgs
 from nodes.resources import forget_process, process_metrics
@@ -519,7 +520,7 @@ class Supervisor:
         workers = (
             Worker.objects.select_related("deployment__model", "node")
             .filter(node_id=self.node_id)
-            .exclude(status__in=worker_actions.FINAL_WORKER_STATUSES, pid__isnull=True)
+            .exclude(status__in=recovery.FINAL_WORKER_STATUSES, pid__isnull=True)
         )
         now = self._clock()
         with self._lock:
@@ -531,7 +532,7 @@ class Supervisor:
                 if worker.pid is not None and mismatch is not None:
                     # Said once per worker at agent start: the reason a running worker was not adopted.
                     logger.info("worker #%s: pid %s is not its process: %s", worker.pk, worker.pid, mismatch)
-                if worker.status in worker_actions.FINAL_WORKER_STATUSES:
+                if worker.status in recovery.FINAL_WORKER_STATUSES:
                     if alive and worker.pid is not None:
                         orphan = Managed(
                             spec=WorkerSpec.from_worker(worker, self.config.bind_host),
@@ -581,7 +582,7 @@ class Supervisor:
         """Align with the database: start live workers nobody runs, stop the ones the controller gave up on."""
         rows = dict(
             Worker.objects.filter(node_id=self.node_id)
-            .exclude(status__in=worker_actions.FINAL_WORKER_STATUSES)
+            .exclude(status__in=recovery.FINAL_WORKER_STATUSES)
             .values_list("pk", "status")
         )
         with self._lock:

@@ -10,7 +10,7 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from inference import actions
+from inference.actions import scale as scale_actions
 from inference.models import (
     ACTIVE_WORKER_STATUSES,
     Deployment,
@@ -21,6 +21,7 @@ from inference.models import (
     WorkerRole,
 )
 from inference.models import Model as ServedModel
+from inference.selectors.schedules import active_overrides
 from nodes.models import Node
 
 
@@ -135,14 +136,12 @@ class DeploymentSerializer(ModelCleanMixin):
     @extend_schema_field(ScaleOverrideSerializer(many=True))
     def get_overrides(self, deployment: Deployment) -> list[dict[str, Any]]:
         """Overrides holding a role now (scaling rules leave that role alone until they end)."""
-        from inference.selectors import active_overrides
-
         return list(ScaleOverrideSerializer(active_overrides(deployment, timezone.now()), many=True).data)
 
     def prepare_candidate(self, candidate: Any, attrs: dict[str, Any]) -> None:
         """An update changing only a role's bounds clamps its replicas instead of failing.
 
-        inference.actions.save_deployment applies the same clamp (and records it in the ScaleEvent)
+        inference.actions.deployments.save_deployment applies the same clamp (and records it in the ScaleEvent)
         to the current count, which an autoscaler may have moved since the client read it.
         """
         if self.instance is None:
@@ -219,7 +218,7 @@ class ScaleRequestSerializer(serializers.Serializer):
     )  # fmt: skip
     override_minutes = serializers.IntegerField(
         required=False, allow_null=True, default=None, min_value=1,
-        max_value=int(actions.MAX_OVERRIDE.total_seconds() // 60),
+        max_value=int(scale_actions.MAX_OVERRIDE.total_seconds() // 60),
         help_text="hold this count against scaling rules for this many minutes",
     )  # fmt: skip
 
@@ -232,9 +231,9 @@ class ScaleRequestSerializer(serializers.Serializer):
         now = timezone.now()
         if minutes is not None:
             until = now + timedelta(minutes=minutes)
-        if until is not None and not now < until <= now + actions.MAX_OVERRIDE:
+        if until is not None and not now < until <= now + scale_actions.MAX_OVERRIDE:
             raise serializers.ValidationError(
-                {"override_until": [f"must be in the future and at most {actions.MAX_OVERRIDE.days} days ahead"]}
+                {"override_until": [f"must be in the future and at most {scale_actions.MAX_OVERRIDE.days} days ahead"]}
             )
         attrs["override_until"] = until
         return attrs

@@ -1,11 +1,10 @@
-"""REST API views: thin ViewSets whose state changes go through inference.actions, inference.worker_actions and
-nodes.actions."""
+"""REST API views: thin ViewSets whose state changes go through inference.actions and nodes.actions, and
+whose reads of metric series go through inference.selectors."""
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from django.db import transaction
 from django.db.models import Count, ProtectedError, Q
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
@@ -16,7 +15,12 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
-from inference import actions, selectors, worker_actions
+from inference import jobs
+from inference.actions import deployments as deployment_actions
+from inference.actions import nodes as node_workers
+from inference.actions import rules as rule_actions
+from inference.actions import scale as scale_actions
+from inference.actions import workers as worker_actions
 from inference.api.params import (
     ChoiceParam,
     IdParam,
@@ -52,6 +56,7 @@ from inference.models import (
     WorkerStatus,
 )
 from inference.models import Model as ServedModel
+from inference.selectors import metrics as metric_selectors
 from nodes import actions as node_actions
 from nodes.models import Node
 
@@ -129,9 +134,9 @@ class NodeViewSet(PlatformViewSetMixin, mixins.UpdateModelMixin, viewsets.ReadOn
     )
     @action(detail=True, methods=["post"])
     def drain(self, request: Request, pk: str | None = None) -> Response:
-        """Drain the node through inference.worker_actions.drain_node (the agent/controller carry it out)."""
+        """Drain the node through inference.actions.nodes.drain_node (the agent/controller carry it out)."""
         node = self.get_object()
-        worker_actions.drain_node(node)
+        node_workers.drain_node(node)
         return Response(self.get_serializer(self.get_queryset().get(pk=node.pk)).data, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(
@@ -163,7 +168,7 @@ class ServedModelViewSet(PlatformViewSetMixin, viewsets.ModelViewSet):
             raise Conflict(f"model {instance.name} is used by deployment(s): {names}") from exc
 
 
-def _conflict_response(exc: actions.ScheduleConflict) -> Response:
+def _conflict_response(exc: scale_actions.ScheduleConflict) -> Response:
     """409 naming the schedule rule that would revert a manual replica change."""
     rule = exc.rule
     conflict = {
@@ -184,9 +189,9 @@ class DeploymentViewSet(PlatformViewSetMixin, viewsets.ModelViewSet):
     filter_params = (ChoiceParam("status", "status", "only this status", choices=tuple(DeploymentStatus.values)),)
 
     def perform_create(self, serializer: BaseSerializer) -> None:
-        """Create through inference.actions.save_deployment (records the initial ScaleEvents)."""
+        """Create through inference.actions.deployments.save_deployment (records the initial ScaleEvents)."""
         deployment = Deployment(**serializer.validated_data)
-        actions.save_deployment(
+        deployment_actions.save_deployment(
             deployment, source="api", reason=f"deployment created through the API by {_actor(self.request)}"
         )
         serializer.instance = deployment
@@ -196,7 +201,7 @@ class DeploymentViewSet(PlatformViewSetMixin, viewsets.ModelViewSet):
         """PUT/PATCH; 409 (nothing saved) when an active schedule rule would revert a replica change."""
         try:
             return super().update(request, *args, **kwargs)
-        except actions.ScheduleConflict as exc:
+        except scale_actions.ScheduleConflict as exc:
             return _conflict_response(exc)
 
     @extend_schema(responses={200: DeploymentSerializer, 409: ScheduleConflictSerializer})
@@ -205,12 +210,12 @@ class DeploymentViewSet(PlatformViewSetMixin, viewsets.ModelViewSet):
         return super().partial_update(request, *args, **kwargs)
 
     def perform_update(self, serializer: BaseSerializer) -> None:
-        """Update through inference.actions.save_deployment; unchanged replica counts are not reverted."""
+        """Update through inference.actions.deployments.save_deployment; unchanged replica counts are not reverted."""
         deployment = serializer.instance
         data = serializer.validated_data
         for field, value in data.items():
             setattr(deployment, field, value)
-        actions.save_deployment(
+        deployment_actions.save_deployment(
             deployment,
             changed_fields=data.keys(),
             source="api",
@@ -220,8 +225,8 @@ class DeploymentViewSet(PlatformViewSetMixin, viewsets.ModelViewSet):
     def perform_destroy(self, instance: Deployment) -> None:
         """Delete a deployment without live workers; 409 otherwise."""
         try:
-            actions.delete_deployment(instance)
-        except actions.DeploymentInUse as exc:
+            deployment_actions.delete_deployment(instance)
+        except deployment_actions.DeploymentInUse as exc:
             raise Conflict(str(exc)) from exc
 
     @extend_schema(
@@ -232,8 +237,8 @@ class DeploymentViewSet(PlatformViewSetMixin, viewsets.ModelViewSet):
     )
     @action(detail=True, methods=["post"])
     def scale(self, request: Request, pk: str | None = None) -> Response:
-        """Check the scale against schedule rules (inference.actions.plan_manual_scale), record an
-        override if asked, and enqueue inference.tasks.scale_deployment_task; answer 202 with its id."""
+        """Queue the scale through inference.actions.scale.request_manual_scale (the admin's scale actions
+        too): checked against schedule rules, an override recorded if asked; answer 202 with the task id."""
         deployment = self.get_object()
         body = ScaleRequestSerializer(data=request.data)
         body.is_valid(raise_exception=True)
@@ -241,27 +246,16 @@ class DeploymentViewSet(PlatformViewSetMixin, viewsets.ModelViewSet):
         actor = _actor(request)
         reason = data["reason"].strip() or f"scale requested through the API by {actor}"
         try:
-            # One transaction: a refused scale, or one the broker could not take, leaves no override.
-            with transaction.atomic():
-                override = actions.plan_manual_scale(
-                    deployment, data["role"], data["replicas"], source="api", actor=actor, reason=reason,
-                    override_until=data["override_until"],
-                )  # fmt: skip
-                kwargs = {
-                    "deployment_id": deployment.pk,
-                    "role": data["role"],
-                    "replicas": data["replicas"],
-                    "source": "api",
-                    "reason": reason + actions.override_note(override),
-                }
-                try:
-                    result = _enqueue_scale(kwargs)
-                except Exception as exc:  # kombu/redis raise many types when the broker is down
-                    logger.exception("could not enqueue scale_deployment_task for %s", deployment.name)
-                    raise ServiceUnavailable(f"could not queue the scale operation: {exc}") from exc
-        except actions.ScheduleConflict as exc:
+            queued = scale_actions.request_manual_scale(
+                deployment, data["role"], replicas=data["replicas"], source="api", actor=actor, reason=reason,
+                override_until=data["override_until"],
+            )  # fmt: skip
+        except scale_actions.ScheduleConflict as exc:
             return _conflict_response(exc)
-        payload = ScaleQueuedSerializer({"queued": True, "task_id": str(result.id), "override": override}).data
+        except jobs.JobNotQueued as exc:  # the broker is down: nothing was changed, no override kept
+            logger.exception("could not enqueue the scale of %s", deployment.name)
+            raise ServiceUnavailable(f"could not queue the scale operation: {exc}") from exc
+        payload = ScaleQueuedSerializer({"queued": True, "task_id": queued.task_id, "override": queued.override}).data
         return Response(payload, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(
@@ -277,36 +271,12 @@ class DeploymentViewSet(PlatformViewSetMixin, viewsets.ModelViewSet):
     )
     @action(detail=True, methods=["get"])
     def metrics(self, request: Request, pk: str | None = None) -> Response:
-        """Return inference.selectors.deployment_metric_series for `?minutes=` back from now."""
+        """Return inference.selectors.metrics.deployment_metric_series for `?minutes=` back from now."""
         deployment = self.get_object()
         try:
-            return Response(selectors.metric_series_query(deployment, request.query_params))
-        except selectors.InvalidQuery as exc:
+            return Response(metric_selectors.metric_series_query(deployment, request.query_params))
+        except metric_selectors.InvalidQuery as exc:
             raise ValidationError(exc.errors) from exc
-
-
-SCALE_TASK = "inference.tasks.scale_deployment_task"
-
-
-def _enqueue_scale(kwargs: dict[str, Any]) -> Any:
-    """Send inference.tasks.scale_deployment_task with `kwargs`; returns Celery's AsyncResult.
-
-    The task module is the controller's and is imported here, when used. Should it be missing from
-    this process (a partial deployment), the same message is sent by task name so the controller
-    that does have it still runs it; nothing is stubbed.
-    """
-    # The project's Celery app must be the current one, so that the task publishes to the
-    # configured broker however inference.tasks declares it (shared_task binds to the current app).
-    from config.celery import app
-
-    try:
-        from inference.tasks import scale_deployment_task
-    except ModuleNotFoundError as exc:
-        if exc.name != "inference.tasks":
-            raise  # a broken import inside inference.tasks must surface
-        logger.warning("inference.tasks is not importable here; sending %s by name", SCALE_TASK)
-        return app.send_task(SCALE_TASK, kwargs=kwargs)
-    return scale_deployment_task.delay(**kwargs)
 
 
 class WorkerViewSet(PlatformViewSetMixin, viewsets.ReadOnlyModelViewSet):
@@ -328,7 +298,7 @@ class WorkerViewSet(PlatformViewSetMixin, viewsets.ReadOnlyModelViewSet):
     )
     @action(detail=True, methods=["post"])
     def restart(self, request: Request, pk: str | None = None) -> Response:
-        """Restart the worker through inference.worker_actions.restart_worker (its agent carries it out)."""
+        """Restart the worker through inference.actions.workers.restart_worker (its agent carries it out)."""
         worker = self.get_object()
         try:
             worker_actions.restart_worker(worker)
@@ -347,15 +317,15 @@ class ScalingRuleViewSet(PlatformViewSetMixin, viewsets.ModelViewSet):
     filter_params = (_deployment_param(), _role_filter())
 
     def perform_create(self, serializer: BaseSerializer) -> None:
-        """Create through inference.actions.save_rule."""
-        serializer.instance = actions.save_rule(ScalingRule(**serializer.validated_data))
+        """Create through inference.actions.rules.save_rule."""
+        serializer.instance = rule_actions.save_rule(ScalingRule(**serializer.validated_data))
 
     def perform_update(self, serializer: BaseSerializer) -> None:
-        """Update through inference.actions.save_rule (a changed condition restarts the breach timer)."""
+        """Update through inference.actions.rules.save_rule (a changed condition restarts the breach timer)."""
         rule = serializer.instance
         for field, value in serializer.validated_data.items():
             setattr(rule, field, value)
-        actions.save_rule(rule, changed_fields=serializer.validated_data.keys())
+        rule_actions.save_rule(rule, changed_fields=serializer.validated_data.keys())
 
 
 class ScaleEventViewSet(PlatformViewSetMixin, viewsets.ReadOnlyModelViewSet):

@@ -2,7 +2,7 @@
 
 `check_node_heartbeats` (Celery beat, inference.tasks.check_node_heartbeats) marks a node whose agent has not
 sent a heartbeat for NODE_HEARTBEAT_TIMEOUT_S UNREACHABLE, then probes /health of its workers itself; only
-those that stop answering are failed over (inference.worker_actions.report_probe).
+those that stop answering are failed over (inference.actions.nodes.report_probe).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import httpx
 from django.conf import settings
 from django.utils import timezone
 
-from inference import worker_actions
+from inference.actions import nodes as node_workers
 from inference.models import (
     ACTIVE_WORKER_STATUSES,
     Worker,
@@ -52,7 +52,7 @@ def probe_health(worker: Worker, timeout: float) -> tuple[dict[str, Any] | None,
 
 def probe_workers_of_silent_nodes(nodes: Sequence[Node], *, now: datetime) -> dict[int, str]:
     """Probe /health of the active workers on nodes whose agent is silent; act through
-    inference.worker_actions.report_probe.
+    inference.actions.nodes.report_probe.
 
     Without an agent nobody else watches these processes: a healthy answer keeps a worker in rotation, a
     failed one takes it out (UNHEALTHY) and, after NODE_HEARTBEAT_TIMEOUT_S without any answer, fails it
@@ -71,7 +71,7 @@ def probe_workers_of_silent_nodes(nodes: Sequence[Node], *, now: datetime) -> di
         answers = list(pool.map(lambda w: probe_health(w, timeout), workers))
     grace = float(settings.NODE_HEARTBEAT_TIMEOUT_S)
     return {
-        worker.pk: worker_actions.report_probe(worker.pk, health=health, error=error, grace_s=grace, now=now)
+        worker.pk: node_workers.report_probe(worker.pk, health=health, error=error, grace_s=grace, now=now)
         for worker, (health, error) in zip(workers, answers, strict=True)
     }
 
@@ -92,7 +92,7 @@ def check_node_heartbeats(*, now: datetime | None = None) -> list[Node]:
         if node.status != NodeStatus.ONLINE:
             continue
         seen = f"last heartbeat {node.last_heartbeat:%Y-%m-%d %H:%M:%S}" if node.last_heartbeat else "never seen"
-        worker_actions.mark_node_unreachable(node, reason=f"no heartbeat for over {timeout:.0f}s ({seen})")
+        node_workers.mark_node_unreachable(node, reason=f"no heartbeat for over {timeout:.0f}s ({seen})")
         newly.append(node)
     probe_workers_of_silent_nodes(silent, now=now)
     return newly

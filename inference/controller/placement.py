@@ -23,7 +23,7 @@ more workers (a scale-out, or a failover that gave workers up). When there is no
 re-placements of workers lost some other way (a node set OFFLINE by hand, a worker FAILED after a crash
 loop, a drained node, a worker stopped by hand): a ScaleEvent with source "recovery" says so. The
 event's `time_to_run_s` is filled in when the last of its workers reports RUNNING
-(inference.worker_actions.report_healthy), which is how long the scale-out or failover took to serve.
+(inference.actions.workers.report_healthy), which is how long the scale-out or failover took to serve.
 
 A replica that no node fits stays missing (the next reconcile tries again) and is recorded as a
 ScaleEvent (source "recovery": the controller restoring the desired count) whose reason names each node
@@ -47,7 +47,7 @@ from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
-from inference import worker_actions
+from inference.actions import recovery
 from inference.models import (
     Deployment,
     ScaleEvent,
@@ -92,7 +92,7 @@ def node_roles(node: Node) -> set[str] | None:
 
 
 def _live_workers(node: Node) -> list[Worker]:
-    return list(Worker.objects.filter(node=node, status__in=worker_actions.LIVE_WORKER_STATUSES))
+    return list(Worker.objects.filter(node=node, status__in=recovery.LIVE_WORKER_STATUSES))
 
 
 def free_ports(node: Node, live: Sequence[Worker], count: int, *, avoid: Iterable[int] = ()) -> list[int] | None:
@@ -259,7 +259,7 @@ def place_worker_explained(
 ) -> tuple[Worker | None, PlacementPlan]:
     """Create a PENDING worker of `deployment`/`role` on a node that fits; the plan says why when none does.
 
-    The caller sends the start request (`inference.worker_actions.request_start`), normally on commit.
+    The caller sends the start request (`inference.actions.workers.request_start`), normally on commit.
     """
     _serialise_placements()
     plan = PlacementPlan(placement=None)

@@ -23,7 +23,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from inference import worker_actions
+from inference.actions import recovery
+from inference.actions import workers as worker_actions
 from inference.controller.placement import (
     place_worker_explained,
     placement_cause,
@@ -113,7 +114,7 @@ def reconcile(deployment: Deployment | int, *, now: datetime | None = None) -> R
                 result.stopped += [w.pk for w in lost]
                 workers = [w for w in workers if w not in lost]
                 nodes = ", ".join(sorted({w.node.name for w in lost}))
-                worker_actions.record_recovery(
+                recovery.record_recovery(
                     locked.pk, role, removed=len(lost),
                     reason=f"failover: node {nodes} offline; {len(lost)} {role} worker(s) "
                            f"({', '.join(f'#{w.pk}' for w in lost)}) stopped, replacements placed on other nodes",
@@ -158,7 +159,7 @@ def reconcile_all(*, now: datetime | None = None) -> list[ReconcileResult]:
     """Reconcile every active deployment, and every stopped one that still has live workers."""
     ids = set(Deployment.objects.filter(status=DeploymentStatus.ACTIVE).values_list("pk", flat=True))
     ids |= set(
-        Worker.objects.filter(status__in=worker_actions.LIVE_WORKER_STATUSES).values_list("deployment_id", flat=True)
+        Worker.objects.filter(status__in=recovery.LIVE_WORKER_STATUSES).values_list("deployment_id", flat=True)
     )
     results = []
     for deployment_id in sorted(ids):

@@ -25,6 +25,7 @@ from inference.gateway import auth
 from inference.gateway.service import RouterService, get_router
 from inference.router import RouterError
 from inference.router.events import ErrorEvent, Event
+from inference.router.metrics import CONTENT_TYPE
 from inference.router.protocol import PARSERS, SSE_DONE, Kind, SseFormatter, collect, final_body
 
 logger = logging.getLogger(__name__)
@@ -398,8 +399,6 @@ class MetricsConsumer(GatewayConsumer):
         service = await self.admitted_service(auth=False)
         if service is None:
             return
-        from inference.router.metrics import CONTENT_TYPE
-
         await self.send_headers(status=200, headers=[(b"content-type", CONTENT_TYPE.encode())])
         self.responded = True
         await self.send_body(service.metrics.render())

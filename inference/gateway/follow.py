@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
 
+from inference.models import Deployment, Worker, WorkerStatus
 from inference.router import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -31,8 +32,6 @@ class DeploymentView:
 
 def read_deployment(name: str) -> DeploymentView:
     """The deployment's routing view from the database (sync ORM; call from a thread in async code)."""
-    from inference.models import Deployment, Worker, WorkerStatus
-
     deployment = Deployment.objects.filter(name=name).first()
     if deployment is None:
         return DeploymentView(False, "round-robin", [], [])

@@ -16,6 +16,7 @@ from typing import Any
 
 from django.conf import settings
 
+from inference.gateway.follow import follow, load_now
 from inference.router import Admission, DisaggregatedClient, RouterError, RouterMetrics, WorkerPool
 
 
@@ -35,8 +36,6 @@ class RouterService:
         """In managed mode, start (or move to the running loop) the task following the deployment."""
         if self.deployment is None:
             return
-        from inference.gateway.follow import follow
-
         loop = asyncio.get_running_loop()
         task = self.follow_task
         if task is not None and not task.done() and task.get_loop() is loop:
@@ -145,8 +144,6 @@ def build_service() -> RouterService:
     )
     deployment = getattr(settings, "ROUTER_DEPLOYMENT", None)
     if deployment:
-        from inference.gateway.follow import load_now
-
         load_now(pool, deployment)
     return RouterService(pool=pool, client=client, metrics=metrics, deployment=deployment or None,
                          model_aliases=dict(getattr(settings, "ROUTER_MODEL_ALIASES", {})))

@@ -21,7 +21,7 @@
    (worker_gpu_memory_bytes; None on a CPU worker), KV transfer bytes/s and mean transfer time
    (worker_kv_transfer_bytes_total, worker_kv_transfer_seconds), the prefix-cache hit ratio, and the
    requests the router(s) sent it (per second, and as its share of its role's);
-5. records one MetricSample per active deployment and role (inference.actions.record_metric_sample):
+5. records one MetricSample per active deployment and role (inference.actions.samples.record_metric_sample):
    - ttft_s / itl_s: mean latency of the requests finished since the previous scrape (sum of Δsum
      over sum of Δcount across the role's workers; None when no request finished);
    - throughput_tps and kv_transfer_bytes_per_s: sums over the role's workers; kv_transfer_s: mean;
@@ -44,7 +44,7 @@ import httpx
 from django.conf import settings
 from django.utils import timezone
 
-from inference import actions
+from inference.actions import samples as sample_actions
 from inference.metrics.exposition import (
     counter_delta,
     parse_metrics,
@@ -283,14 +283,14 @@ def collect(*, now: datetime | None = None) -> int:
             WorkerSample(deployment_id=worker.deployment_id, worker_id=worker.pk, name=worker_name(worker),
                          role=worker.role, url=worker.url, at=now, **reading.values)
         )  # fmt: skip
-    actions.record_worker_samples(samples)
+    sample_actions.record_worker_samples(samples)
 
     recorded = 0
     for deployment in Deployment.objects.filter(status=DeploymentStatus.ACTIVE):
         for role in WorkerRole.values:
             items = per_role.get((deployment.pk, role), [])
             running_workers = sum(1 for w in workers if w.deployment_id == deployment.pk and w.role == role)
-            actions.record_metric_sample(deployment, role, at=now, workers=running_workers,
+            sample_actions.record_metric_sample(deployment, role, at=now, workers=running_workers,
                                          load=role_load(deployment, role, now=now) or 0.0, **aggregate(items))
             recorded += 1
     return recorded
@@ -316,7 +316,7 @@ def _store_router(item: RouterScrape, now: datetime) -> dict[str, Any] | None:
                 sample.worker_share = worker_share(value)
             else:
                 setattr(sample, key, value)
-    actions.record_router_sample(sample)
+    sample_actions.record_router_sample(sample)
     return changes
 
 

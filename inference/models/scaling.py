@@ -120,7 +120,7 @@ class ScaleEvent(models.Model):
     """One change of a deployment's replicas, with its reason, and how long its new workers took to run.
 
     The controller links each worker it places to the event that asked for it (`placed_workers`); when
-    the last of them reports RUNNING, `time_to_run_s` is filled in (inference.worker_actions.report_healthy).
+    the last of them reports RUNNING, `time_to_run_s` is filled in (inference.actions.workers.report_healthy).
     """
 
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="scale_events")

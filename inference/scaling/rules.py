@@ -15,7 +15,7 @@ Threshold and SLO rules (`evaluate_windowed_rule`)
     cover the window), so one missing or dissenting reading does not reset a sustained breach.
     `breach_started_at` shows the first breaching reading of a window that breaches but is not full
     yet. Firing adds `step` (negative removes) to the desired replicas via
-    `inference.actions.scale_deployment` (source "threshold" or "slo"), which clamps to the
+    `inference.actions.scale.scale_deployment` (source "threshold" or "slo"), which clamps to the
     deployment's min/max; at the bound nothing changes and no event is recorded. After firing the
     rule waits `cooldown_s` (from `last_triggered_at`), and its window restarts: the next step needs a
     fresh `duration_s` of readings with the new workers (so does every rule of a role after any change
@@ -26,7 +26,7 @@ Schedule rules (`evaluate_schedule_rules`)
     e.g. 22:00–07:00; start == end is an empty window) the rule holds `target_replicas` (clamped to
     min/max) via `scale_deployment` (source "schedule"): whenever the desired replicas differ, they are
     set back. A manual scale that the rule would revert is refused (409 in the API, an error in the
-    admin; `inference.actions.ScheduleConflict`) unless it asks for an override (below). When several
+    admin; `inference.actions.scale.ScheduleConflict`) unless it asks for an override (below). When several
     schedule rules of a role are active, the one whose window started most recently wins. While a
     schedule rule holds a role, that role's threshold rules are paused (their breach timers reset), so
     the two never fight. When the window ends nothing is restored: the replicas stay where the schedule
@@ -53,7 +53,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from inference import actions
+from inference.actions import scale as scale_actions
 from inference.models import (
     SLO_ROLES,
     Comparison,
@@ -67,7 +67,7 @@ from inference.models import (
 )
 from inference.scaling.signals import role_latency_p90, role_load
 from inference.scaling.window import dump_readings, judge, keep_recent, load_readings
-from inference.selectors import active_override, active_schedule_rule, window_text
+from inference.selectors.schedules import active_override, active_schedule_rule, window_text
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def evaluate_schedule_rules(
     if deployment.replicas(role) == target:
         return rule, None
     reason = f"schedule rule '{rule.name}': {window_text(rule)} holds {role} replicas at {rule.target_replicas}"
-    event = actions.scale_deployment(
+    event = scale_actions.scale_deployment(
         deployment, role, rule.target_replicas, source=str(ScaleSource.SCHEDULE), reason=reason, rule=rule
     )
     if event is not None:
@@ -107,7 +107,7 @@ def hold_override(deployment: Deployment, role: str, override: ScaleOverride) ->
         f"override #{override.pk} by {override.created_by or 'an operator'} holds {role} replicas at "
         f"{override.replicas} until {override.ends_at.isoformat(timespec='seconds')}{overridden}"
     )
-    return actions.scale_deployment(deployment, role, override.replicas, source=override.source, reason=reason)
+    return scale_actions.scale_deployment(deployment, role, override.replicas, source=override.source, reason=reason)
 
 
 # ------------------------------------------------------------------------------------------ windows
@@ -177,7 +177,7 @@ def evaluate_windowed_rule(
         f"{_describe(rule, value)} over {rule.duration_s}s ({verdict.describe()} breaching); step {rule.step:+d}"
     )
     source = ScaleSource.SLO if rule.kind in SLO_ROLES else ScaleSource.THRESHOLD
-    event = actions.scale_deployment(
+    event = scale_actions.scale_deployment(
         deployment, rule.role, deployment.replicas(rule.role) + rule.step, source=str(source), reason=reason,
         rule=rule,
     )

@@ -25,7 +25,8 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.utils import timezone
 
-from inference import actions, selectors
+from inference.actions import samples as sample_actions
+from inference.actions import scale as scale_actions
 from inference.metrics import collector
 from inference.models import Deployment, RouterEndpoint, ScaleEvent, ScalingRule, Worker
 from nodes.models import Node
@@ -98,19 +99,21 @@ def console(sent_tasks: SentTasks, settings: Any) -> Console:  # noqa: F811
         deployment=deployment, name="decode-load-high", kind="threshold", role="decode", threshold=0.7,
         duration_s=60, cooldown_s=300, step=1, breach_started_at=timezone.now(),
     )
-    event = actions.scale_deployment(deployment, "prefill", 2, source="threshold", reason="seed: prefill load high")
+    event = scale_actions.scale_deployment(
+        deployment, "prefill", 2, source="threshold", reason="seed: prefill load high"
+    )
     assert event is not None
     now = timezone.now()
     ScaleEvent.objects.filter(pk=event.pk).update(created_at=now - timedelta(minutes=5))
     for i in range(SAMPLES):
         at = now - (SAMPLES - 1 - i) * SAMPLE_EVERY
-        actions.record_metric_sample(
+        sample_actions.record_metric_sample(
             deployment, "prefill", at=at, workers=2 if at >= now - timedelta(minutes=5) else 1,
             load=_prefill(i, 0.3, 0.9), ttft_s=_prefill(i, 0.08, 0.25), throughput_tps=_prefill(i, 400, 900),
             queue_depth=_prefill(i, 0.5, 6), running=_prefill(i, 1, 4), kv_usage=0.0,
             cpu_utilization=_prefill(i, 0.2, 0.5), gpu_utilization=_prefill(i, 0.4, 0.95),
         )
-        actions.record_metric_sample(
+        sample_actions.record_metric_sample(
             deployment, "decode", at=at, workers=1, load=_decode(i, 0.2, 0.8), itl_s=_decode(i, 0.012, 0.03),
             throughput_tps=_decode(i, 150, 350), queue_depth=_decode(i, 0, 3), running=_decode(i, 2, 8),
             kv_usage=_decode(i, 0.1, 0.6), cpu_utilization=_decode(i, 0.3, 0.85),
@@ -173,15 +176,15 @@ def _values(chart: dict[str, Any], label: str) -> list[float]:
 
 
 def _assert_charts(browser: BrowserSession, payload: dict[str, Any], workers: list[Worker], split: str) -> None:
-    """The uPlot instances hold, for each chart of selectors.CHARTS, the lines the payload gives it
+    """The uPlot instances hold, for each chart of charts.CHARTS, the lines the payload gives it
     (router fields; workers; roles, or workers when split per worker), over the payload's window,
     with the values of the payload, and the router and per-worker series have values."""
     charts: dict[str, dict[str, Any]] = browser.page.evaluate(CHARTS_JS)
-    assert set(charts) == {c["id"] for c in selectors.CHARTS}
+    assert set(charts) == {c["id"] for c in charts.CHARTS}
     since, now = (datetime.fromisoformat(payload[key]).timestamp() for key in ("since", "now"))
     names = [w["name"] for w in payload["workers"]]
     assert sorted(names) == sorted(collector.worker_name(w) for w in workers)  # the sampled workers, by name
-    for spec in selectors.CHARTS:
+    for spec in charts.CHARTS:
         chart = charts[spec["id"]]
         assert chart["x"] == pytest.approx([since, now], abs=0.01), spec["id"]  # the page's window
         if spec["source"] == "router":
@@ -316,7 +319,7 @@ def test_admin_console_in_chromium(
         assert "was changed successfully" in (page.locator(".messagelist").text_content() or "")
     rule.refresh_from_db()
     assert rule.threshold == 0.85
-    assert rule.breach_started_at is None  # saved through actions.save_rule: a new condition restarts the timer
+    assert rule.breach_started_at is None  # saved through rule_actions.save_rule: a new condition restarts the timer
     deployment.refresh_from_db()
     assert (deployment.prefill_replicas, deployment.decode_replicas) == (2, 1)
     assert ScaleEvent.objects.filter(deployment=deployment).count() == 1  # the edit changed no replicas

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import subprocess
 import sys
 import threading
-import types
 from datetime import timedelta
 from typing import Any
 
@@ -15,34 +16,22 @@ from django.core.exceptions import ValidationError
 from django.db import connection
 from django.utils import timezone
 
-from inference import actions
+from config.celery import app
+from inference import jobs
+from inference.actions import deployments as deployment_actions
+from inference.actions import rules as rule_actions
+from inference.actions import samples as sample_actions
+from inference.actions import scale as scale_actions
 from inference.models import Deployment, MetricSample, ScaleEvent, ScaleOverride, ScalingRule
+from tests.support.celery_capture import SentTasks, capture, sent_tasks, tasks_run_inline  # noqa: F401  (fixtures)
 from tests.support.control_plane import make_deployment, make_node, make_worker
 
 pytestmark = pytest.mark.django_db
 
 
-class FakeTask:
-    """Stands in for a Celery task: records `delay` calls (or raises, to simulate a broker outage)."""
-
-    def __init__(self, error: Exception | None = None) -> None:
-        self.calls: list[dict[str, Any]] = []
-        self.error = error
-
-    def delay(self, **kwargs: Any) -> types.SimpleNamespace:
-        if self.error is not None:
-            raise self.error
-        self.calls.append(kwargs)
-        return types.SimpleNamespace(id="fake-task-id")
-
-
-@pytest.fixture
-def fake_tasks(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    """A stand-in `inference.tasks` module, so these tests do not depend on the controller's code."""
-    module = types.ModuleType("inference.tasks")
-    module.reconcile_deployment = FakeTask()  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "inference.tasks", module)
-    return module
+def reconciles(sent: SentTasks) -> list[dict[str, Any]]:
+    """The reconcile_deployment messages recorded."""
+    return [kwargs for kwargs, _ in sent.named("reconcile_deployment")]
 
 
 # --------------------------------------------------------------------------- scale_deployment
@@ -50,7 +39,7 @@ def fake_tasks(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
 
 def test_scale_within_bounds_saves_and_records_event() -> None:
     deployment = make_deployment(prefill_replicas=1, prefill_min=1, prefill_max=4)
-    event = actions.scale_deployment(deployment, "prefill", 3, source="manual", reason="more prompts")
+    event = scale_actions.scale_deployment(deployment, "prefill", 3, source="manual", reason="more prompts")
     assert event is not None
     assert (event.role, event.from_replicas, event.to_replicas, event.source) == ("prefill", 1, 3, "manual")
     assert event.reason == "more prompts"
@@ -62,7 +51,7 @@ def test_scale_within_bounds_saves_and_records_event() -> None:
 
 def test_scale_above_max_is_clamped_and_says_so() -> None:
     deployment = make_deployment(decode_replicas=1, decode_min=1, decode_max=3)
-    event = actions.scale_deployment(deployment, "decode", 10, source="api", reason="burst")
+    event = scale_actions.scale_deployment(deployment, "decode", 10, source="api", reason="burst")
     assert event is not None
     assert event.to_replicas == 3
     assert "clamped" in event.reason and "requested 10" in event.reason and "[1, 3]" in event.reason
@@ -71,7 +60,7 @@ def test_scale_above_max_is_clamped_and_says_so() -> None:
 
 def test_scale_below_min_is_clamped() -> None:
     deployment = make_deployment(prefill_replicas=3, prefill_min=2, prefill_max=4)
-    event = actions.scale_deployment(deployment, "prefill", 0, source="schedule", reason="night")
+    event = scale_actions.scale_deployment(deployment, "prefill", 0, source="schedule", reason="night")
     assert event is not None
     assert (event.from_replicas, event.to_replicas) == (3, 2)
     assert "clamped to 2" in event.reason
@@ -79,9 +68,9 @@ def test_scale_below_min_is_clamped() -> None:
 
 def test_unchanged_count_records_nothing() -> None:
     deployment = make_deployment(decode_replicas=4, decode_max=4)
-    assert actions.scale_deployment(deployment, "decode", 4, source="manual", reason="same") is None
+    assert scale_actions.scale_deployment(deployment, "decode", 4, source="manual", reason="same") is None
     # Clamped onto the current count: also no change.
-    assert actions.scale_deployment(deployment, "decode", 9, source="manual", reason="more") is None
+    assert scale_actions.scale_deployment(deployment, "decode", 9, source="manual", reason="more") is None
     assert not ScaleEvent.objects.exists()
 
 
@@ -90,7 +79,7 @@ def test_scale_links_the_rule() -> None:
     rule = ScalingRule.objects.create(
         deployment=deployment, name="hot", kind="threshold", role="prefill", threshold=0.8
     )
-    event = actions.scale_deployment(deployment, "prefill", 2, source="threshold", reason="load 0.9", rule=rule)
+    event = scale_actions.scale_deployment(deployment, "prefill", 2, source="threshold", reason="load 0.9", rule=rule)
     assert event is not None and event.rule == rule
 
 
@@ -98,79 +87,88 @@ def test_scale_links_the_rule() -> None:
 def test_scale_rejects_unknown_role_or_source(role: str, source: str) -> None:
     deployment = make_deployment()
     with pytest.raises(ValueError):
-        actions.scale_deployment(deployment, role, 2, source=source, reason="x")
+        scale_actions.scale_deployment(deployment, role, 2, source=source, reason="x")
     assert not ScaleEvent.objects.exists()
 
 
 def test_scale_by_reads_the_current_count_under_the_lock() -> None:
     deployment = make_deployment(decode_replicas=1)
     stale = Deployment.objects.get(pk=deployment.pk)
-    actions.scale_deployment(deployment, "decode", 2, source="manual", reason="first")
-    event = actions.scale_deployment_by(stale, "decode", +1, source="manual", reason="second")
+    scale_actions.scale_deployment(deployment, "decode", 2, source="manual", reason="first")
+    event = scale_actions.scale_deployment_by(stale, "decode", +1, source="manual", reason="second")
     assert event is not None and (event.from_replicas, event.to_replicas) == (2, 3)
 
 
-def test_reconcile_is_enqueued_on_commit(fake_tasks: types.ModuleType, django_capture_on_commit_callbacks: Any) -> None:
+def test_reconcile_is_enqueued_on_commit(sent_tasks: SentTasks, django_capture_on_commit_callbacks: Any) -> None:  # noqa: F811
     deployment = make_deployment()
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
-        actions.scale_deployment(deployment, "prefill", 2, source="manual", reason="x")
-    assert fake_tasks.reconcile_deployment.calls == []  # not before the commit
+        scale_actions.scale_deployment(deployment, "prefill", 2, source="manual", reason="x")
+    assert reconciles(sent_tasks) == []  # not before the commit
     for callback in callbacks:
         callback()
-    assert fake_tasks.reconcile_deployment.calls == [{"deployment_id": deployment.pk}]
+    assert reconciles(sent_tasks) == [{"deployment_id": deployment.pk}]
 
 
 def test_no_reconcile_when_nothing_changed(
-    fake_tasks: types.ModuleType, django_capture_on_commit_callbacks: Any
+    sent_tasks: SentTasks, django_capture_on_commit_callbacks: Any  # noqa: F811
 ) -> None:
     deployment = make_deployment(prefill_replicas=1)
     with django_capture_on_commit_callbacks(execute=True):
-        actions.scale_deployment(deployment, "prefill", 1, source="manual", reason="x")
-    assert fake_tasks.reconcile_deployment.calls == []
+        scale_actions.scale_deployment(deployment, "prefill", 1, source="manual", reason="x")
+    assert reconciles(sent_tasks) == []
 
 
 def test_broker_outage_does_not_undo_the_scale(
     monkeypatch: pytest.MonkeyPatch, django_capture_on_commit_callbacks: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    module = types.ModuleType("inference.tasks")
-    module.reconcile_deployment = FakeTask(error=ConnectionError("broker down"))  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "inference.tasks", module)
+    def broker_down(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("broker down")
+
+    monkeypatch.setattr(app, "send_task", broker_down)
     deployment = make_deployment()
     with django_capture_on_commit_callbacks(execute=True):
-        event = actions.scale_deployment(deployment, "prefill", 2, source="manual", reason="x")
-    assert event is not None
-    assert "could not enqueue reconcile_deployment" in caplog.text
+        event = scale_actions.scale_deployment(deployment, "prefill", 2, source="manual", reason="x")
+    assert event is not None and Deployment.objects.get(pk=deployment.pk).prefill_replicas == 2
+    assert "inference.tasks.reconcile_deployment not enqueued" in caplog.text and "broker down" in caplog.text
 
 
-def test_missing_task_module_is_reported_not_raised(
-    monkeypatch: pytest.MonkeyPatch, django_capture_on_commit_callbacks: Any, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setitem(sys.modules, "inference.tasks", None)  # makes `import inference.tasks` fail
-    deployment = make_deployment()
-    with django_capture_on_commit_callbacks(execute=True):
-        actions.scale_deployment(deployment, "decode", 2, source="manual", reason="x")
-    assert "no reconcile was enqueued" in caplog.text
+def test_actions_never_import_the_task_modules() -> None:
+    """Tasks import actions, never the reverse: the actions enqueue by task name (inference.jobs)."""
+    code = (
+        "import sys, django; django.setup()\n"
+        "import inference.actions.scale, inference.actions.deployments, inference.actions.workers\n"
+        "import inference.actions.nodes, inference.actions.rules, inference.actions.samples\n"
+        "loaded = [m for m in ('inference.tasks', 'inference.agent.tasks', 'inference.controller.reconciler') "
+        "if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "DJANGO_SETTINGS_MODULE": "config.settings"})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
+def test_jobs_refuse_a_task_name_they_do_not_know() -> None:
+    with pytest.raises(ValueError, match="unknown task 'inference.tasks.nope'"):
+        jobs.send("inference.tasks.nope", deployment_id=1)
 
 
 def test_reconcile_reaches_the_real_task(
-    monkeypatch: pytest.MonkeyPatch, django_capture_on_commit_callbacks: Any, settings: Any
+    sent_tasks: SentTasks, django_capture_on_commit_callbacks: Any, settings: Any, monkeypatch: pytest.MonkeyPatch  # noqa: F811
 ) -> None:
-    """With the controller's inference.tasks present: the message is really sent (Redis) or delayed."""
-    tasks = pytest.importorskip("inference.tasks", reason="inference.tasks (controller) not written yet")
+    """The message is really sent (Redis), or recorded with the embedded broker."""
     deployment = make_deployment()
     if not settings.REDIS_URL:
-        fake = FakeTask()
-        monkeypatch.setattr(tasks.reconcile_deployment, "delay", fake.delay)
         with django_capture_on_commit_callbacks(execute=True):
-            actions.scale_deployment(deployment, "decode", 2, source="manual", reason="x")
-        assert fake.calls == [{"deployment_id": deployment.pk}]
+            scale_actions.scale_deployment(deployment, "decode", 2, source="manual", reason="x")
+        assert reconciles(sent_tasks) == [{"deployment_id": deployment.pk}]
         return
+    monkeypatch.undo()  # the real send_task
     import redis
 
     client = redis.Redis.from_url(settings.REDIS_URL)
     before = client.llen("control")
     with django_capture_on_commit_callbacks(execute=True):
-        actions.scale_deployment(deployment, "decode", 2, source="manual", reason="x")
+        scale_actions.scale_deployment(deployment, "decode", 2, source="manual", reason="x")
     found: str | None = None
     for raw in client.lrange("control", 0, -1):
         message = json.loads(raw)
@@ -189,8 +187,7 @@ def test_concurrent_scalers_both_count(monkeypatch: pytest.MonkeyPatch) -> None:
     if connection.vendor != "postgresql":
         pytest.skip("row locks (select_for_update) need PostgreSQL")
     # These transactions really commit: record the reconciles instead of sending them to the broker.
-    reconciles: list[int] = []
-    monkeypatch.setattr(actions, "_enqueue_reconcile", reconciles.append)
+    sent = capture(monkeypatch, run_controller_tasks=False)
     from django.db import connections
 
     deployment = make_deployment(decode_replicas=1, decode_max=8)
@@ -200,7 +197,7 @@ def test_concurrent_scalers_both_count(monkeypatch: pytest.MonkeyPatch) -> None:
     def bump() -> None:
         try:
             barrier.wait()
-            actions.scale_deployment_by(
+            scale_actions.scale_deployment_by(
                 Deployment.objects.get(pk=deployment.pk), "decode", 1, source="manual", reason="race"
             )
         except BaseException as exc:  # surfaced below
@@ -216,36 +213,36 @@ def test_concurrent_scalers_both_count(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not errors
     assert Deployment.objects.get(pk=deployment.pk).decode_replicas == 3
     assert sorted(ScaleEvent.objects.values_list("to_replicas", flat=True)) == [2, 3]
-    assert reconciles == [deployment.pk, deployment.pk]  # one per committed change
+    assert reconciles(sent) == [{"deployment_id": deployment.pk}] * 2  # one per committed change
 
 
 # --------------------------------------------------------------------------- deployments and rules
 
 
-def test_save_deployment_records_creation_events(fake_tasks: types.ModuleType) -> None:
+def test_save_deployment_records_creation_events(sent_tasks: SentTasks) -> None:  # noqa: F811
     from tests.support.control_plane import make_model
 
     deployment = Deployment(name="new", model=make_model(), prefill_replicas=2, decode_replicas=1)
-    events = actions.save_deployment(deployment, source="api", reason="created by test")
+    events = deployment_actions.save_deployment(deployment, source="api", reason="created by test")
     assert {(e.role, e.from_replicas, e.to_replicas) for e in events} == {("prefill", 0, 2), ("decode", 0, 1)}
     assert all(e.source == "api" and e.reason == "created by test" for e in events)
 
 
-def test_save_deployment_keeps_a_concurrent_scale(fake_tasks: types.ModuleType) -> None:
+def test_save_deployment_keeps_a_concurrent_scale(sent_tasks: SentTasks) -> None:  # noqa: F811
     deployment = make_deployment(decode_replicas=1)
     form_copy = Deployment.objects.get(pk=deployment.pk)  # an admin page opened now
-    actions.scale_deployment(deployment, "decode", 3, source="threshold", reason="load")
+    scale_actions.scale_deployment(deployment, "decode", 3, source="threshold", reason="load")
     form_copy.batch_size = 64  # the admin only edits the batch size
-    events = actions.save_deployment(form_copy, changed_fields=["batch_size"], reason="edit")
+    events = deployment_actions.save_deployment(form_copy, changed_fields=["batch_size"], reason="edit")
     fresh = Deployment.objects.get(pk=deployment.pk)
     assert (fresh.batch_size, fresh.decode_replicas) == (64, 3)
     assert events == []
 
 
-def test_save_deployment_clamps_into_new_bounds(fake_tasks: types.ModuleType) -> None:
+def test_save_deployment_clamps_into_new_bounds(sent_tasks: SentTasks) -> None:  # noqa: F811
     deployment = make_deployment(prefill_replicas=4, prefill_max=4)
     deployment.prefill_max = 2
-    events = actions.save_deployment(deployment, changed_fields=["prefill_max"], reason="smaller")
+    events = deployment_actions.save_deployment(deployment, changed_fields=["prefill_max"], reason="smaller")
     assert len(events) == 1
     assert (events[0].from_replicas, events[0].to_replicas) == (4, 2)
     assert "clamped" in events[0].reason
@@ -256,18 +253,18 @@ def test_create_deployment_validates() -> None:
     from tests.support.control_plane import make_model
 
     with pytest.raises(ValidationError) as info:
-        actions.create_deployment(name="bad", model=make_model(), decode_min=3, decode_max=2)
+        deployment_actions.create_deployment(name="bad", model=make_model(), decode_min=3, decode_max=2)
     assert "decode_min" in info.value.message_dict
 
 
 def test_delete_deployment_refuses_live_workers() -> None:
     deployment = make_deployment()
     worker = make_worker(deployment, make_node())
-    with pytest.raises(actions.DeploymentInUse):
-        actions.delete_deployment(deployment)
+    with pytest.raises(deployment_actions.DeploymentInUse):
+        deployment_actions.delete_deployment(deployment)
     worker.status = "stopped"
     worker.save()
-    actions.delete_deployment(deployment)
+    deployment_actions.delete_deployment(deployment)
     assert not Deployment.objects.filter(pk=deployment.pk).exists()
 
 
@@ -277,10 +274,10 @@ def test_rule_condition_change_restarts_the_breach_timer() -> None:
         deployment=deployment, name="hot", kind="threshold", role="decode", threshold=0.7,
         breach_started_at=timezone.now(),
     )  # fmt: skip
-    actions.update_rule(rule, {"cooldown_s": 10})
+    rule_actions.update_rule(rule, {"cooldown_s": 10})
     rule.refresh_from_db()
     assert rule.breach_started_at is not None  # cooldown is not part of the condition
-    actions.update_rule(rule, {"threshold": 0.9})
+    rule_actions.update_rule(rule, {"threshold": 0.9})
     rule.refresh_from_db()
     assert rule.breach_started_at is None and rule.threshold == 0.9
 
@@ -289,7 +286,7 @@ def test_update_rule_runs_model_clean() -> None:
     deployment = make_deployment()
     rule = ScalingRule.objects.create(deployment=deployment, name="night", kind="threshold", role="decode", threshold=1)
     with pytest.raises(ValidationError) as info:
-        actions.update_rule(rule, {"kind": "schedule"})
+        rule_actions.update_rule(rule, {"kind": "schedule"})
     assert set(info.value.message_dict) == {"start_time", "end_time", "target_replicas"}
 
 
@@ -299,21 +296,21 @@ def test_update_rule_runs_model_clean() -> None:
 def test_prune_metric_samples(settings: Any) -> None:
     deployment = make_deployment()
     now = timezone.now()
-    actions.record_metric_sample(deployment, "prefill", at=now - timedelta(hours=100))
-    actions.record_metric_sample(deployment, "prefill", at=now - timedelta(hours=10))
-    actions.record_metric_sample(deployment, "decode", at=now)
-    assert actions.prune_metric_samples(timedelta(hours=50)) == 1
+    sample_actions.record_metric_sample(deployment, "prefill", at=now - timedelta(hours=100))
+    sample_actions.record_metric_sample(deployment, "prefill", at=now - timedelta(hours=10))
+    sample_actions.record_metric_sample(deployment, "decode", at=now)
+    assert sample_actions.prune_metric_samples(timedelta(hours=50)) == 1
     assert MetricSample.objects.count() == 2
     settings.METRICS_RETENTION_HOURS = 5
-    assert actions.prune_metric_samples() == 1
+    assert sample_actions.prune_metric_samples() == 1
     assert MetricSample.objects.count() == 1
 
 
 def test_record_metric_sample_validates_role() -> None:
     deployment = make_deployment()
     with pytest.raises(ValueError):
-        actions.record_metric_sample(deployment, "both")
-    sample = actions.record_metric_sample(deployment.pk, "decode", load=0.5)
+        sample_actions.record_metric_sample(deployment, "both")
+    sample = sample_actions.record_metric_sample(deployment.pk, "decode", load=0.5)
     assert sample.deployment_id == deployment.pk and sample.at is not None
 
 
@@ -322,7 +319,7 @@ def test_record_metric_sample_validates_role() -> None:
 
 def _schedule(deployment: Deployment, *, target: int = 1, name: str = "night") -> ScalingRule:
     """A decode schedule rule whose window is the hour around now (platform time zone)."""
-    from inference.selectors import local_time
+    from inference.selectors.schedules import local_time
 
     now = timezone.now()
     return ScalingRule.objects.create(
@@ -331,40 +328,45 @@ def _schedule(deployment: Deployment, *, target: int = 1, name: str = "night") -
     )  # fmt: skip
 
 
-def test_manual_scale_by_is_refused_inside_a_schedule_window() -> None:
+def test_manual_scale_is_refused_inside_a_schedule_window(tasks_run_inline: SentTasks) -> None:  # noqa: F811
     deployment = make_deployment(decode_replicas=1, decode_max=4)
     _schedule(deployment)
-    with pytest.raises(actions.ScheduleConflict) as refused:
-        actions.manual_scale_by(deployment, "decode", +1, source="manual", actor="ops", reason="more")
+    with pytest.raises(scale_actions.ScheduleConflict) as refused:
+        scale_actions.request_manual_scale(deployment, "decode", delta=+1, source="manual", actor="ops", reason="more")
     assert refused.value.rule.name == "night" and (refused.value.requested, refused.value.held) == (2, 1)
     assert "'night'" in str(refused.value) and "override" in str(refused.value)
     assert Deployment.objects.get(pk=deployment.pk).decode_replicas == 1
-    assert not ScaleEvent.objects.exists()
+    assert not ScaleEvent.objects.exists() and tasks_run_inline.calls == []  # refused: nothing queued
     # A disabled rule holds nothing; the prefill role was never held.
     ScalingRule.objects.update(enabled=False)
-    assert actions.manual_scale_by(deployment, "decode", +1, source="manual", actor="ops", reason="more") is not None
+    queued = scale_actions.request_manual_scale(
+        deployment, "decode", delta=+1, source="manual", actor="ops", reason="more"
+    )
+    assert (queued.current, queued.target, queued.changes) == (1, 2, True)
+    assert Deployment.objects.get(pk=deployment.pk).decode_replicas == 2  # the controller's task applied it
 
 
 def test_a_count_the_bounds_clamp_to_the_rules_target_is_no_conflict() -> None:
     deployment = make_deployment(decode_replicas=2, decode_min=2, decode_max=4)
     _schedule(deployment, target=1)  # clamped to 2 by decode_min: the rule holds 2
-    assert actions.plan_manual_scale(deployment, "decode", 0, source="api", actor="ops") is None  # clamps to 2
-    with pytest.raises(actions.ScheduleConflict):
-        actions.plan_manual_scale(deployment, "decode", 3, source="api", actor="ops")
+    assert scale_actions.plan_manual_scale(deployment, "decode", 0, source="api", actor="ops") is None  # clamps to 2
+    with pytest.raises(scale_actions.ScheduleConflict):
+        scale_actions.plan_manual_scale(deployment, "decode", 3, source="api", actor="ops")
 
 
-def test_manual_scale_by_with_an_override_records_it_in_the_event() -> None:
+def test_manual_scale_with_an_override_records_it_in_the_event(tasks_run_inline: SentTasks) -> None:  # noqa: F811
     deployment = make_deployment(decode_replicas=1, decode_max=4)
     rule = _schedule(deployment)
     until = timezone.now() + timedelta(minutes=20)
-    event = actions.manual_scale_by(deployment, "decode", +2, source="manual", actor="ops", reason="launch",
-                                    override_until=until)  # fmt: skip
-    assert event is not None and (event.from_replicas, event.to_replicas) == (1, 3)
+    scale_actions.request_manual_scale(deployment, "decode", delta=+2, source="manual", actor="ops", reason="launch",
+                                       override_until=until)  # fmt: skip
+    event = ScaleEvent.objects.get()
+    assert (event.from_replicas, event.to_replicas) == (1, 3)
     override = ScaleOverride.objects.get()
     assert (override.replicas, override.rule, override.created_by, override.ends_at) == (3, rule, "ops", until)
     assert f"override #{override.pk} of schedule rule 'night'" in event.reason
     with pytest.raises(ValueError, match="future"):
-        actions.plan_manual_scale(deployment, "decode", 2, source="api", actor="ops",
+        scale_actions.plan_manual_scale(deployment, "decode", 2, source="api", actor="ops",
                                   override_until=timezone.now() - timedelta(seconds=1))  # fmt: skip
 
 

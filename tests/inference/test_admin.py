@@ -11,8 +11,11 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from inference import actions, selectors
+from inference.actions import samples as sample_actions
+from inference.actions import scale as scale_actions
 from inference.models import Deployment, MetricSample, ScaleEvent, ScalingRule
+from inference.selectors import charts
+from tests.support.celery_capture import SentTasks, tasks_run_inline  # noqa: F401  (fixture)
 from tests.support.control_plane import make_deployment, make_model, make_node, make_worker
 
 pytestmark = pytest.mark.django_db
@@ -26,8 +29,8 @@ def populated() -> Deployment:
     deployment = make_deployment(name="chat")
     ScalingRule.objects.create(deployment=deployment, name="hot", kind="threshold", role="decode", threshold=0.7)
     make_worker(deployment, make_node(last_heartbeat=timezone.now()), last_error="Traceback\nboom")
-    actions.scale_deployment(deployment, "decode", 2, source="manual", reason="seed")
-    actions.record_metric_sample(deployment, "decode", itl_s=0.02, throughput_tps=50, gpu_utilization=0.6)
+    scale_actions.scale_deployment(deployment, "decode", 2, source="manual", reason="seed")
+    sample_actions.record_metric_sample(deployment, "decode", itl_s=0.02, throughput_tps=50, gpu_utilization=0.6)
     return deployment
 
 
@@ -113,8 +116,9 @@ def test_deployment_list_shows_replicas_and_running(client_root: Client, populat
     ],
 )
 def test_scale_actions(
-    client_root: Client, action: str, role: str, start: int, expected: int
+    client_root: Client, tasks_run_inline: SentTasks, action: str, role: str, start: int, expected: int  # noqa: F811
 ) -> None:
+    """The admin queues the scale for the controller, as the API does; the controller's task applies it."""
     deployment = make_deployment(**{f"{role}_replicas": start})
     response = client_root.post(
         reverse("admin:inference_deployment_changelist"),
@@ -127,10 +131,14 @@ def test_scale_actions(
     event = ScaleEvent.objects.get(deployment=deployment)
     assert (event.role, event.from_replicas, event.to_replicas, event.source) == (role, start, expected, "manual")
     assert "root" in event.reason
-    assert f"{start} → {expected}" in response.content.decode()
+    assert f"{start} → {expected} queued for the controller" in response.content.decode()
+    assert [kw for kw, _ in tasks_run_inline.named("scale_deployment_task")] == [
+        {"deployment_id": deployment.pk, "role": role, "delta": expected - start, "source": "manual",
+         "reason": f"admin action {role} {expected - start:+d} by root"}
+    ]  # fmt: skip
 
 
-def test_scale_action_at_bound_records_nothing(client_root: Client) -> None:
+def test_scale_action_at_bound_records_nothing(client_root: Client, tasks_run_inline: SentTasks) -> None:  # noqa: F811
     deployment = make_deployment(decode_replicas=4, decode_max=4)
     response = client_root.post(
         reverse("admin:inference_deployment_changelist"),
@@ -144,8 +152,9 @@ def test_scale_action_at_bound_records_nothing(client_root: Client) -> None:
 def test_change_form_keeps_a_concurrent_autoscale(client_root: Client, populated: Deployment) -> None:
     """The form still says decode=2 but the autoscaler moved it to 3: saving the batch size keeps 3."""
     form = _deployment_form(populated, batch_size=8)
-    actions.scale_deployment(populated, "decode", 3, source="threshold", reason="load")
-    actions.scale_deployment(populated, "prefill", 2, source="threshold", reason="load")  # events arrived meanwhile
+    scale_actions.scale_deployment(populated, "decode", 3, source="threshold", reason="load")
+    # events arrived meanwhile:
+    scale_actions.scale_deployment(populated, "prefill", 2, source="threshold", reason="load")
     response = client_root.post(reverse("admin:inference_deployment_change", args=[populated.pk]), form)
     assert response.status_code == 302, response.context["adminform"].form.errors if response.context else ""
     fresh = Deployment.objects.get(pk=populated.pk)
@@ -167,7 +176,7 @@ def test_change_form_replica_edit_inside_a_schedule_window_is_refused_naming_the
     client_root: Client, populated: Deployment
 ) -> None:
     """Regression: the edit saved, and the schedule rule set the count back at its next run, silently."""
-    from inference.selectors import local_time
+    from inference.selectors.schedules import local_time
 
     now = timezone.now()
     ScalingRule.objects.create(
@@ -222,7 +231,7 @@ def test_metrics_page_and_json(client_root: Client, populated: Deployment) -> No
     page = client_root.get(reverse("admin:inference_deployment_metrics", args=[populated.pk]))
     assert page.status_code == 200
     html = page.content.decode()
-    for chart in selectors.CHARTS:  # a figure per chart, uPlot and its CSS served from here (no CDN)
+    for chart in charts.CHARTS:  # a figure per chart, uPlot and its CSS served from here (no CDN)
         assert f'data-chart="{chart["id"]}"' in html
     assert "inference/metrics.js" in html and "//cdn" not in html and "https://" not in html
     assert "inference/vendor/uplot/uPlot.iife.min.js" in html and "inference/vendor/uplot/uPlot.min.css" in html
@@ -241,7 +250,7 @@ def test_metrics_page_and_json(client_root: Client, populated: Deployment) -> No
     assert data["series"]["prefill"]["t"] == []
     assert data["deployment"]["replicas"]["decode"]["desired"] == 2
     assert [e["reason"] for e in data["events"]] == ["seed"]
-    assert data["charts"] == selectors.CHARTS and data["workers"] == [] and data["router"]["t"] == []
+    assert data["charts"] == charts.CHARTS and data["workers"] == [] and data["router"]["t"] == []
     bad = client_root.get(data_url + "?minutes=abc")
     assert bad.status_code == 400 and "minutes" in bad.json()["error"]
     missing = reverse("admin:inference_deployment_metrics_data", args=[999999])

@@ -20,7 +20,8 @@ import httpx
 import pytest
 from django.utils import timezone
 
-from inference import worker_actions
+from inference.actions import nodes as node_workers
+from inference.actions import workers as worker_actions
 from inference.agent.supervisor import (
     Managed,
     Phase,
@@ -334,7 +335,7 @@ def test_sync_stops_a_worker_the_controller_gave_up_on(tmp_path: Path) -> None:
         spec = WorkerSpec.from_worker(Worker.objects.select_related("deployment__model", "node").get(pk=worker.pk))
         sup._procs[worker.pk] = Managed(spec=spec, log_path=tmp_path / "w.log", popen=sleeper, pid=sleeper.pid,
                                         phase=Phase.RUNNING, launches=1)
-        worker_actions.mark_node_offline(node, reason="test")  # the controller gives up on the node's workers
+        node_workers.mark_node_offline(node, reason="test")  # the controller gives up on the node's workers
         sup.sync_with_db()
         assert sup.wait_until(lambda: not sup.managed(), timeout=15, interval=0.05)
         assert sleeper.wait(timeout=5) == -signal.SIGTERM

@@ -17,10 +17,14 @@ from django.utils import timezone
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from inference import actions, selectors
+from config.celery import app
+from inference.actions import samples as sample_actions
+from inference.actions import scale as scale_actions
 from inference.models import Deployment, ScaleEvent, ScaleOverride, ScalingRule, Worker, WorkerStatus
 from inference.scaling import rules as scaling_rules
+from inference.selectors import schedules
 from nodes.models import Node
+from tests.support.celery_capture import SentTasks, capture, tasks_run_inline  # noqa: F401  (fixture)
 from tests.support.control_plane import make_deployment, make_model, make_node, make_worker
 
 pytestmark = pytest.mark.django_db
@@ -185,17 +189,11 @@ def test_scale_is_queued_for_the_controller(api: APIClient, settings: Any, monke
     if not settings.REDIS_URL:
         # The embedded broker is the developer's own queue folder: record the publish instead.
         from celery import Celery
-        from celery.app.task import Task
-
-        def fake_apply_async(self: Any, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-            sent.append({"task": self.name, "kwargs": kwargs})
-            return types.SimpleNamespace(id=str(uuid.uuid4()))
 
         def fake_send_task(self: Any, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
             sent.append({"task": name, "kwargs": kwargs})
             return types.SimpleNamespace(id=str(uuid.uuid4()))
 
-        monkeypatch.setattr(Task, "apply_async", fake_apply_async)
         monkeypatch.setattr(Celery, "send_task", fake_send_task)
 
     url = f"/api/deployments/{deployment.pk}/scale/"
@@ -247,19 +245,9 @@ def test_scale_unknown_deployment_is_404(api: APIClient) -> None:
     assert response.status_code == 404
 
 
-def test_scale_clamping_is_recorded_when_the_task_runs(api: APIClient, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_scale_clamping_is_recorded_when_the_task_runs(api: APIClient, tasks_run_inline: SentTasks) -> None:  # noqa: F811
     """Run the queued task in-process with the published kwargs; the clamp shows in the event's reason."""
-    pytest.importorskip("inference.tasks", reason="inference.tasks (controller) not written yet")
-    from celery.app.task import Task
-
-    ran: list[Any] = []
-
-    def run_inline(self: Any, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        # What a controller worker does with the message, minus the broker and result backend.
-        ran.append(self.run(*(args or ()), **(kwargs or {})))
-        return types.SimpleNamespace(id=str(uuid.uuid4()))
-
-    monkeypatch.setattr(Task, "apply_async", run_inline)
+    ran = tasks_run_inline.results
     deployment = make_deployment(prefill_replicas=1, prefill_max=3)
     url = f"/api/deployments/{deployment.pk}/scale/"
     response = api.post(url, {"role": "prefill", "replicas": 10, "reason": "spike"}, format="json")
@@ -271,13 +259,17 @@ def test_scale_clamping_is_recorded_when_the_task_runs(api: APIClient, monkeypat
     assert Deployment.objects.get(pk=deployment.pk).prefill_replicas == 3
 
 
-def test_scale_when_the_broker_is_down_is_503(api: APIClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    from inference.api import views
+def _broker_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Celery app's publish fails as it does when Redis is unreachable."""
 
-    def broken(kwargs: dict[str, Any]) -> Any:
+    def broken(*args: Any, **kwargs: Any) -> Any:
         raise ConnectionError("redis unreachable")
 
-    monkeypatch.setattr(views, "_enqueue_scale", broken)
+    monkeypatch.setattr(app, "send_task", broken)
+
+
+def test_scale_when_the_broker_is_down_is_503(api: APIClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    _broker_down(monkeypatch)
     deployment = make_deployment()
     response = api.post(f"/api/deployments/{deployment.pk}/scale/", {"role": "decode", "replicas": 2}, format="json")
     assert response.status_code == 503
@@ -289,17 +281,7 @@ def test_scale_when_the_broker_is_down_is_503(api: APIClient, monkeypatch: pytes
 
 def _run_tasks_inline(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Queued Celery tasks run in-process with the published kwargs (what a controller worker does)."""
-    pytest.importorskip("inference.tasks", reason="inference.tasks (controller) not written yet")
-    from celery.app.task import Task
-
-    ran: list[Any] = []
-
-    def run_inline(self: Any, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        ran.append(self.run(*(args or ()), **(kwargs or {})))
-        return types.SimpleNamespace(id=str(uuid.uuid4()))
-
-    monkeypatch.setattr(Task, "apply_async", run_inline)
-    return ran
+    return capture(monkeypatch, run_controller_tasks=True).results
 
 
 def _night_rule_active_now(deployment: Deployment, target: int = 1) -> ScalingRule:
@@ -307,8 +289,8 @@ def _night_rule_active_now(deployment: Deployment, target: int = 1) -> ScalingRu
     now = timezone.now()
     return ScalingRule.objects.create(
         deployment=deployment, name="night", kind="schedule", role="decode",
-        start_time=selectors.local_time(now - timedelta(hours=1)),
-        end_time=selectors.local_time(now + timedelta(hours=1)),
+        start_time=schedules.local_time(now - timedelta(hours=1)),
+        end_time=schedules.local_time(now + timedelta(hours=1)),
         target_replicas=target,
     )  # fmt: skip
 
@@ -380,7 +362,7 @@ def test_an_override_holds_until_its_end_then_the_rule_takes_over(
     # After its end, the rule takes over again (and says so).
     events = scaling_rules.evaluate_all(now=now + timedelta(minutes=31))
     assert [(e.from_replicas, e.to_replicas, e.source, e.rule_id) for e in events] == [(4, 1, "schedule", rule.pk)]
-    assert selectors.active_overrides(deployment, now + timedelta(minutes=31)) == []
+    assert schedules.active_overrides(deployment, now + timedelta(minutes=31)) == []
 
 
 @pytest.mark.parametrize(
@@ -402,12 +384,7 @@ def test_override_end_validation(api: APIClient, extra: dict[str, Any], field: s
 
 
 def test_no_override_is_left_when_the_broker_is_down(api: APIClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    from inference.api import views
-
-    def broken(kwargs: dict[str, Any]) -> Any:
-        raise ConnectionError("redis unreachable")
-
-    monkeypatch.setattr(views, "_enqueue_scale", broken)
+    _broker_down(monkeypatch)
     deployment = make_deployment()
     _night_rule_active_now(deployment)
     body = {"role": "decode", "replicas": 2, "override_minutes": 5}
@@ -420,8 +397,8 @@ def test_no_override_is_left_when_the_broker_is_down(api: APIClient, monkeypatch
 
 def test_metrics_endpoint(api: APIClient) -> None:
     deployment = make_deployment()
-    actions.record_metric_sample(deployment, "prefill", ttft_s=0.12, load=0.5, cpu_utilization=0.4)
-    actions.record_metric_sample(deployment, "decode", itl_s=0.02, throughput_tps=80, queue_depth=2)
+    sample_actions.record_metric_sample(deployment, "prefill", ttft_s=0.12, load=0.5, cpu_utilization=0.4)
+    sample_actions.record_metric_sample(deployment, "decode", itl_s=0.02, throughput_tps=80, queue_depth=2)
     data = api.get(f"/api/deployments/{deployment.pk}/metrics/?minutes=5").json()
     assert data["series"]["prefill"]["ttft_s"] == [0.12]
     assert data["series"]["decode"]["itl_s"] == [0.02]
@@ -525,8 +502,8 @@ def test_rule_crud_and_validation(api: APIClient) -> None:
 
 def test_events_are_read_only_and_filtered(api: APIClient) -> None:
     first, second = make_deployment(), make_deployment()
-    actions.scale_deployment(first, "decode", 2, source="manual", reason="a")
-    actions.scale_deployment(second, "prefill", 3, source="api", reason="b")
+    scale_actions.scale_deployment(first, "decode", 2, source="manual", reason="a")
+    scale_actions.scale_deployment(second, "prefill", 3, source="api", reason="b")
     events = api.get(f"/api/events/?deployment={first.pk}").json()["results"]
     assert [(e["role"], e["from_replicas"], e["to_replicas"], e["reason"]) for e in events] == [("decode", 1, 2, "a")]
     assert len(api.get("/api/events/?source=api").json()["results"]) == 1
@@ -544,7 +521,7 @@ def one_of_each() -> Deployment:
     deployment = make_deployment(decode_max=8)
     make_worker(deployment, make_node())
     ScalingRule.objects.create(deployment=deployment, name="hot", kind="threshold", role="decode", threshold=0.8)
-    actions.scale_deployment(deployment, "decode", 2, source="manual", reason="fixture")
+    scale_actions.scale_deployment(deployment, "decode", 2, source="manual", reason="fixture")
     return deployment
 
 

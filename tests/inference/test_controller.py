@@ -11,6 +11,9 @@ import pytest
 from django.test import override_settings
 from django.utils import timezone
 
+from inference.actions import nodes as node_workers
+from inference.actions import scale as scale_actions
+from inference.actions import workers as worker_actions
 from inference.controller import heartbeats, placement, reconciler
 from inference.metrics import collector
 from inference.models import Deployment, MetricSample, ScaleEvent, Worker, WorkerStatus
@@ -308,8 +311,6 @@ def test_an_unplaceable_scale_out_is_recorded_once_with_its_reasons(
 def test_a_refusal_is_recorded_again_after_a_placement_or_a_scale_change(
     sent_tasks: SentTasks, django_capture_on_commit_callbacks  # noqa: F811
 ) -> None:
-    from inference import actions
-
     online_node(name="solo", cpu_count=1)
     dep = make_deployment(prefill_replicas=0, prefill_min=0, decode_replicas=2, decode_max=4)
     result = reconciler.reconcile(dep)
@@ -325,7 +326,7 @@ def test_a_refusal_is_recorded_again_after_a_placement_or_a_scale_change(
         second.reason, second.from_replicas, second.to_replicas)
     # A scale change in between (here a threshold-like step) makes the next refusal news too.
     with django_capture_on_commit_callbacks(execute=True):
-        actions.scale_deployment(dep, "decode", 3, source="api", reason="more decode")
+        scale_actions.scale_deployment(dep, "decode", 3, source="api", reason="more decode")
     reconciler.reconcile(dep)
     reconciler.reconcile(dep)
     events = list(ScaleEvent.objects.filter(deployment=dep, role="decode").order_by("created_at", "pk"))
@@ -343,7 +344,6 @@ def test_the_demo_starts_on_two_cpus_and_its_scale_out_is_refused(
     """`make up` on a 2-CPU host: bootstrap_demo's 1 prefill + 1 decode fit, a rule's third worker does not."""
     from django.core.management import call_command
 
-    from inference import actions
     from inference.models import ScalingRule
 
     (tmp_path / "config.json").write_text("{}")
@@ -358,7 +358,9 @@ def test_the_demo_starts_on_two_cpus_and_its_scale_out_is_refused(
         ("prefill", (0,)), ("decode", (1,))}
     rule = ScalingRule.objects.get(deployment=dep, name="decode load > 0.7")
     with django_capture_on_commit_callbacks(execute=True):
-        actions.scale_deployment_by(dep, "decode", rule.step, source="threshold", reason="load 0.9 > 0.7", rule=rule)
+        scale_actions.scale_deployment_by(
+            dep, "decode", rule.step, source="threshold", reason="load 0.9 > 0.7", rule=rule
+        )
     with django_capture_on_commit_callbacks(execute=True):
         refused = reconciler.reconcile(dep)
     assert refused.started == [] and refused.unplaced == {"decode": 1}
@@ -487,13 +489,12 @@ def test_an_answer_after_a_failed_probe_puts_the_worker_back_and_a_pending_one_i
 def test_manual_offline_replaces_the_workers_with_a_recorded_failover(
     django_capture_on_commit_callbacks  # noqa: F811
 ) -> None:
-    from inference import worker_actions as node_actions
 
     dep = make_deployment(decode_replicas=1, prefill_replicas=0, prefill_min=0)
     gone = online_node(name="gone")
     fine = online_node(name="fine")
     lost = make_worker(dep, gone, role="decode", status="running")
-    node_actions.mark_node_offline(gone, reason="host retired")
+    node_workers.mark_node_offline(gone, reason="host retired")
     assert Worker.objects.get(pk=lost.pk).status == WorkerStatus.STOPPED
     event = ScaleEvent.objects.get(deployment=dep)
     assert event.reason.startswith("failover: node gone offline (host retired)") and event.to_replicas == 0
@@ -512,7 +513,6 @@ def test_workers_left_on_a_node_set_offline_by_hand_are_replaced() -> None:
 
 
 def test_a_worker_left_on_a_node_set_offline_by_hand_is_a_recorded_failover_with_its_time_to_run() -> None:
-    from inference import worker_actions as node_actions
 
     dep = make_deployment(decode_replicas=1, prefill_replicas=0, prefill_min=0)
     dead = online_node(name="dead", status=NodeStatus.OFFLINE)
@@ -524,44 +524,41 @@ def test_a_worker_left_on_a_node_set_offline_by_hand_is_a_recorded_failover_with
     assert (event.from_replicas, event.to_replicas) == (1, 0)
     assert list(event.placed_workers.values_list("pk", flat=True)) == [new]
     assert event.time_to_run_s is None
-    node_actions.report_launched(new, pid=4242, restart=False)
-    assert node_actions.report_healthy(new, health={"status": "healthy"})
+    worker_actions.report_launched(new, pid=4242, restart=False)
+    assert worker_actions.report_healthy(new, health={"status": "healthy"})
     event.refresh_from_db()
     assert event.time_to_run_s is not None and 0 <= event.time_to_run_s < 60
 
 
 def test_a_scale_out_records_how_long_its_workers_took_to_run() -> None:
-    from inference import actions
-    from inference import worker_actions as node_actions
 
     online_node()
     dep = make_deployment(decode_replicas=1, decode_max=4, prefill_replicas=0, prefill_min=0)
     reconciler.reconcile(dep)
     Worker.objects.filter(deployment=dep).update(created_at=timezone.now() - timedelta(seconds=60))
-    event = actions.scale_deployment(dep, "decode", 3, source="api", reason="traffic")
+    event = scale_actions.scale_deployment(dep, "decode", 3, source="api", reason="traffic")
     assert event is not None
     ScaleEvent.objects.filter(pk=event.pk).update(created_at=timezone.now() - timedelta(seconds=42))
     started = reconciler.reconcile(dep).started
     assert sorted(event.placed_workers.values_list("pk", flat=True)) == sorted(started) and len(started) == 2
-    node_actions.report_healthy(started[0], health={"status": "healthy"})
+    worker_actions.report_healthy(started[0], health={"status": "healthy"})
     event.refresh_from_db()
     assert event.time_to_run_s is None  # one of its two workers still starts
-    node_actions.report_healthy(started[1], health={"status": "healthy"})
+    worker_actions.report_healthy(started[1], health={"status": "healthy"})
     event.refresh_from_db()
     assert event.time_to_run_s == pytest.approx(42, abs=5)
     # A health answer later (already RUNNING) changes nothing.
-    node_actions.report_healthy(started[1], health={"status": "healthy"})
+    worker_actions.report_healthy(started[1], health={"status": "healthy"})
     assert ScaleEvent.objects.get(pk=event.pk).time_to_run_s == event.time_to_run_s
 
 
 def test_failed_and_drained_workers_are_recorded_as_recovery_and_re_placed() -> None:
-    from inference import worker_actions as node_actions
 
     first = online_node(name="first")
     online_node(name="second")
     dep = make_deployment(decode_replicas=1, prefill_replicas=0, prefill_min=0)
     [crashing] = reconciler.reconcile(dep).started
-    node_actions.report_failed(crashing, error="Traceback ...\nRuntimeError: boom")
+    worker_actions.report_failed(crashing, error="Traceback ...\nRuntimeError: boom")
     [failed] = refusals(dep)
     assert failed.reason.startswith(f"failover: decode worker #{crashing} failed after repeated crashes")
     assert (failed.from_replicas, failed.to_replicas) == (1, 0)
@@ -570,7 +567,7 @@ def test_failed_and_drained_workers_are_recorded_as_recovery_and_re_placed() -> 
     assert Worker.objects.get(pk=replacement).node.name == "second"  # the failed node is avoided
 
     Worker.objects.filter(pk=replacement).update(status="running")
-    node_actions.drain_node(Node.objects.get(name="second"))
+    node_workers.drain_node(Node.objects.get(name="second"))
     drained = refusals(dep)[-1]
     assert drained.reason.startswith("re-placement: node second drained") and f"#{replacement}" in drained.reason
     with override_settings(CONTROLLER_FAILURE_COOLDOWN_S=0):

@@ -83,7 +83,7 @@ def test_drain_node_action(client_root: Client, cluster: dict[str, Any]) -> None
 
 def test_restart_worker_action_calls_nodes_actions(client_root: Client, cluster: dict[str, Any]) -> None:
     worker = cluster["running"]
-    with mock.patch("inference.worker_actions.restart_worker") as restart:
+    with mock.patch("inference.actions.workers.restart_worker") as restart:
         response = client_root.post(
             reverse("admin:inference_worker_changelist"),
             {"action": "restart_workers", "_selected_action": [worker.pk]},
@@ -98,7 +98,7 @@ def test_restart_worker_action_calls_nodes_actions(client_root: Client, cluster:
 def test_restart_worker_action_sends_to_the_agent(
     client_root: Client, cluster: dict[str, Any], django_capture_on_commit_callbacks: Any
 ) -> None:
-    """The real inference.worker_actions.restart_worker: a live worker gets a message on commit, a failed one
+    """The real inference.actions.workers.restart_worker: a live worker gets a message on commit, a failed one
     an error."""
     running, failed = cluster["running"], cluster["failed"]
     with django_capture_on_commit_callbacks(execute=False) as callbacks:

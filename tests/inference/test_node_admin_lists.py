@@ -13,11 +13,11 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
+from inference.actions.workers import prune_stopped_workers
 from inference.kv_transfer.rdma_detect import pyverbs_import_reason, rdma_available
 from inference.models import Worker
 from inference.node_admin import cpu_ranges, short_reason
 from inference.tasks import prune_workers
-from inference.worker_actions import prune_stopped_workers
 from nodes.resources import detect_rdma
 from tests.support.control_plane import make_deployment, make_node, make_worker
 

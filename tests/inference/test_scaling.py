@@ -8,10 +8,11 @@ import pytest
 from django.test import override_settings
 from django.utils import timezone
 
-from inference import selectors
+from inference.actions import scale as scale_actions
 from inference.models import Deployment, ScaleEvent, ScalingRule, Worker
 from inference.scaling import rules as scaling_rules
 from inference.scaling import signals as scaling_signals
+from inference.selectors import schedules
 from tests.support.celery_capture import SentTasks, sent_tasks  # noqa: F401  (fixture)
 from tests.support.control_plane import make_deployment, make_node, make_worker
 
@@ -156,13 +157,12 @@ def test_scale_in_rules_judge_the_window_the_same_way() -> None:
 
 
 def test_a_change_by_another_scaler_restarts_the_window(sent_tasks: SentTasks) -> None:  # noqa: F811
-    from inference import actions
 
     dep = make_deployment(decode_replicas=1, decode_max=4, batch_size=10)
     threshold_rule(dep, name="busy decode", role="decode", threshold=0.7, duration_s=30)
     start = timezone.now() - timedelta(seconds=40)
     assert readings_every_10s(dep, "decode", [(9, 0)] * 3, start=start) == [[], [], []]
-    actions.scale_deployment(dep, "decode", 2, source="api", reason="operator")  # created_at: now
+    scale_actions.scale_deployment(dep, "decode", 2, source="api", reason="operator")  # created_at: now
     fired = readings_every_10s(dep, "decode", [(9, 0)] * 5, start=timezone.now() + timedelta(seconds=1))
     assert [len(e) for e in fired] == [0, 0, 0, 1, 0]  # a fresh 30 s window after the API scale
 
@@ -182,7 +182,7 @@ def test_a_change_by_another_scaler_restarts_the_window(sent_tasks: SentTasks) -
     ],
 )
 def test_window(start: time, end: time, at: time, inside: bool) -> None:
-    assert selectors.in_window(start, end, at) is inside
+    assert schedules.in_window(start, end, at) is inside
 
 
 def night_and_day(dep: Deployment) -> tuple[ScalingRule, ScalingRule]:

@@ -8,8 +8,11 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from inference import actions, selectors
+from inference.actions import samples as sample_actions
+from inference.actions import scale as scale_actions
 from inference.models import MetricSample, RouterEndpoint, RouterSample, WorkerSample
+from inference.selectors import charts
+from inference.selectors import metrics as metric_selectors
 from tests.support.control_plane import make_deployment
 
 pytestmark = pytest.mark.django_db
@@ -27,17 +30,19 @@ def test_metric_series_shape_and_filters() -> None:
     other = make_deployment()
     now = timezone.now()
     for i in range(5):
-        actions.record_metric_sample(
+        sample_actions.record_metric_sample(
             deployment, "prefill", at=now - timedelta(seconds=50 - i * 10), load=0.1 * i, ttft_s=0.2,
             throughput_tps=100 + i, queue_depth=i, cpu_utilization=0.5, workers=2, rss_bytes=2**30 + i,
         )  # fmt: skip
-    actions.record_metric_sample(deployment, "decode", at=now - timedelta(seconds=5), itl_s=0.03, gpu_utilization=0.7,
-                                 kv_transfer_bytes_per_s=5e6, prefix_cache_hit_ratio=0.25)
-    actions.record_metric_sample(deployment, "decode", at=now - timedelta(hours=2), itl_s=9.9)  # outside the window
-    actions.record_metric_sample(other, "decode", at=now, itl_s=5.0)  # another deployment
-    actions.scale_deployment(deployment, "decode", 2, source="manual", reason="test")
+    sample_actions.record_metric_sample(deployment, "decode", at=now - timedelta(seconds=5), itl_s=0.03,
+                                        gpu_utilization=0.7, kv_transfer_bytes_per_s=5e6,
+                                        prefix_cache_hit_ratio=0.25)  # fmt: skip
+    # outside the window:
+    sample_actions.record_metric_sample(deployment, "decode", at=now - timedelta(hours=2), itl_s=9.9)
+    sample_actions.record_metric_sample(other, "decode", at=now, itl_s=5.0)  # another deployment
+    scale_actions.scale_deployment(deployment, "decode", 2, source="manual", reason="test")
 
-    data = selectors.deployment_metric_series(deployment, timedelta(minutes=10))
+    data = metric_selectors.deployment_metric_series(deployment, timedelta(minutes=10))
     json.dumps(data)  # JSON-safe
     prefill, decode = data["series"]["prefill"], data["series"]["decode"]
     assert prefill["load"] == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
@@ -47,16 +52,16 @@ def test_metric_series_shape_and_filters() -> None:
     assert prefill["itl_s"] == [None] * 5
     assert decode["itl_s"] == [0.03] and decode["gpu_utilization"] == [0.7]
     assert decode["kv_transfer_bytes_per_s"] == [5e6] and decode["prefix_cache_hit_ratio"] == [0.25]
-    for field in selectors.SERIES_FIELDS:
+    for field in charts.SERIES_FIELDS:
         assert field in prefill and field in data["metrics"]
     assert data["deployment"]["replicas"]["decode"] == {"desired": 2, "min": 1, "max": 4}
     assert [(e["role"], e["from"], e["to"]) for e in data["events"]] == [("decode", 1, 2)]
     assert data["workers"] == [] and data["router"]["t"] == []  # nothing collected per worker / router yet
 
-    only_decode = selectors.deployment_metric_series(deployment, now - timedelta(minutes=10), role="decode")
+    only_decode = metric_selectors.deployment_metric_series(deployment, now - timedelta(minutes=10), role="decode")
     assert list(only_decode["series"]) == ["decode"]
     with pytest.raises(ValueError):
-        selectors.deployment_metric_series(deployment, timedelta(minutes=1), role="gpu")
+        metric_selectors.deployment_metric_series(deployment, timedelta(minutes=1), role="gpu")
 
 
 def test_metric_series_downsamples_long_windows() -> None:
@@ -66,7 +71,7 @@ def test_metric_series_downsamples_long_windows() -> None:
         MetricSample(deployment=deployment, role="decode", at=now - timedelta(seconds=i), load=1.0 if i % 2 else 0.0)
         for i in range(1, 1001)
     )
-    data = selectors.deployment_metric_series(deployment, timedelta(seconds=1001), "decode", max_points=50)
+    data = metric_selectors.deployment_metric_series(deployment, timedelta(seconds=1001), "decode", max_points=50)
     loads = data["series"]["decode"]["load"]
     assert 1 <= len(loads) <= 50
     assert all(0.3 < value < 0.7 for value in loads)  # averages of alternating 0/1
@@ -84,7 +89,7 @@ def test_worker_series_one_per_worker_with_names_roles_and_the_role_filter() -> 
     _worker_sample(deployment, 7, "decode", now - timedelta(hours=3), load=0.9)  # outside the window
     _worker_sample(other, 5, "decode", now, load=1.0)  # another deployment
 
-    data = selectors.deployment_metric_series(deployment, timedelta(minutes=10))
+    data = metric_selectors.deployment_metric_series(deployment, timedelta(minutes=10))
     json.dumps(data)
     workers = data["workers"]
     # Prefill first (the roles' order), then by name.
@@ -96,10 +101,10 @@ def test_worker_series_one_per_worker_with_names_roles_and_the_role_filter() -> 
     assert by_id[9]["kv_transfer_bytes_per_s"] == [0.0, 1000.0, 2000.0] and by_id[9]["kv_transfer_s"] == [0.004] * 3
     assert by_id[7]["request_share"] == [0.5] * 3
     assert len(by_id[7]["t"]) == 3 and by_id[7]["t"] == sorted(by_id[7]["t"])
-    for field in selectors.WORKER_FIELDS:
+    for field in charts.WORKER_FIELDS:
         assert field in by_id[7] and field in data["worker_metrics"]
 
-    decode_only = selectors.deployment_metric_series(deployment, timedelta(minutes=10), role="decode")
+    decode_only = metric_selectors.deployment_metric_series(deployment, timedelta(minutes=10), role="decode")
     assert [w["id"] for w in decode_only["workers"]] == [3, 7]
 
 
@@ -117,7 +122,7 @@ def test_router_series_and_several_routers_merged() -> None:
                                 rejected_per_s=1.0, dispatch_p50_s=0.001, dispatch_p90_s=0.002, ttft_p90_s=0.8)
     RouterSample.objects.create(deployment=deployment, router=second, at=now, requests_per_s=1.0, error_rate=1.0,
                                 rejected_per_s=0.0, dispatch_p50_s=0.003, dispatch_p90_s=0.009, ttft_p90_s=None)
-    data = selectors.deployment_metric_series(deployment, timedelta(minutes=5))
+    data = metric_selectors.deployment_metric_series(deployment, timedelta(minutes=5))
     router = data["router"]
     assert router["t"] == [int(earlier.timestamp() * 1000), int(now.timestamp() * 1000)]
     assert router["requests_per_s"] == [4.0, 4.0]
@@ -126,20 +131,20 @@ def test_router_series_and_several_routers_merged() -> None:
     assert router["dispatch_p90_s"] == [0.004, 0.009]
     assert router["ttft_p90_s"] == [None, 0.8]
     assert router["queued"] == [2, None]
-    assert set(selectors.ROUTER_FIELDS) <= set(router)
+    assert set(charts.ROUTER_FIELDS) <= set(router)
 
 
 def test_charts_name_fields_that_the_series_have() -> None:
-    sources = {"router": selectors.ROUTER_FIELDS, "worker": selectors.WORKER_FIELDS, "role": selectors.SERIES_FIELDS}
-    ids = [chart["id"] for chart in selectors.CHARTS]
+    sources = {"router": charts.ROUTER_FIELDS, "worker": charts.WORKER_FIELDS, "role": charts.SERIES_FIELDS}
+    ids = [chart["id"] for chart in charts.CHARTS]
     assert len(ids) == len(set(ids))
-    for chart in selectors.CHARTS:
+    for chart in charts.CHARTS:
         fields = sources[chart["source"]]
         assert chart["fields"] and all(f in fields for f in chart["fields"]), chart
         if chart.get("per_worker"):
-            assert all(f in selectors.WORKER_FIELDS for f in chart["fields"]), chart
+            assert all(f in charts.WORKER_FIELDS for f in chart["fields"]), chart
     # What issue 10 asks the page to chart.
-    charted = {(c["source"], f) for c in selectors.CHARTS for f in c["fields"]}
+    charted = {(c["source"], f) for c in charts.CHARTS for f in c["fields"]}
     for wanted in [("router", "dispatch_p50_s"), ("router", "error_rate"), ("router", "rejected_per_s"),
                    ("router", "ttft_p90_s"), ("router", "itl_p90_s"), ("worker", "request_share"),
                    ("role", "rss_bytes"), ("role", "gpu_memory_bytes"), ("role", "kv_transfer_bytes_per_s"),
@@ -150,15 +155,16 @@ def test_charts_name_fields_that_the_series_have() -> None:
 def test_metric_series_query_parameters(settings: Any) -> None:
     deployment = make_deployment()
     now = timezone.now()
-    actions.record_metric_sample(deployment, "decode", at=now - timedelta(minutes=90), load=0.9)
-    actions.record_metric_sample(deployment, "decode", at=now - timedelta(minutes=5), load=0.1)
-    assert selectors.metric_series_query(deployment, {})["series"]["decode"]["load"] == [0.1]  # default: 60 min
-    assert selectors.metric_series_query(deployment, {"minutes": "120"})["series"]["decode"]["load"] == [0.9, 0.1]
+    sample_actions.record_metric_sample(deployment, "decode", at=now - timedelta(minutes=90), load=0.9)
+    sample_actions.record_metric_sample(deployment, "decode", at=now - timedelta(minutes=5), load=0.1)
+    assert metric_selectors.metric_series_query(deployment, {})["series"]["decode"]["load"] == [0.1]  # default: 60 min
+    series = metric_selectors.metric_series_query(deployment, {"minutes": "120"})["series"]
+    assert series["decode"]["load"] == [0.9, 0.1]
     settings.METRICS_RETENTION_HOURS = 1
-    assert selectors.metric_series_query(deployment, {"minutes": "999999"})["series"]["decode"]["load"] == [0.1]
-    assert list(selectors.metric_series_query(deployment, {"role": "decode"})["series"]) == ["decode"]
-    with pytest.raises(selectors.InvalidQuery) as bad:
-        selectors.metric_series_query(deployment, {"minutes": "soon", "role": "gpu", "max_points": "1\x00"})
+    assert metric_selectors.metric_series_query(deployment, {"minutes": "999999"})["series"]["decode"]["load"] == [0.1]
+    assert list(metric_selectors.metric_series_query(deployment, {"role": "decode"})["series"]) == ["decode"]
+    with pytest.raises(metric_selectors.InvalidQuery) as bad:
+        metric_selectors.metric_series_query(deployment, {"minutes": "soon", "role": "gpu", "max_points": "1\x00"})
     assert set(bad.value.errors) == {"minutes", "role", "max_points"}
 
 
@@ -168,13 +174,13 @@ def test_prune_removes_old_worker_and_router_samples(settings: Any) -> None:
     now = timezone.now()
     for hours in (100, 1):
         at = now - timedelta(hours=hours)
-        actions.record_metric_sample(deployment, "decode", at=at)
+        sample_actions.record_metric_sample(deployment, "decode", at=at)
         _worker_sample(deployment, 1, "decode", at, load=0.5)
         RouterSample.objects.create(deployment=deployment, router=router, at=at, requests_per_s=1.0)
-    assert actions.prune_metric_samples(timedelta(hours=50)) == 3
+    assert sample_actions.prune_metric_samples(timedelta(hours=50)) == 3
     assert (MetricSample.objects.count(), WorkerSample.objects.count(), RouterSample.objects.count()) == (1, 1, 1)
     settings.METRICS_RETENTION_HOURS = 0.5
-    assert actions.prune_metric_samples() == 3
+    assert sample_actions.prune_metric_samples() == 3
     assert RouterEndpoint.objects.filter(pk=router.pk).exists()  # the router itself stays
 
 
@@ -188,7 +194,7 @@ def test_the_rest_api_and_the_admin_return_the_same_series(admin_client: Any) ->
     deployment = make_deployment()
     router = RouterEndpoint.objects.create(deployment=deployment, url="http://127.0.0.1:8000")
     now = timezone.now()
-    actions.record_metric_sample(deployment, "decode", at=now, load=0.5)
+    sample_actions.record_metric_sample(deployment, "decode", at=now, load=0.5)
     _worker_sample(deployment, 4, "decode", now, load=0.5, request_share=1.0)
     RouterSample.objects.create(deployment=deployment, router=router, at=now, dispatch_p50_s=0.001, error_rate=0.0)
     token = Token.objects.create(user=get_user_model().objects.create_user("operator", password=None))

@@ -1,5 +1,5 @@
-"""nodes.actions (registration, heartbeats) and inference.worker_actions (offline/drain, restart requests and the
-agents' conditional reports)."""
+"""nodes.actions (registration, heartbeats), inference.actions.workers and inference.actions.nodes
+(offline/drain, restart requests and the agents' conditional reports), and the agent tasks' names."""
 from __future__ import annotations
 
 import uuid
@@ -8,7 +8,14 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from inference import worker_actions
+from config.celery import app
+from inference import jobs
+from inference.actions import nodes as node_workers
+from inference.actions import workers as worker_actions
+from inference.agent import tasks as agent_tasks
+from inference.agent.runtime import NoSupervisor
+from inference.agent.tasks import route_node_task
+from inference.management.commands.setup_schedules import SCHEDULES
 from inference.models import Worker, WorkerStatus
 from nodes import actions as node_actions
 from nodes.models import Node, NodeStatus
@@ -53,7 +60,7 @@ def test_heartbeat_stamps_and_brings_an_offline_node_back() -> None:
     unreachable.refresh_from_db()
     assert unreachable.status == NodeStatus.ONLINE  # its agent is back (and adopts the workers)
     draining = make_node(status=NodeStatus.DRAINING)
-    assert worker_actions.mark_node_unreachable(draining, reason="silent") == []
+    assert node_workers.mark_node_unreachable(draining, reason="silent") == []
     assert Node.objects.get(pk=draining.pk).status == NodeStatus.DRAINING  # an operator's drain is kept
 
 
@@ -66,7 +73,7 @@ def test_mark_offline_stops_live_workers_and_reconciles(
     pending = make_worker(dep, node, status="pending", role="decode")
     old = make_worker(dep, node, status="failed")
     with django_capture_on_commit_callbacks(execute=True):
-        given_up = worker_actions.mark_node_offline(node, reason="silent")
+        given_up = node_workers.mark_node_offline(node, reason="silent")
     assert {w.pk for w in given_up} == {running.pk, pending.pk}
     node.refresh_from_db()
     assert node.status == NodeStatus.OFFLINE
@@ -86,7 +93,7 @@ def test_drain_node(sent_tasks: SentTasks, django_capture_on_commit_callbacks) -
     running = make_worker(dep, node, status="running")
     starting = make_worker(dep, node, status="starting")
     with django_capture_on_commit_callbacks(execute=True):
-        worker_actions.drain_node(node)
+        node_workers.drain_node(node)
     node.refresh_from_db()
     assert node.status == NodeStatus.DRAINING
     running.refresh_from_db()
@@ -162,27 +169,39 @@ def test_report_failed_reconciles(sent_tasks: SentTasks, django_capture_on_commi
     assert Worker.objects.get(pk=worker.pk).status == WorkerStatus.FAILED
 
 
-def test_node_tasks_are_routed_to_the_node_queue() -> None:
-    from inference.agent.tasks import route_node_task
-
+@pytest.mark.parametrize("name", ["inference.agent.tasks.start_worker", "nodes.tasks.start_worker"])
+def test_node_tasks_are_routed_to_the_node_queue(name: str) -> None:
+    """Under its name and under its legacy name (messages of the previous release), an agent task
+    goes to the queue of the worker's node."""
     node = make_node(name="router-test")
     worker = make_worker(make_deployment(), node)
-    assert route_node_task("nodes.tasks.start_worker", (), {"worker_id": worker.pk}, {}) == {
-        "queue": "node.router-test"
-    }
+    assert route_node_task(name, (), {"worker_id": worker.pk}, {}) == {"queue": "node.router-test"}
     assert route_node_task("inference.tasks.reconcile_all", (), {}, {}) is None
-    assert route_node_task("nodes.tasks.start_worker", (), {"worker_id": 10**9}, {}) is None
+    assert route_node_task(name, (), {"worker_id": 10**9}, {}) is None
+    assert route_node_task(name, (), {"worker_id": worker.pk}, {"queue": "node.elsewhere"}) is None  # named already
 
 
-def test_task_names_survive_the_move_to_inference() -> None:
-    """Agents and queued messages name the agent tasks nodes.tasks.*, beat schedules inference.tasks.*:
-    the Celery app registers both under those names (the agent tasks from inference.agent.tasks)."""
-    from config.celery import app
-    from inference.management.commands.setup_schedules import SCHEDULES
-
+def test_agent_tasks_answer_to_both_names() -> None:
+    """The agent tasks are registered as inference.agent.tasks.* and, for one release, under their old
+    names nodes.tasks.* (queued messages, agents and controllers of the previous release): the same code."""
     app.loader.import_default_modules()  # what a Celery worker does at start: autodiscovery
-    for name in ("nodes.tasks.start_worker", "nodes.tasks.stop_worker", "nodes.tasks.restart_worker"):
-        assert app.tasks[name].__module__ == "inference.agent.tasks"
+    for short in ("start_worker", "stop_worker", "restart_worker"):
+        current, legacy = app.tasks[f"inference.agent.tasks.{short}"], app.tasks[f"nodes.tasks.{short}"]
+        assert current.__module__ == legacy.__module__ == "inference.agent.tasks"
+        assert current.run is legacy.run is getattr(agent_tasks, short)
+        assert f"nodes.tasks.{short}" in agent_tasks.LEGACY_NAMES
+    assert {jobs.START_WORKER, jobs.STOP_WORKER, jobs.RESTART_WORKER} <= set(app.tasks)
+    # Outside an agent both names fail the same way: the request reached the task's code.
+    for name in ("inference.agent.tasks.start_worker", "nodes.tasks.start_worker"):
+        with pytest.raises(NoSupervisor):
+            app.tasks[name].run(worker_id=1)
+
+
+def test_every_task_jobs_sends_is_registered_and_beat_names_survive() -> None:
+    """inference.jobs sends tasks by name: each name is a task of the app; beat schedules inference.tasks.*."""
+    app.loader.import_default_modules()
+    for name in jobs.TASK_NAMES:
+        assert name in app.tasks, name
     for _, task_name, _, _ in SCHEDULES:
         assert app.tasks[task_name].__module__ == "inference.tasks"
 
@@ -190,8 +209,6 @@ def test_task_names_survive_the_move_to_inference() -> None:
 @pytest.mark.django_db(transaction=True)
 def test_start_request_reaches_the_node_queue_on_the_real_broker() -> None:
     """Through the configured broker (Redis with REDIS_URL, else the filesystem one): queue node.<name>."""
-    from config.celery import app
-
     name = f"q-{uuid.uuid4().hex[:8]}"
     node = make_node(name=name)
     worker = make_worker(make_deployment(), node, status="pending")
@@ -200,9 +217,27 @@ def test_start_request_reaches_the_node_queue_on_the_real_broker() -> None:
         queue = conn.SimpleQueue(node.queue_name)
         try:
             message = queue.get(block=True, timeout=10)
-            assert message.headers["task"] == "nodes.tasks.start_worker"
+            assert message.headers["task"] == "inference.agent.tasks.start_worker"
             body = message.decode()
             assert body[1] == {"worker_id": worker.pk}  # protocol 2: (args, kwargs, embed)
+            message.ack()
+        finally:
+            queue.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_message_under_the_legacy_name_reaches_the_node_queue_on_the_real_broker() -> None:
+    """A controller of the previous release sends nodes.tasks.* without naming the queue: the route finds
+    the worker's node queue, where this release's agent runs it (the alias above)."""
+    node = make_node(name=f"q-{uuid.uuid4().hex[:8]}")
+    worker = make_worker(make_deployment(), node, status="running")
+    app.send_task("nodes.tasks.stop_worker", kwargs={"worker_id": worker.pk, "drain": False})
+    with app.connection_for_read() as conn:
+        queue = conn.SimpleQueue(node.queue_name)
+        try:
+            message = queue.get(block=True, timeout=10)
+            assert message.headers["task"] == "nodes.tasks.stop_worker"
+            assert message.decode()[1] == {"worker_id": worker.pk, "drain": False}
             message.ack()
         finally:
             queue.close()

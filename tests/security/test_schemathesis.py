@@ -29,7 +29,8 @@ from hypothesis import HealthCheck, Phase, settings
 from rest_framework.authtoken.models import Token
 from schemathesis.checks import not_a_server_error, status_code_conformance
 
-from inference import actions
+from config.celery import app
+from inference.actions import scale as scale_actions
 from inference.models import RuleKind, ScalingRule
 from tests.support.control_plane import make_deployment, make_node, make_worker
 
@@ -62,7 +63,7 @@ def rows(db: None) -> None:
     # Holding decode all day: scale requests meet the 409 of a schedule conflict, and overrides are made.
     ScalingRule.objects.create(deployment=deployment, name="all-day", kind=RuleKind.SCHEDULE, role="decode",
                                start_time=dt_time(0, 0), end_time=dt_time(23, 59, 59, 999999), target_replicas=1)
-    actions.scale_deployment(deployment, "prefill", 2, source="manual", reason="fuzz fixture")
+    scale_actions.scale_deployment(deployment, "prefill", 2, source="manual", reason="fuzz fixture")
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +86,7 @@ def _keep_test_connection() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def _no_broker(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Scale requests are queued to Celery: stand in for the broker so fuzzing publishes nothing."""
-    monkeypatch.setattr("inference.api.views._enqueue_scale", lambda kwargs: types.SimpleNamespace(id="fuzz"))
+    monkeypatch.setattr(app, "send_task", lambda *args, **kwargs: types.SimpleNamespace(id="fuzz"))
     yield
 
 

@@ -29,7 +29,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 
 from config.celery import app
-from inference import worker_actions
+from inference.actions import nodes as node_workers
 from inference.agent.heartbeat import run_heartbeat
 from inference.agent.runtime import set_supervisor
 from inference.agent.supervisor import Supervisor, SupervisorConfig
@@ -144,7 +144,7 @@ class Command(BaseCommand):
             if not keep:
                 # First, so the controller re-places the workers at once (reconcile is sent on commit).
                 node = Node.objects.filter(pk=node.pk).first() or node
-                worker_actions.mark_node_offline(node, reason="agent shut down")
+                node_workers.mark_node_offline(node, reason="agent shut down")
             supervisor.shutdown(stop_workers=not keep)
             set_supervisor(None)
             connections.close_all()

@@ -23,7 +23,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 from rest_framework.authtoken.models import Token
 
-from inference.actions import create_deployment
+from inference.actions.deployments import create_deployment
 from inference.models import Deployment, Model, RouterEndpoint, RuleKind, ScalingRule
 
 
