@@ -6,7 +6,9 @@ failure of that worker (`BackendFailure`: count it and try another).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -17,6 +19,27 @@ if TYPE_CHECKING:
 
 # How much of a worker's error body is quoted back to the client.
 MAX_ERROR_TEXT = 500
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFailure:
+    """What one worker did to a request before its first token, as the client's error names it."""
+
+    url: str
+    role: str
+    error: str
+    # The decode worker's lease ran out because the prefill side made no progress (nothing is
+    # broken; a request whose every failure is one of these is a 504, not a 502).
+    lease: bool = False
+
+    def backend(self) -> dict[str, Any]:
+        """The entry of RouterError's `backends`."""
+        return {"url": self.url, "role": self.role, "error": self.error}
+
+
+def backends(failures: list[WorkerFailure]) -> list[dict[str, Any]]:
+    """RouterError's `backends` for `failures`."""
+    return [f.backend() for f in failures]
 
 
 class BackendFailure(Exception):
@@ -51,7 +74,7 @@ class LeaseExpired(Exception):
     if any: it made no progress in time and is not tried again for this request.
     """
 
-    def __init__(self, message: str, stalled: Endpoint | None = None, line: dict[str, object] | None = None) -> None:
+    def __init__(self, message: str, stalled: Endpoint | None = None, line: Mapping[str, Any] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.stalled = stalled
@@ -95,7 +118,7 @@ def raise_for_status(status: int, raw: bytes, role: str) -> None:
     raise BackendFailure(f"HTTP {status}: {message}")
 
 
-def kv_timeout_message(line: dict[str, object], prefill_url: str | None) -> str:
+def kv_timeout_message(line: Mapping[str, Any], prefill_url: str | None) -> str:
     """What a decode worker's `reason: kv_timeout` line means, naming the prefill worker that held it.
 
     The decode worker's message already says which prefill worker went silent, for how long and

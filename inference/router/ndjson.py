@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar
 
 import aiohttp
 import orjson
+
+Line = TypeVar("Line")
 
 # A worker's line is a token or a small control object; anything this long is a broken stream.
 MAX_LINE_BYTES = 4 * 2**20
@@ -57,10 +60,11 @@ class BodyStream(Protocol):
         """Fail pending and later reads."""
 
 
-class NdjsonReader:
-    """Lines of a response body, as dicts."""
+class NdjsonReader(Generic[Line]):
+    """Lines of a response body, each parsed by `parse` (default: a dict per line)."""
 
-    def __init__(self, content: BodyStream) -> None:
+    def __init__(self, content: BodyStream, parse: Callable[[bytes], Line] = parse_line) -> None:  # type: ignore[assignment]
+        self._parse = parse
         self._content = content
         self._partial = b""
         self._lines: collections.deque[bytes] = collections.deque()
@@ -75,7 +79,7 @@ class NdjsonReader:
         if len(self._partial) > MAX_LINE_BYTES:
             raise ValueError(f"a line longer than {MAX_LINE_BYTES} bytes")
 
-    async def next(self) -> dict[str, Any] | None:
+    async def next(self) -> Line | None:
         """The next line (blank lines skipped), None at the end of the stream.
 
         Raises ValueError for a line that is not a JSON object, aiohttp.ClientError when the
@@ -94,16 +98,16 @@ class NdjsonReader:
                     raise TornLine(rest)
                 return None
             self._feed(data)
-        return parse_line(self._lines.popleft())
+        return self._parse(self._lines.popleft())
 
-    async def next_within(self, seconds: float) -> dict[str, Any] | None:
+    async def next_within(self, seconds: float) -> Line | None:
         """`next()`, or TimeoutError when no line completes within `seconds`.
 
         After a TimeoutError the stream is unusable (its reader holds the error): the caller
         abandons it, as it would any stalled stream.
         """
         if self._lines:
-            return parse_line(self._lines.popleft())
+            return self._parse(self._lines.popleft())
         loop = self._loop
         if loop is None:  # once per stream: get_running_loop() is a getpid() system call in 3.11
             loop = self._loop = asyncio.get_running_loop()
@@ -134,7 +138,7 @@ class NdjsonReader:
             self._timer.cancel()
             self._timer = None
 
-    def ready(self) -> dict[str, Any] | None:
+    def ready(self) -> Line | None:
         """A complete line that has already arrived, or None; never waits and never raises.
 
         A line that does not parse is left for `next()`, which reports it.
@@ -152,7 +156,7 @@ class NdjsonReader:
         if not self._lines:
             return None
         try:
-            line = parse_line(self._lines[0])
+            line = self._parse(self._lines[0])
         except ValueError:
             return None
         self._lines.popleft()
