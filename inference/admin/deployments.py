@@ -1,4 +1,6 @@
-"""Admin of models, deployments (rules, events, workers, scale actions, live metric charts) and metrics."""
+"""Admin of served models and deployments: replica cells, saves through the actions (ScaleEvents), the
+scale actions (queued for the controller, as the REST API's), and the live metric charts page.
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -6,14 +8,11 @@ from typing import Any
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db import models
 from django.db.models import Count, Q, QuerySet
-from django.forms.models import BaseInlineFormSet
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
-from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
@@ -21,25 +20,21 @@ from inference import jobs
 from inference.actions import deployments as deployment_actions
 from inference.actions import rules as rule_actions
 from inference.actions import scale as scale_actions
+from inference.admin.deployment_inlines import (
+    DeploymentWorkerInline,
+    RouterEndpointInline,
+    ScaleEventInline,
+    ScalingRuleInline,
+)
 from inference.models import (
     Deployment,
-    MetricSample,
-    RouterEndpoint,
-    RouterSample,
-    ScaleEvent,
-    ScaleOverride,
     ScalingRule,
-    Worker,
     WorkerRole,
-    WorkerSample,
     WorkerStatus,
 )
 from inference.models import Model as ServedModel
-from inference.node_admin import LiveWorkerInline, age_text, health_summary, status_badge
 from inference.selectors import charts
 from inference.selectors import metrics as metric_selectors
-
-RECENT_EVENTS = 20
 
 
 @admin.register(ServedModel)
@@ -58,112 +53,6 @@ class ServedModelAdmin(admin.ModelAdmin):
     def deployment_count(self, model: ServedModel) -> int:
         """Deployments serving this model (it cannot be deleted while any does)."""
         return int(getattr(model, "n_deployments", 0))
-
-
-class ScalingRuleInline(admin.TabularInline):
-    """The deployment's scaling rules, editable in place (validated by ScalingRule.clean)."""
-
-    model = ScalingRule
-    extra = 0
-    fields = [
-        "name",
-        "kind",
-        "role",
-        "enabled",
-        "comparison",
-        "threshold",
-        "duration_s",
-        "cooldown_s",
-        "step",
-        "start_time",
-        "end_time",
-        "target_replicas",
-        "last_triggered_at",
-    ]
-    readonly_fields = ["last_triggered_at"]
-
-
-class RouterEndpointInline(admin.TabularInline):
-    """The deployment's routers: the metrics collector scrapes each one's /metrics (router series)."""
-
-    model = RouterEndpoint
-    extra = 0
-    verbose_name_plural = "routers (scraped for the metrics page: overhead, errors, 429s, client latency)"
-    fields = ["url", "enabled", "last_scraped_at", "last_error"]
-    readonly_fields = ["last_scraped_at", "last_error"]
-    formfield_overrides = {models.URLField: {"assume_scheme": "http"}}  # routers are plain http here
-
-
-class RecentEventsFormSet(BaseInlineFormSet):
-    """The newest events only; a submitted page binds no forms, so events that arrived after the
-    page was rendered (autoscaling runs meanwhile) cannot disturb the deployment's save."""
-
-    def get_queryset(self) -> QuerySet:
-        """The newest RECENT_EVENTS events of the deployment."""
-        return super().get_queryset().order_by("-created_at", "-id")[:RECENT_EVENTS]
-
-    def initial_form_count(self) -> int:
-        """No existing forms on a submitted page: the inline is read-only."""
-        return 0 if self.is_bound else int(super().initial_form_count())
-
-    def total_form_count(self) -> int:
-        """No forms at all on a submitted page: the inline is read-only."""
-        return 0 if self.is_bound else int(super().total_form_count())
-
-
-class ScaleEventInline(admin.TabularInline):
-    """The deployment's most recent scale events, read-only."""
-
-    model = ScaleEvent
-    formset = RecentEventsFormSet
-    extra = 0
-    max_num = 0
-    can_delete = False
-    verbose_name_plural = f"recent scale events (newest {RECENT_EVENTS})"
-    fields = ["created_at", "role", "from_replicas", "to_replicas", "source", "rule", "reason", "time_to_run_s"]
-    readonly_fields = fields
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Events are recorded by inference.actions, never typed in."""
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Events are history: read-only."""
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Events are history: kept."""
-        return False
-
-
-class DeploymentWorkerInline(LiveWorkerInline):
-    """The deployment's live workers, read-only (the controller places them)."""
-
-    fk_name = "deployment"
-    related = ("node",)
-    verbose_name_plural = "live workers"
-    fields = ["role", "node", "worker_url", "worker_status", "pid", "restarts", "health", "seen"]
-    readonly_fields = fields
-
-    @admin.display(description="URL")
-    def worker_url(self, worker: Worker) -> str:
-        """Base URL of the worker's HTTP API."""
-        return worker.url
-
-    @admin.display(description="status")
-    def worker_status(self, worker: Worker) -> SafeString:
-        """The status as a coloured badge."""
-        return status_badge(worker.status, worker.get_status_display())
-
-    @admin.display(description="last health")
-    def health(self, worker: Worker) -> str:
-        """Summary of the last /health answer."""
-        return health_summary(worker.last_health)
-
-    @admin.display(description="last seen")
-    def seen(self, worker: Worker) -> SafeString | str:
-        """Age of the agent's last report."""
-        return age_text(worker.last_seen)
 
 
 class DeploymentAdminForm(forms.ModelForm):
@@ -410,138 +299,3 @@ class DeploymentAdmin(admin.ModelAdmin):
         except metric_selectors.InvalidQuery as exc:
             return JsonResponse({"error": exc.errors}, status=400)
         return JsonResponse(data)  # admin_view() already marks it never_cache: live data
-
-
-@admin.register(ScalingRule)
-class ScalingRuleAdmin(admin.ModelAdmin):
-    """Scaling rules of all deployments."""
-
-    list_display = ["name", "deployment", "kind", "role", "enabled", "condition", "last_triggered_at"]
-    list_filter = ["kind", "role", "enabled", "deployment"]
-    list_select_related = ["deployment"]
-    search_fields = ["name", "deployment__name"]
-    readonly_fields = ["breach_started_at", "last_triggered_at"]
-
-    @admin.display(description="condition")
-    def condition(self, rule: ScalingRule) -> str:
-        """The rule in words."""
-        if rule.kind == "threshold":
-            return (
-                f"load {rule.comparison} {rule.threshold} over {rule.duration_s}s → {rule.step:+d} "
-                f"(cooldown {rule.cooldown_s}s)"
-            )
-        if rule.kind in ("ttft_slo", "itl_slo"):
-            what, unit = ("TTFT", "s") if rule.kind == "ttft_slo" else ("ITL", "ms")
-            return (
-                f"{what} p90 ≤ {rule.threshold:g}{unit}, else {rule.step:+d} {rule.role} after {rule.duration_s}s "
-                f"(cooldown {rule.cooldown_s}s)"
-            )
-        return f"{rule.start_time}–{rule.end_time} → {rule.target_replicas} replicas"
-
-    def save_model(self, request: HttpRequest, obj: ScalingRule, form: Any, change: bool) -> None:
-        """Save through rule_actions.save_rule (a changed condition restarts the breach timer)."""
-        rule_actions.save_rule(obj, changed_fields=form.changed_data if change else None)
-
-
-class ReadOnlyAdmin(admin.ModelAdmin):
-    """History the platform records: browsable, never typed in or edited."""
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        """Recorded by the platform only."""
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """History is not edited."""
-        return False
-
-
-@admin.register(ScaleOverride)
-class ScaleOverrideAdmin(ReadOnlyAdmin):
-    """Overrides of scaling rules made by manual scales: which role, what count, until when, why."""
-
-    list_display = ["created_at", "deployment", "role", "replicas", "ends_at", "active", "rule", "created_by", "reason"]
-    list_filter = ["role", "deployment"]
-    list_select_related = ["deployment", "rule"]
-    search_fields = ["deployment__name", "reason", "created_by"]
-
-    @admin.display(description="active", boolean=True)
-    def active(self, override: ScaleOverride) -> bool:
-        """Whether it still holds its role."""
-        return bool(override.ends_at > timezone.now())
-
-
-@admin.register(ScaleEvent)
-class ScaleEventAdmin(ReadOnlyAdmin):
-    """Every replica change with its source and reason."""
-
-    list_display = ["created_at", "deployment", "role", "change", "source", "rule", "time_to_run", "reason"]
-    list_filter = ["source", "role", "deployment"]
-    list_select_related = ["deployment", "rule"]
-    search_fields = ["deployment__name", "reason"]
-    date_hierarchy = "created_at"
-
-    @admin.display(description="replicas")
-    def change(self, event: ScaleEvent) -> str:
-        """from → to."""
-        return f"{event.from_replicas} → {event.to_replicas}"
-
-    @admin.display(description="time to run", ordering="time_to_run_s")
-    def time_to_run(self, event: ScaleEvent) -> str:
-        """Seconds until the workers placed for the event ran; "starting" while they do not yet."""
-        if event.time_to_run_s is not None:
-            return f"{event.time_to_run_s:.0f}s"
-        return "starting" if event.placed_workers.exists() else "—"
-
-
-@admin.register(MetricSample)
-class MetricSampleAdmin(ReadOnlyAdmin):
-    """Raw role-level metric samples (charts are on each deployment's metrics page)."""
-
-    list_display = [
-        "at",
-        "deployment",
-        "role",
-        "workers",
-        "load",
-        "ttft_s",
-        "itl_s",
-        "throughput_tps",
-        "queue_depth",
-        "kv_usage",
-        "cpu_utilization",
-        "gpu_utilization",
-    ]
-    list_filter = ["role", "deployment"]
-    list_select_related = ["deployment"]
-    date_hierarchy = "at"
-    # The table grows by a row per role every few seconds: skip the exact total count.
-    show_full_result_count = False
-
-
-@admin.register(WorkerSample)
-class WorkerSampleAdmin(ReadOnlyAdmin):
-    """Raw per-worker metric samples (charted per worker on each deployment's metrics page)."""
-
-    list_display = [
-        "at", "deployment", "name", "role", "load", "queue_depth", "running", "kv_usage", "rss_bytes",
-        "gpu_memory_bytes", "kv_transfer_bytes_per_s", "prefix_cache_hit_ratio", "request_share",
-    ]  # fmt: skip
-    list_filter = ["role", "deployment"]
-    list_select_related = ["deployment"]
-    search_fields = ["name", "url"]
-    date_hierarchy = "at"
-    show_full_result_count = False
-
-
-@admin.register(RouterSample)
-class RouterSampleAdmin(ReadOnlyAdmin):
-    """Raw router samples: what the router measured between two scrapes (charted on the metrics page)."""
-
-    list_display = [
-        "at", "deployment", "router", "requests_per_s", "error_rate", "rejected_per_s", "dispatch_p50_s",
-        "dispatch_p90_s", "ttft_p90_s", "itl_p90_s", "queued",
-    ]  # fmt: skip
-    list_filter = ["deployment"]
-    list_select_related = ["deployment", "router"]
-    date_hierarchy = "at"
-    show_full_result_count = False

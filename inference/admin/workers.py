@@ -1,181 +1,34 @@
-"""Admin of nodes and workers: live status lists, and the drain / restart actions.
-
-Node is a model of the `nodes` app, but its admin shows the workers on it (inline, counts, CPU pinning
-overlaps) and its actions move workers, so it is registered here, in the layer that knows both.
+"""Admin of workers: the live worker list (status, health, CPU pinning overlaps), the restart action, and
+the inlines that show a node's or a deployment's live workers.
 """
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
-from datetime import datetime
 from typing import Any
 
-from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.views.main import ChangeList
-from django.db.models import Count, Q, QuerySet
+from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
-from django.urls import reverse
-from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
-from django.utils.text import Truncator
 
-from inference.actions import nodes as node_workers
 from inference.actions import workers as worker_actions
-from inference.controller.pinning import CpuOverlap, live_cpu_overlaps, overlapping_worker_ids
-from inference.models import ACTIVE_WORKER_STATUSES, Worker, WorkerStatus
-from nodes import actions as node_actions
-from nodes.models import Node, NodeStatus
-
-# The stylesheet that keeps the node and worker lists (and the deployment page's inlines) within the
-# window: compact cells, long text cut with an ellipsis and shown whole on hover.
-LIST_CSS = "inference/admin_lists.css"
-# Characters of a worker's last /health JSON shown in the hover title of its list cell.
-HEALTH_TITLE_CHARS = 1500
-
-# Colours of the status badges (the admin's own palette: green, amber, red, grey).
-_STATUS_COLOURS: dict[str, str] = {
-    # Plain values as keys: NodeStatus and WorkerStatus share some ("draining").
-    "online": "#2e7d32",
-    "unreachable": "#b26a00",  # agent silent; its workers serve while their /health answers
-    "offline": "#c62828",
-    "running": "#2e7d32",
-    "pending": "#607d8b",
-    "starting": "#1565c0",
-    "unhealthy": "#c62828",
-    "draining": "#b26a00",
-    "stopping": "#b26a00",
-    "stopped": "#757575",
-    "failed": "#c62828",
-}
-
-
-def heartbeat_timeout_s() -> float:
-    """Seconds without a heartbeat after which a node's status is shown as stale."""
-    return float(getattr(settings, "NODE_HEARTBEAT_TIMEOUT_S", 15.0))
-
-
-def status_badge(value: str, label: str, *, stale: bool = False) -> SafeString:
-    """A coloured badge for a status; a stale one (agent silent) is struck through and greyed."""
-    colour = "#9e9e9e" if stale else _STATUS_COLOURS.get(value, "#607d8b")
-    title = "no recent heartbeat: the agent may be down" if stale else label
-    style = "text-decoration:line-through;" if stale else ""
-    return format_html(
-        '<span title="{}" style="background:{};color:#fff;padding:1px 6px;border-radius:8px;{}">{}</span>',
-        title,
-        colour,
-        style,
-        label,
-    )
-
-
-def age_text(moment: datetime | None, *, stale_after_s: float | None = None) -> SafeString | str:
-    """'12s ago' style age of a timestamp, red once older than `stale_after_s`."""
-    if moment is None:
-        return "never"
-    seconds = max((timezone.now() - moment).total_seconds(), 0.0)
-    if seconds < 120:
-        text = f"{seconds:.0f}s ago"
-    elif seconds < 7200:
-        text = f"{seconds / 60:.0f}m ago"
-    elif seconds < 172800:
-        text = f"{seconds / 3600:.0f}h ago"
-    else:
-        text = f"{seconds / 86400:.0f}d ago"
-    if stale_after_s is not None and seconds > stale_after_s:
-        return format_html('<span style="color:#c62828;font-weight:bold">{}</span>', text)
-    return text
-
-
-def first_number(data: Mapping[str, Any] | None, *keys: str) -> float | None:
-    """The first of `keys` in `data` holding a number (agents and workers name metrics variously)."""
-    if not isinstance(data, Mapping):
-        return None
-    for key in keys:
-        value = data.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-    return None
-
-
-def percent(value: float | None) -> str:
-    """A ratio (0..1) or a percentage (1..100) shown as a percentage."""
-    if value is None:
-        return "–"
-    return f"{value * 100:.0f}%" if value <= 1.0 else f"{value:.0f}%"
-
-
-def human_bytes(count: float | None) -> str:
-    """Bytes in binary units (GiB, MiB, ...)."""
-    if not count:
-        return "–"
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.1f} {unit}" if unit != "B" else f"{value:.0f} B"
-        value /= 1024
-    return f"{value:.1f} TiB"
-
-
-def short_reason(note: str, limit: int = 48) -> str:
-    """The headline of a reason for a list column: the text before its first parenthesis, cut at a word
-    with an ellipsis past `limit` characters (the full text goes in the cell's title). A plain
-    character cut made "No module named 'pyverbs'" read "No module named ", losing the name."""
-    headline = note.split(" (", 1)[0].strip() or note.strip()
-    return Truncator(headline).chars(limit)
-
-
-def health_summary(health: Mapping[str, Any] | None) -> str:
-    """One line from a worker's last /health answer: status, queue, running, KV usage, CPU/GPU."""
-    if not isinstance(health, Mapping) or not health:
-        return "–"
-    parts = [str(health.get("status", "?"))]
-    for key, label in (("queue_depth", "queue"), ("running", "running")):
-        value = first_number(health, key)
-        if value is not None:
-            parts.append(f"{label} {value:g}")
-    kv = first_number(health, "kv_usage")
-    if kv is not None:
-        parts.append(f"KV {percent(kv)}")
-    gpu = first_number(health, "gpu_utilization")
-    cpu = first_number(health, "cpu_utilization")
-    if gpu is not None:
-        parts.append(f"GPU {percent(gpu)}")
-    elif cpu is not None:
-        parts.append(f"CPU {percent(cpu)}")
-    return " · ".join(parts)
-
-
-def health_title(health: Mapping[str, Any] | None) -> str:
-    """The whole last /health answer as JSON for a hover title, cut at HEALTH_TITLE_CHARS."""
-    if not isinstance(health, Mapping) or not health:
-        return ""
-    text = json.dumps(health, sort_keys=True, default=str)
-    return text if len(text) <= HEALTH_TITLE_CHARS else text[:HEALTH_TITLE_CHARS] + "…"
-
-
-def cpu_ranges(cpu_ids: list[Any] | None) -> str:
-    """CPU ids as compact ranges: [0, 1, 2, 5] -> "0-2,5" ("–" when not pinned)."""
-    ids = sorted({int(c) for c in cpu_ids or [] if isinstance(c, int | str) and str(c).lstrip("-").isdigit()})
-    if not ids:
-        return "–"
-    parts: list[str] = []
-    start = prev = ids[0]
-    for cpu in [*ids[1:], None]:
-        if cpu is not None and cpu == prev + 1:
-            prev = cpu
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if cpu is not None:
-            start = prev = cpu
-    return ",".join(parts)
-
-
-def warn_overlaps(model_admin: admin.ModelAdmin, request: HttpRequest, overlaps: list[CpuOverlap]) -> None:
-    """One admin warning per pair of workers pinned to shared CPUs."""
-    for overlap in overlaps:
-        model_admin.message_user(request, f"CPU pinning overlaps: {overlap.describe()}.", messages.WARNING)
+from inference.admin.display import (
+    LIST_CSS,
+    age_text,
+    cpu_ranges,
+    health_summary,
+    health_title,
+    heartbeat_timeout_s,
+    status_badge,
+    warn_overlaps,
+)
+from inference.controller.pinning import live_cpu_overlaps, overlapping_worker_ids
+from inference.models import (
+    ACTIVE_WORKER_STATUSES,
+    Worker,
+    WorkerStatus,
+)
 
 
 class WorkerStateFilter(admin.SimpleListFilter):
@@ -242,171 +95,6 @@ class WorkerInline(LiveWorkerInline):
     related = ("deployment",)
     fields = ["deployment", "role", "port", "status", "pid", "restarts", "last_seen"]
     readonly_fields = fields
-
-
-@admin.register(Node)
-class NodeAdmin(admin.ModelAdmin):
-    """Hosts with their live status: heartbeat age, CPU, memory, GPUs, RDMA and worker count."""
-
-    change_list_template = "admin/nodes/node/change_list.html"
-
-    class Media:
-        css = {"all": [LIST_CSS]}
-
-    list_display = [
-        "name",
-        "address",
-        "live_status",
-        "heartbeat",
-        "cpu",
-        "memory",
-        "gpu",
-        "rdma",
-        "worker_count",
-    ]
-    list_filter = ["status", "allow_cpu_oversubscription"]
-    search_fields = ["name", "hostname", "address"]
-    actions = ["drain_nodes", "activate_nodes", "mark_nodes_offline"]
-    inlines = [WorkerInline]
-    readonly_fields = [
-        # Status changes go through the drain/activate actions, which also move the node's workers.
-        "status",
-        "hostname",
-        "cpu_count",
-        "memory_bytes",
-        "gpus",
-        "rdma_devices",
-        "rdma_note",
-        "last_heartbeat",
-        "last_metrics",
-        "registered_at",
-    ]
-    fieldsets = [
-        (None, {"fields": ["name", "hostname", "address", "status", "labels"]}),
-        # What the controller may place here (ports, and whether workers may share CPUs).
-        ("Placement", {"fields": ["port_range_start", "port_range_end", "allow_cpu_oversubscription"]}),
-        (
-            "Registered resources and heartbeat",
-            {"fields": ["cpu_count", "memory_bytes", "gpus", "rdma_devices", "rdma_note", "last_heartbeat",
-                        "last_metrics", "registered_at"]},
-        ),
-    ]
-
-    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
-        """The list, with a warning for each pair of live workers pinned to shared CPUs."""
-        if request.method == "GET":
-            warn_overlaps(self, request, live_cpu_overlaps())
-        return super().changelist_view(request, extra_context)
-
-    def get_queryset(self, request: HttpRequest) -> QuerySet:
-        """Nodes with their count of live workers (one query for the whole list)."""
-        return (
-            super()
-            .get_queryset(request)
-            .annotate(live_workers=Count("workers", filter=Q(workers__status__in=ACTIVE_WORKER_STATUSES)))
-        )
-
-    @admin.display(description="status", ordering="status")
-    def live_status(self, node: Node) -> SafeString:
-        """The status, greyed out when the agent's heartbeat is stale (UNREACHABLE already says so)."""
-        stale = node.status not in (NodeStatus.OFFLINE, NodeStatus.UNREACHABLE) and (
-            node.last_heartbeat is None
-            or (timezone.now() - node.last_heartbeat).total_seconds() > heartbeat_timeout_s()
-        )
-        return status_badge(node.status, node.get_status_display(), stale=stale)
-
-    @admin.display(description="last heartbeat", ordering="last_heartbeat")
-    def heartbeat(self, node: Node) -> SafeString | str:
-        """Age of the last heartbeat, red when stale."""
-        return age_text(node.last_heartbeat, stale_after_s=heartbeat_timeout_s())
-
-    @admin.display(description="CPU")
-    def cpu(self, node: Node) -> str:
-        """CPU count and utilisation at the last heartbeat, and whether workers may share CPUs here."""
-        used = first_number(node.last_metrics, "cpu_utilization", "cpu_percent")
-        text = f"{node.cpu_count} CPUs" + (f", {percent(used)} busy" if used is not None else "")
-        load = node.last_metrics.get("load_avg") if isinstance(node.last_metrics, Mapping) else None
-        if isinstance(load, list) and load and isinstance(load[0], int | float):
-            text += f", load {load[0]:g}"
-        if node.allow_cpu_oversubscription:
-            text += " (oversubscription allowed)"
-        return text
-
-    @admin.display(description="memory")
-    def memory(self, node: Node) -> str:
-        """Total memory and how much was in use at the last heartbeat."""
-        total = node.memory_bytes
-        used_pct = first_number(node.last_metrics, "memory_percent", "memory_utilization")
-        if used_pct is None:
-            available = first_number(node.last_metrics, "memory_available_bytes")
-            used = first_number(node.last_metrics, "memory_used_bytes")
-            if used is None and available is not None and total:
-                used = total - available
-            if used is not None and total:
-                used_pct = used / total
-        return f"{human_bytes(total)} ({percent(used_pct)} used)" if used_pct is not None else human_bytes(total)
-
-    @admin.display(description="GPUs")
-    def gpu(self, node: Node) -> str:
-        """GPU count and model names, with utilisation when the agent reports it."""
-        gpus = node.gpus if isinstance(node.gpus, list) else []
-        if not gpus:
-            return "none"
-        names = sorted({str(g.get("name", "GPU")) for g in gpus if isinstance(g, Mapping)})
-        used = first_number(node.last_metrics, "gpu_utilization", "gpu_percent")
-        text = f"{len(gpus)} × {', '.join(names) or 'GPU'}"
-        return f"{text} ({percent(used)})" if used is not None else text
-
-    @admin.display(description="RDMA")
-    def rdma(self, node: Node) -> SafeString | str:
-        """RDMA devices, or why RDMA is unusable on this host."""
-        devices = node.rdma_devices if isinstance(node.rdma_devices, list) else []
-        if devices:
-            names = [str(d.get("name", d)) if isinstance(d, Mapping) else str(d) for d in devices]
-            return ", ".join(names)
-        if node.rdma_note:
-            return format_html('<span title="{}">no ({})</span>', node.rdma_note, short_reason(node.rdma_note))
-        return "no"
-
-    @admin.display(description="workers", ordering="live_workers")
-    def worker_count(self, node: Node) -> SafeString:
-        """Live workers on the node, linking to the worker list filtered by it."""
-        url = reverse("admin:inference_worker_changelist") + f"?node__id__exact={node.pk}"
-        return format_html('<a href="{}">{}</a>', url, getattr(node, "live_workers", 0))
-
-    @admin.action(description="Drain node", permissions=["change"])
-    def drain_nodes(self, request: HttpRequest, queryset: QuerySet) -> None:
-        """Drain each selected node through inference.actions.nodes.drain_node."""
-        for node in queryset:
-            try:
-                node_workers.drain_node(node)
-            except Exception as exc:  # report each node's failure and carry on with the others
-                self.message_user(request, f"Could not drain {node.name}: {exc}", messages.ERROR)
-            else:
-                self.message_user(request, f"Draining {node.name}.", messages.SUCCESS)
-
-    @admin.action(description="Activate node (undo a drain)", permissions=["change"])
-    def activate_nodes(self, request: HttpRequest, queryset: QuerySet) -> None:
-        """Put each selected draining node back into service through nodes.actions.activate_node."""
-        for node in queryset:
-            if node.status != NodeStatus.DRAINING:
-                self.message_user(request, f"{node.name} is {node.status}, not draining.", messages.WARNING)
-                continue
-            node_actions.activate_node(node)
-            self.message_user(request, f"{node.name} takes new workers again.", messages.SUCCESS)
-
-    @admin.action(description="Mark offline (re-place its workers elsewhere)", permissions=["change"])
-    def mark_nodes_offline(self, request: HttpRequest, queryset: QuerySet) -> None:
-        """Give up on each selected node through inference.actions.nodes.mark_node_offline (for a host known gone:
-        an UNREACHABLE node's workers otherwise stay as long as their /health answers)."""
-        for node in queryset:
-            if node.status == NodeStatus.OFFLINE:
-                self.message_user(request, f"{node.name} is offline already.", messages.WARNING)
-                continue
-            given_up = node_workers.mark_node_offline(node, reason=f"marked offline by {request.user}")
-            self.message_user(
-                request, f"{node.name} is offline; {len(given_up)} worker(s) re-placed elsewhere.", messages.SUCCESS
-            )
 
 
 class WorkerChangeList(ChangeList):
@@ -557,4 +245,3 @@ class WorkerAdmin(admin.ModelAdmin):
                 done.append(str(worker.pk))
         if done:
             self.message_user(request, f"Restarting worker(s) {', '.join(done)}.", messages.SUCCESS)
-

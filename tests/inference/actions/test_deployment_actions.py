@@ -1,5 +1,5 @@
 """inference.actions: scaling with clamping and events, deployment/rule saves, metric samples and pruning
-(the metric series read back: tests/inference/test_selectors.py)."""
+(the metric series read back: tests/inference/selectors/test_metric_series.py)."""
 from __future__ import annotations
 
 import base64

@@ -14,9 +14,9 @@ from django.urls import reverse
 from django.utils import timezone
 
 from inference.actions.workers import prune_stopped_workers
+from inference.admin.display import cpu_ranges, short_reason
 from inference.kv_transfer.rdma_detect import pyverbs_import_reason, rdma_available
 from inference.models import Worker
-from inference.node_admin import cpu_ranges, short_reason
 from inference.tasks import prune_workers
 from nodes.resources import detect_rdma
 from tests.support.control_plane import make_deployment, make_node, make_worker

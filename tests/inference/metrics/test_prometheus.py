@@ -19,7 +19,7 @@ from inference.router.metrics import RouterMetrics
 from inference.server.metrics import WorkerMetrics
 from tests.support.control_plane import make_deployment, make_node, make_worker
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PROMETHEUS_YML = ROOT / "platform" / "prometheus" / "prometheus.yml"
 DASHBOARD = ROOT / "platform" / "grafana" / "dashboards" / "disagg-platform.json"
 DEFAULT_OUT = "platform/prometheus/targets/targets.json"

@@ -1,0 +1,12 @@
+"""The inference app's admin, one module per page; importing this package registers every ModelAdmin.
+
+- `deployments`: served models and deployments (rules, events and workers inline, scale actions, charts);
+- `deployment_inlines`: what the deployment page shows inside it;
+- `nodes`: nodes (status, resources, drain / activate / offline); `workers`: the live worker list, restart;
+- `scaling`: scaling rules, overrides, scale events; `samples`: metric samples (read-only);
+- `display`: badges, ages, health and resource summaries shared by the pages.
+State changes go through inference.actions, reads through inference.selectors.
+"""
+from inference.admin import deployments, nodes, samples, scaling, workers
+
+__all__ = ["deployments", "nodes", "samples", "scaling", "workers"]

@@ -1,0 +1,134 @@
+"""What the deployment page shows inside it: its scaling rules (editable), routers, recent scale events
+and live workers.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin
+from django.db import models
+from django.db.models import QuerySet
+from django.forms.models import BaseInlineFormSet
+from django.http import HttpRequest
+from django.utils.safestring import SafeString
+
+from inference.admin.display import (
+    age_text,
+    health_summary,
+    status_badge,
+)
+from inference.admin.workers import LiveWorkerInline
+from inference.models import (
+    RouterEndpoint,
+    ScaleEvent,
+    ScalingRule,
+    Worker,
+)
+
+RECENT_EVENTS = 20
+
+
+class ScalingRuleInline(admin.TabularInline):
+    """The deployment's scaling rules, editable in place (validated by ScalingRule.clean)."""
+
+    model = ScalingRule
+    extra = 0
+    fields = [
+        "name",
+        "kind",
+        "role",
+        "enabled",
+        "comparison",
+        "threshold",
+        "duration_s",
+        "cooldown_s",
+        "step",
+        "start_time",
+        "end_time",
+        "target_replicas",
+        "last_triggered_at",
+    ]
+    readonly_fields = ["last_triggered_at"]
+
+
+class RouterEndpointInline(admin.TabularInline):
+    """The deployment's routers: the metrics collector scrapes each one's /metrics (router series)."""
+
+    model = RouterEndpoint
+    extra = 0
+    verbose_name_plural = "routers (scraped for the metrics page: overhead, errors, 429s, client latency)"
+    fields = ["url", "enabled", "last_scraped_at", "last_error"]
+    readonly_fields = ["last_scraped_at", "last_error"]
+    formfield_overrides = {models.URLField: {"assume_scheme": "http"}}  # routers are plain http here
+
+
+class RecentEventsFormSet(BaseInlineFormSet):
+    """The newest events only; a submitted page binds no forms, so events that arrived after the
+    page was rendered (autoscaling runs meanwhile) cannot disturb the deployment's save."""
+
+    def get_queryset(self) -> QuerySet:
+        """The newest RECENT_EVENTS events of the deployment."""
+        return super().get_queryset().order_by("-created_at", "-id")[:RECENT_EVENTS]
+
+    def initial_form_count(self) -> int:
+        """No existing forms on a submitted page: the inline is read-only."""
+        return 0 if self.is_bound else int(super().initial_form_count())
+
+    def total_form_count(self) -> int:
+        """No forms at all on a submitted page: the inline is read-only."""
+        return 0 if self.is_bound else int(super().total_form_count())
+
+
+class ScaleEventInline(admin.TabularInline):
+    """The deployment's most recent scale events, read-only."""
+
+    model = ScaleEvent
+    formset = RecentEventsFormSet
+    extra = 0
+    max_num = 0
+    can_delete = False
+    verbose_name_plural = f"recent scale events (newest {RECENT_EVENTS})"
+    fields = ["created_at", "role", "from_replicas", "to_replicas", "source", "rule", "reason", "time_to_run_s"]
+    readonly_fields = fields
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Events are recorded by inference.actions, never typed in."""
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Events are history: read-only."""
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Events are history: kept."""
+        return False
+
+
+class DeploymentWorkerInline(LiveWorkerInline):
+    """The deployment's live workers, read-only (the controller places them)."""
+
+    fk_name = "deployment"
+    related = ("node",)
+    verbose_name_plural = "live workers"
+    fields = ["role", "node", "worker_url", "worker_status", "pid", "restarts", "health", "seen"]
+    readonly_fields = fields
+
+    @admin.display(description="URL")
+    def worker_url(self, worker: Worker) -> str:
+        """Base URL of the worker's HTTP API."""
+        return worker.url
+
+    @admin.display(description="status")
+    def worker_status(self, worker: Worker) -> SafeString:
+        """The status as a coloured badge."""
+        return status_badge(worker.status, worker.get_status_display())
+
+    @admin.display(description="last health")
+    def health(self, worker: Worker) -> str:
+        """Summary of the last /health answer."""
+        return health_summary(worker.last_health)
+
+    @admin.display(description="last seen")
+    def seen(self, worker: Worker) -> SafeString | str:
+        """Age of the agent's last report."""
+        return age_text(worker.last_seen)
