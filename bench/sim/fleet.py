@@ -224,8 +224,8 @@ class Fleet:
         listener = asyncio.ensure_future(self._acks(request, credit)) if credit is not None else None
         try:
             await response.prepare(request)
-            async for event in events:
-                await response.write(orjson.dumps(event) + b"\n")
+            async for line in events:
+                await response.write(line)
             await response.write_eof()
         except (ConnectionError, aiohttp.ClientConnectionResetError):
             pass  # the router hung up: the stream ends here (its generator frees the blocks)

@@ -11,8 +11,10 @@ the default 2 s health interval) are started, then:
   tokens, 8 clients); the router's CPU ÷ requests, raw and net of the idle (health) rate.
 
 Beside them, in process: policy + admission CPU per request on the real WorkerPool and Admission
-(bench/sim/policy_cost.py; also a prototype of the proposed change), and the health checks' CPU
-per check with a cProfile (bench/sim/health_cost.py) at the largest pool.
+(bench/sim/policy_cost.py; also a prototype of the proposed change), the health checks' CPU per
+check with a cProfile (bench/sim/health_cost.py; also a prototype of a lean check), and the router
+core's CPU per request with a cProfile (bench/sim/request_cost.py), at the smallest and the largest
+pool, against the largest fleet.
 
     .venv/bin/python -m bench.sim.router_scale            # about 4 minutes
     .venv/bin/python -m bench.sim.router_scale --quick    # seconds
@@ -38,7 +40,7 @@ from bench.common import (
     synthetic_prompts,
     write_result,
 )
-from bench.sim import health_cost, policy_cost
+from bench.sim import health_cost, policy_cost, request_cost
 from bench.sim.config import SimConfig
 from bench.sim.launch import SimPlatform, sim_platform
 
@@ -88,9 +90,15 @@ async def _requests(url: str, prompts: list[list[int]], count: int, clients: int
 
 def measure_router(plat: SimPlatform, decode: int, prefill: int, idle_s: float, count: int,
                    prompts: list[list[int]]) -> dict[str, Any]:
-    """Idle (health-check) CPU share, then CPU per request, of the router process in front of `plat`."""
-    asyncio.run(_requests(plat.router_url, prompts, min(count, 2 * CLIENTS), CLIENTS))  # warm-up
-    time.sleep(2 * HEALTH_INTERVAL_S)  # let the warm-up's connections settle into the health rhythm
+    """CPU per request, then the idle (health-check) CPU share, of the router process in front of `plat`."""
+    # Warm-up: round-robin over every endpoint twice, so that the router holds kept-alive connections
+    # to each (else the measured run pays a TCP connect per endpoint: 0.5 per request at 256 + 64).
+    asyncio.run(_requests(plat.router_url, prompts, 2 * max(CLIENTS, decode), CLIENTS))
+    # The measured run follows at once (kept-alive connections expire after 3 s idle).
+    cpu_start = process_cpu_seconds(plat.router_pid)
+    run = asyncio.run(_requests(plat.router_url, prompts, count, CLIENTS))
+    cpu_end = process_cpu_seconds(plat.router_pid)
+    time.sleep(HEALTH_INTERVAL_S)  # requests in flight are done; only health checks from here on
     hits0 = plat.fleet.stats().get("health", 0)
     fleet0 = sum(process_cpu_seconds(pid) for pid in plat.fleet.pids)
     cpu0, t0 = process_cpu_seconds(plat.router_pid), time.monotonic()
@@ -99,10 +107,8 @@ def measure_router(plat: SimPlatform, decode: int, prefill: int, idle_s: float, 
     fleet1 = sum(process_cpu_seconds(pid) for pid in plat.fleet.pids)
     hits1 = plat.fleet.stats().get("health", 0)
     idle_share = (cpu1 - cpu0) / (t1 - t0)
-    run = asyncio.run(_requests(plat.router_url, prompts, count, CLIENTS))
-    cpu2 = process_cpu_seconds(plat.router_pid)
-    raw_ms = (cpu2 - cpu1) * 1000 / count
-    net_ms = (cpu2 - cpu1 - idle_share * run["wall_s"]) * 1000 / count
+    raw_ms = (cpu_end - cpu_start) * 1000 / count
+    net_ms = (cpu_end - cpu_start - idle_share * run["wall_s"]) * 1000 / count
     return {
         "decode_endpoints": decode, "prefill_endpoints": prefill,
         "idle_s": t1 - t0, "health_checks_per_s": (hits1 - hits0) / (t1 - t0),
@@ -128,6 +134,9 @@ def _tables(result: dict[str, Any]) -> str:
         f"\n\nhealth checks in process, {hp['endpoints']} endpoints: {fmt(hp['cpu_us_per_check'], 0)} µs CPU per check "
         f"({fmt(100 * hp['core_share_at_interval'], 2)} % of a core at {HEALTH_INTERVAL_S:g} s); lean prototype "
         f"{fmt(hp['prototype_lean_cpu_us_per_check'], 0)} µs per check")
+    core = "".join(f"\nrouter core in process, {c['decode_endpoints']} decode endpoints: "
+                   f"{fmt(c['cpu_us_per_request'], 0)} µs CPU per request" for c in result.get("core_request_cost", []))
+    health += core
     return (markdown_table(["decode", "prefill", "health checks/s", "router idle CPU %", "µs/check",
                             "ok", "errors", "req/s", "router CPU ms/req", "net of health"], rows)
             + "\n\n" + markdown_table(["policy", "decode endpoints", "policy+admission CPU µs/request"], prows)
@@ -181,8 +190,14 @@ def main(argv: list[str] | None = None) -> int:
             log(f"  idle CPU {100 * row['router_idle_cpu_share']:.2f} %, "
                 f"{row['router_cpu_ms_per_request']:.3f} ms/request, {row['errors']} errors")
             if size == largest:
-                result["health_profile"] = health_cost.measure(plat.fleet.prefill, plat.fleet.decode,
+                fleet = plat.fleet
+                result["health_profile"] = health_cost.measure(fleet.prefill, fleet.decode,
                                                                rounds=2 if quick else 6, pause_s=HEALTH_INTERVAL_S)
+                # The router core alone, in process, on a small pool and on the whole (same fleet).
+                pools = sorted({min(sizes), size})
+                result["core_request_cost"] = [
+                    request_cost.measure(fleet.prefill[:max(1, n // 4)], fleet.decode[:n], prompts, count,
+                                         CLIENTS, MAX_TOKENS) for n in pools]
     result["verdict"] = _verdict(result, largest)
     name = "sim_router_scale" + ("_quick" if quick else "")
     print_header(name)

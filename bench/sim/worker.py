@@ -23,13 +23,14 @@ from inference.server.credit import StreamCredit
 from inference.server.errors import WorkerError, bad_request, overloaded
 from inference.server.load import LoadSignals
 from inference.server.metrics import WorkerMetrics
+from inference.wire import PrefillAnswer, Sampling
+from inference.wire.sampling import field_names
+from inference.wire.stream import descriptor_line, done_line, error_line, token_line
 
-# SamplingParams' fields and defaults (inference/engine/sampling_params.py; not imported: it pulls
-# the engine and torch into a process that only simulates).
-SAMPLING_DEFAULTS: dict[str, Any] = {
-    "max_tokens": 16, "temperature": 1.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0, "seed": None, "stop": [],
-    "stop_token_ids": [], "ignore_eos": False, "seed_offset": 0,
-}
+# The engine's own defaults of the model-default fields (SamplingParams in inference/engine, not
+# imported: it pulls the engine and torch into a process that only simulates); a simulated model
+# has no generation_config.json of its own.
+ENGINE_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0}
 # How long a decode stream waits for the router's credit before giving up (the real worker's bound).
 CREDIT_TIMEOUT_S = 120.0
 # Delivers a prefill's KV to the decode worker a descriptor names; returns the bytes "sent".
@@ -54,23 +55,23 @@ class _Reservation:
 
 
 def resolve_sampling(data: Any, max_tokens_limit: int) -> dict[str, Any]:
-    """The request's sampling with the defaults filled in; 400 naming the field on bad input."""
+    """The request's sampling checked by the wire's rules (as the real worker checks it), with the
+    defaults filled in (the real worker's resolved `SamplingParams.to_dict()` shape); 400 naming the
+    field on bad input."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise bad_request("'sampling' must be a JSON object")
-    unknown = sorted(set(data) - set(SAMPLING_DEFAULTS))
-    if unknown:
-        raise bad_request(f"invalid sampling parameters: unknown sampling field(s): {', '.join(unknown)}")
-    resolved = {**SAMPLING_DEFAULTS, **{k: v for k, v in data.items() if v is not None or k == "seed"}}
-    max_tokens = resolved["max_tokens"]
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise bad_request(f"invalid sampling parameters: max_tokens must be an integer >= 1, got {max_tokens!r}")
-    if max_tokens > max_tokens_limit:
-        raise bad_request(f"max_tokens={max_tokens} exceeds this server's limit of {max_tokens_limit}")
-    temperature = resolved["temperature"]
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not temperature >= 0:
-        raise bad_request(f"invalid sampling parameters: temperature must be a finite number >= 0, got {temperature!r}")
+    try:
+        sampling = Sampling.from_json(data)
+    except (TypeError, ValueError, OverflowError) as exc:  # SamplingError is a ValueError
+        raise bad_request(f"invalid sampling parameters: {exc}") from exc
+    if sampling.max_tokens > max_tokens_limit:
+        raise bad_request(f"max_tokens={sampling.max_tokens} exceeds this server's limit of {max_tokens_limit}")
+    resolved = {name: getattr(sampling, name) for name in field_names()}
+    for name, default in ENGINE_DEFAULTS.items():
+        if resolved[name] is None:
+            resolved[name] = default
     return resolved
 
 
@@ -188,9 +189,8 @@ class SimWorker:
             task.cancel()
 
     # ------------------------------------------------------------------ decode
-    async def open_decode(self, body: dict[str, Any],
-                          credit: StreamCredit | None = None) -> AsyncIterator[dict[str, Any]]:
-        """Validate and reserve; the NDJSON events of the request (descriptor first)."""
+    async def open_decode(self, body: dict[str, Any], credit: StreamCredit | None = None) -> AsyncIterator[bytes]:
+        """Validate and reserve; the NDJSON lines of the request (descriptor first), built by the wire."""
         cfg = self.config
         received_at = time.perf_counter()
         request_id = str(body.get("request_id") or uuid.uuid4().hex)
@@ -241,22 +241,20 @@ class SimWorker:
         r.kv.set()
         return True
 
-    async def _decode_events(self, r: _Reservation, credit: StreamCredit | None) -> AsyncIterator[dict[str, Any]]:
+    async def _decode_events(self, r: _Reservation, credit: StreamCredit | None) -> AsyncIterator[bytes]:
         cfg = self.config
         outcome = "aborted"
         streaming = False
         try:
             if cfg.reserve_s:
                 await asyncio.sleep(cfg.reserve_s)
-            yield {"type": "descriptor", "descriptor": self.descriptor(r), "prompt_token_ids": r.prompt_ids,
-                   "sampling": r.sampling}
+            yield descriptor_line(self.descriptor(r), r.prompt_ids, r.sampling)
             try:
                 await asyncio.wait_for(r.kv.wait(), timeout=cfg.kv_lease_timeout_s)
             except TimeoutError:
                 outcome = "kv_timeout"
-                yield {"type": "error", "reason": "kv_timeout",
-                       "message": f"no KV for {r.request_id} within the {cfg.kv_lease_timeout_s:g}s lease",
-                       "holder": None, "renewals": 0}
+                yield error_line(f"no KV for {r.request_id} within the {cfg.kv_lease_timeout_s:g}s lease",
+                                 "kv_timeout", holder=None, renewals=0)
                 return
             if r.aborted or r.first_token is None:
                 return
@@ -275,7 +273,7 @@ class SimWorker:
                     async with asyncio.timeout(CREDIT_TIMEOUT_S):
                         await credit.wait(sent)
                 if r.aborted:
-                    yield {"type": "error", "message": "request ended: abort"}
+                    yield error_line("request ended: abort")
                     return
                 now = time.perf_counter()
                 if sent == 0:
@@ -286,18 +284,15 @@ class SimWorker:
                     self.signals.observe("itl", now - last)
                 last = now
                 self.metrics.generation_tokens.inc()
-                yield {"type": "token", "token_ids": [token], "text": f" t{token}"}
+                yield token_line([token], f" t{token}")
             outcome = "ok"
             self.metrics.e2e.observe(time.perf_counter() - r.received_at)
-            yield {
-                "type": "done", "finish_reason": "length",
-                "usage": {"prompt_tokens": len(r.prompt_ids), "completion_tokens": max_tokens},
-                "timings": {"kv_wait_s": round(kv_wait, 6), "decode_s": round(time.perf_counter() - started, 6),
-                            "kv_transfer_s": cfg.kv_transfer_s, "kv_bytes": r.kv_bytes},
-            }
+            yield done_line("length", {"prompt_tokens": len(r.prompt_ids), "completion_tokens": max_tokens},
+                            {"kv_wait_s": round(kv_wait, 6), "decode_s": round(time.perf_counter() - started, 6),
+                             "kv_transfer_s": cfg.kv_transfer_s, "kv_bytes": r.kv_bytes})
         except TimeoutError:
             outcome = "error"
-            yield {"type": "error", "message": f"no credit from the router for {CREDIT_TIMEOUT_S:.0f}s"}
+            yield error_line(f"no credit from the router for {CREDIT_TIMEOUT_S:.0f}s")
         finally:
             if streaming:
                 self.streaming -= 1
@@ -357,5 +352,4 @@ class SimWorker:
         self.metrics.kv_transfer_seconds.observe(transfer_s)
         self.metrics.e2e.observe(time.perf_counter() - started)
         self.metrics.outcome("ok")
-        return {"first_token": first_token, "kv_bytes": nbytes, "prefill_s": round(prefill_s, 6),
-                "transfer_s": round(transfer_s, 6)}
+        return PrefillAnswer(first_token, nbytes, round(prefill_s, 6), round(transfer_s, 6)).to_json()

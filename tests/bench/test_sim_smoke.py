@@ -121,6 +121,8 @@ def test_router_scale_quick(tmp_path: Path, log_dir: Path) -> None:
     assert profile["prototype_lean_cpu_us_per_check"] > 0
     assert profile["profile_top_own_time"] and result["policy_profile"]["top_own_time"]
     assert row["fleet_idle_cpu_share"] >= 0
+    (core,) = result["core_request_cost"]
+    assert core["decode_endpoints"] == 4 and core["ok"] == 6 and core["cpu_us_per_request"] > 0
     assert set(result["verdict"]) >= {"policy_admission_target_met", "health_target_met"}
 
 
