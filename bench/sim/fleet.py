@@ -6,8 +6,10 @@ One aiohttp application serves every port (a listening socket per worker); a req
 worker by the local port it came in on. Once every socket listens, the URLs are written to
 `--ready-file` (JSON: pid, prefill and decode URLs), atomically, so a starter can wait for the
 file. SIGTERM or SIGINT stops the process. Besides the real worker API, each port answers
-`POST /sim/kv` (the stand-in for the KV transfer from a prefill worker) and `GET /sim/stats`
-(requests served by path, for the whole process).
+`POST /sim/kv` (the stand-in for the KV transfer from a prefill worker), `GET /sim/stats`
+(requests served by path, for the whole process), `POST /sim/workers` (start workers of a role,
+or stop some by URL) and `POST /sim/fault` (a worker's health checks answer unhealthy or not at
+all); the POSTs need the shared secret when one is set, as the internal endpoints do.
 """
 from __future__ import annotations
 
