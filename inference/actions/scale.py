@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
@@ -251,7 +252,7 @@ def request_manual_scale(
             locked, role, wanted, source=source, actor=actor, reason=reason, override_until=override_until, now=now,
         )  # fmt: skip
         low, high = locked.bounds(role)
-        kwargs: dict[str, object] = {
+        kwargs: dict[str, Any] = {
             "deployment_id": locked.pk, "role": role, "source": source, "reason": reason + override_note(override),
         }  # fmt: skip
         if delta is not None:

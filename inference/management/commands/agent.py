@@ -31,8 +31,9 @@ from django.db import connections
 from config.celery import app
 from inference.actions import nodes as node_workers
 from inference.agent.heartbeat import run_heartbeat
+from inference.agent.launch import SupervisorConfig
 from inference.agent.runtime import set_supervisor
-from inference.agent.supervisor import Supervisor, SupervisorConfig
+from inference.agent.supervisor import Supervisor
 from inference.models import WorkerRole
 from nodes import actions as node_actions
 from nodes.models import Node

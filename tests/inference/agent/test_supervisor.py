@@ -22,16 +22,10 @@ from django.utils import timezone
 
 from inference.actions import nodes as node_workers
 from inference.actions import workers as worker_actions
-from inference.agent.supervisor import (
-    Managed,
-    Phase,
-    Supervisor,
-    SupervisorConfig,
-    WorkerSpec,
-    backoff_delay,
-    is_idle,
-    process_mismatch,
-)
+from inference.agent.launch import SupervisorConfig, WorkerSpec, backoff_delay
+from inference.agent.processes import is_idle, process_mismatch
+from inference.agent.state import Managed, Phase
+from inference.agent.supervisor import Supervisor
 from inference.models import ScaleEvent, Worker, WorkerStatus
 from nodes.models import Node
 from tests.support.control_plane import make_deployment, make_model, make_node, make_worker
