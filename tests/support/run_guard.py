@@ -60,7 +60,7 @@ def start_reaper() -> subprocess.Popen[bytes]:
     env = {key: value for key, value in os.environ.items() if key != ENV_TOKEN}
     return subprocess.Popen(
         [sys.executable, "-m", "tests.support.reaper", "--pid", str(os.getpid()), "--token", token],
-        cwd=ROOT, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+        cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
     )
 
 
