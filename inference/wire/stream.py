@@ -75,8 +75,6 @@ DecodeLine = DescriptorLine | TokenLine | DoneLine | ErrorLine | OtherLine
 
 
 def _ids(value: Any) -> list[int]:
-    if type(value) is list and len(value) == 1 and type(value[0]) is int:  # the usual token line
-        return value
     if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return value
     raise WireError(f"token ids must be a list of integers, got {str(value)[:100]}")
@@ -96,8 +94,10 @@ def decode_line(raw: bytes) -> DecodeLine:
         raise WireError(f"expected a JSON object, got {raw[:100]!r}")
     kind = obj.get("type")
     if kind == "token":
-        text = obj.get("text")
-        return TokenLine(_ids(obj.get("token_ids", [])), text if type(text) is str else "")
+        ids, text = obj.get("token_ids", []), obj.get("text")
+        if not (type(ids) is list and len(ids) == 1 and type(ids[0]) is int):  # the usual line: one token
+            ids = _ids(ids)
+        return TokenLine(ids, text if type(text) is str else "")
     if kind == "done":
         return DoneLine(str(obj.get("finish_reason") or "stop"), _object(obj.get("usage")), _object(obj.get("timings")))
     if kind == "error":
