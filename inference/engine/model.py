@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama, SmolLM, Qwen2) with paged attention over `KVCache`.
+"""Llama-family decoder (Llama, SmolLM, Qwen2, Qwen3, Mistral, Phi-3; Gemma in gemma.py) with paged
+attention over `KVCache`. What the families change is read from `ModelConfig` (families.py): q/k
+norms, sliding windows (attention_window.py), RoPE scaling.
 
 Tokens of a batch travel flattened (`[num_tokens, hidden]`) through every projection and MLP so that
 no FLOPs are spent on padding. Attention reads only what each sequence owns (see `batch.py`): a
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention_window import bucketed, windowed
 from .batch import BatchMetadata, DecodeBucket
 from .config import ModelConfig
 from .kv_cache import KVCache
@@ -37,13 +40,17 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """RoPE inverse frequencies, with llama3 frequency scaling when configured."""
+def rope_inv_freq(config: ModelConfig, theta: float | None = None, scaled: bool = True) -> torch.Tensor:
+    """RoPE inverse frequencies (base `theta`, default the config's), with the config's llama3 or linear
+    scaling when configured and `scaled` (Gemma 3's sliding layers use a plain local base)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
+    base = config.rope_theta if theta is None else theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling if scaled else None
     if scaling is None:
         return inv_freq
+    if scaling.get("rope_type") == "linear":
+        return inv_freq / float(scaling["factor"])
     if scaling.get("rope_type") != "llama3":
         raise ValueError(f"unsupported rope scaling {scaling!r}")
     factor = float(scaling["factor"])
@@ -54,11 +61,11 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     high_freq_wavelen = old_context_len / high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     # Long wavelengths are divided by `factor`, short ones kept, and the band between interpolated.
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    long_scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
     smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    smoothed = (1 - smooth) * long_scaled / factor + smooth * long_scaled
     is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+    return torch.where(is_medium, smoothed, long_scaled)
 
 
 class RotaryEmbedding(nn.Module):
@@ -101,6 +108,9 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
+        # Qwen3 / Gemma 3: each head of q and k is RMS-normalised before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         # `project`, or its compiled version with --compile.
@@ -128,6 +138,8 @@ class Attention(nn.Module):
         decode attention straight over the paged cache. `cos` / `sin` are `[n, head_dim]`."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            self._norm_qk(qkv.view(n, -1, self.head_dim))
         ops.rope_inplace(qkv, self.num_heads + self.num_kv_heads, cos, sin)
         q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim)
@@ -162,11 +174,22 @@ class Attention(nn.Module):
         """q `[n, heads, head_dim]` and k, v `[n, kv_heads, head_dim]` of the flat tokens, RoPE applied."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            self._norm_qk(qkv.view(n, -1, self.head_dim))
         # q and k rotated together: one set of RoPE ops per layer instead of two.
         qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads,
                                                                   self.head_dim), cos, sin)
         v = qkv[:, self.q_size + self.kv_size :]
         return qk[:, : self.num_heads], qk[:, self.num_heads :], v.reshape(n, self.num_kv_heads, self.head_dim)
+
+    def _norm_qk(self, heads: torch.Tensor) -> None:
+        """RMS-normalise, in place, the q heads and the k heads of the fused projection's output viewed
+        as `[n, heads + 2 * kv_heads, head_dim]` (each with its own weight)."""
+        assert self.q_norm is not None and self.k_norm is not None
+        q = heads[:, : self.num_heads]
+        k = heads[:, self.num_heads : self.num_heads + self.num_kv_heads]
+        q.copy_(self.q_norm(q))
+        k.copy_(self.k_norm(k))
 
     def compile_projection(self) -> None:
         """Use a torch.compile'd `project` from now on (`--compile`, see compile.py)."""
@@ -211,12 +234,14 @@ class Attention(nn.Module):
                 continue
             shape_q = (g.num_seqs, g.q_len, self.num_heads, self.head_dim)
             shape_kv = (g.num_seqs, g.q_len, self.num_kv_heads, self.head_dim)
+            # A mask here is a sliding window's band (attention_window.py); otherwise plain causal.
             outs.append(
                 self._sdpa(
                     q[g.start : g.end].view(shape_q),
                     k[g.start : g.end].view(shape_kv),
                     v[g.start : g.end].view(shape_kv),
-                    is_causal=True,
+                    attn_mask=g.mask,
+                    is_causal=g.mask is None,
                 )
             )
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -334,13 +359,22 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.make_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
         # The compiled CPU kernels (cpu_kernels.py) when the model runner enabled them; None: torch ops.
         self.cpu_ops: Any = None
         self.tie_weights()
+
+    def make_layer(self, config: ModelConfig, layer_idx: int) -> DecoderLayer:
+        """Decoder layer `layer_idx` (a family with another block overrides this)."""
+        return DecoderLayer(config, layer_idx)
+
+    def init_buffers(self, device: str | torch.device) -> None:
+        """Compute the buffers that are not in the checkpoint (RoPE frequencies, in fp32) on `device`:
+        after loading onto the meta device they are uninitialised."""
+        self.rotary.inv_freq = rope_inv_freq(self.config).to(device)
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head when the config says so."""
@@ -354,16 +388,27 @@ class LlamaForCausalLM(nn.Module):
         which picks the same token: casting to fp32 is exact)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
+        if self.cpu_ops is None:
+            # The runner may have prepared a CPU-kernel decode step while the kernels are not used here.
+            meta = bucketed(meta, x.dtype)
+        metas = self.layer_metas(meta, x.dtype)
         if self.cpu_ops is not None:
-            return self.lm_head(self._forward_fused(x, cos, sin, meta, kv_cache, self.cpu_ops))
-        for layer in self.layers:
-            x = layer(x, cos, sin, meta, kv_cache)
+            return self.lm_head(self._forward_fused(x, cos, sin, metas, kv_cache, self.cpu_ops))
+        for layer, layer_meta in zip(self.layers, metas, strict=True):
+            x = layer(x, cos, sin, layer_meta, kv_cache)
         x = self.norm(x[meta.last_index])
         return self.lm_head(x)
 
+    def layer_metas(self, meta: BatchMetadata, dtype: torch.dtype) -> list[BatchMetadata]:
+        """Each layer's metadata: `meta` itself, or for a sliding-window layer `meta` limited to the
+        window (built once per step and shared by the layers of that window)."""
+        windows = [self.config.layer_window(i) for i in range(self.config.num_hidden_layers)]
+        by_window = {w: meta if w is None else windowed(meta, w, dtype) for w in set(windows)}
+        return [by_window[w] for w in windows]
+
     def _forward_fused(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMetadata, kv_cache: KVCache | None,
-        ops: Any,
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metas: list[BatchMetadata],
+        kv_cache: KVCache | None, ops: Any,
     ) -> torch.Tensor:
         """The decoder stack with the CPU kernels: the residual stream is updated in place and each
         residual add is fused into the norm that follows it. Returns the final norm of the last tokens."""
@@ -373,8 +418,9 @@ class LlamaForCausalLM(nn.Module):
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
         residual = x
         h = ops.rms_norm(residual, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
-        for layer, nxt in zip(layers, norms, strict=True):
-            h = layer.forward_fused(h, residual, cos, sin, meta, kv_cache, ops)
+        meta = metas[0]
+        for layer, nxt, layer_meta in zip(layers, norms, metas, strict=True):
+            h = layer.forward_fused(h, residual, cos, sin, layer_meta, kv_cache, ops)
             if nxt is self.norm and meta.last_index.shape[0] != n:
                 # A prefill: only each sequence's last token needs the final norm.
                 return ops.rms_norm((residual + h)[meta.last_index], nxt.weight, nxt.eps)  # type: ignore[no-any-return]

@@ -10,13 +10,20 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfig
-from .model import LlamaForCausalLM, rope_inv_freq
+from .gemma import GemmaForCausalLM
+from .model import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# Per-layer tensors whose names are the same in HF checkpoints and in our modules.
-_DIRECT_PREFIXES = ("self_attn.o_proj.", "mlp.down_proj.", "input_layernorm.", "post_attention_layernorm.")
+# Per-layer tensors whose names are the same in HF checkpoints and in our modules: Phi-3 stores q/k/v
+# and gate/up fused in our own layout ([q; k; v] and [gate; up] rows), Qwen3 and Gemma 3 have per-head
+# q/k norms, Gemma its extra feed-forward norms.
+_DIRECT_PREFIXES = (
+    "self_attn.o_proj.", "mlp.down_proj.", "input_layernorm.", "post_attention_layernorm.",
+    "self_attn.qkv_proj.", "mlp.gate_up_proj.", "self_attn.q_norm.", "self_attn.k_norm.",
+    "pre_feedforward_layernorm.", "post_feedforward_layernorm.",
+)
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -78,12 +85,11 @@ def load_model(
     config = config or ModelConfig.from_pretrained(path)
     # Build on the meta device: random initialisation of a real model would cost seconds for nothing.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = (GemmaForCausalLM if config.gemma is not None else LlamaForCausalLM)(config)
     model = model.to_empty(device=device)
     model.tie_weights()  # to_empty re-creates parameters, which unties them
     model.to(dtype)
-    # The RoPE buffer is not in the checkpoint (and to_empty left it uninitialised): recompute, in fp32.
-    model.rotary.inv_freq = rope_inv_freq(config).to(device)
+    model.init_buffers(device)
 
     params = dict(model.named_parameters())
     # Every row range of every parameter must be written exactly once; track what was loaded.
@@ -104,6 +110,10 @@ def load_model(
                     )
                 param = params[name]
                 tensor = f.get_tensor(hf_name)
+                if config.gemma is not None and name.endswith("norm.weight"):
+                    # Gemma's norms multiply by (1 + w): fold the one in, in fp32, so the shared
+                    # RMSNorm (and its fused kernel) computes exactly that.
+                    tensor = tensor.float() + 1.0
                 dst = param if rows is None else param.narrow(0, rows[0], rows[1])
                 if tuple(dst.shape) != tuple(tensor.shape):
                     raise ValueError(

@@ -108,8 +108,8 @@ def test_unsupported_configs_raise() -> None:
         "num_hidden_layers": 1,
         "num_attention_heads": 2,
     }
-    with pytest.raises(ValueError, match="MistralForCausalLM"):
-        ModelConfig.from_dict({**base, "architectures": ["MistralForCausalLM"], "model_type": "mistral"})
+    with pytest.raises(ValueError, match="FalconForCausalLM"):
+        ModelConfig.from_dict({**base, "architectures": ["FalconForCausalLM"], "model_type": "falcon"})
     with pytest.raises(ValueError, match="yarn"):
         ModelConfig.from_dict(
             {**base, "architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}
