@@ -4,7 +4,8 @@
 workers that failed it, and the typed failures its error would name. Every failure of a worker is
 retried on another one (a prefill retry reuses the decode worker's descriptor, a decode retry
 starts over); a lost lease is retried with a fresh reservation. While the prefill runs the decode
-stream is watched too, so a decode worker that dies or whose lease runs out ends the wait at once.
+stream is watched too, so a decode worker that dies or whose lease runs out ends the wait at once
+(the prefill call itself: prefill_call.py).
 """
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ from inference.router.endpoint import Endpoint
 from inference.router.errors import RouterError
 from inference.router.events import GenerateRequest
 from inference.router.failures import (
+    TRANSPORT_ERRORS,
     BackendFailure,
     Busy,
-    DecodePeerFailure,
     LeaseExpired,
     WorkerFailure,
     backends,
@@ -31,16 +32,13 @@ from inference.router.failures import (
     raise_for_status,
 )
 from inference.router.health import describe_exception
-from inference.wire.prefill import PrefillAnswer, PrefillRequest
+from inference.router.prefill_call import prefill
 from inference.wire.stream import DescriptorLine, DoneLine, TokenLine
 
 if TYPE_CHECKING:
     from inference.router.pd_client import DisaggregatedClient
 
 logger = logging.getLogger(__name__)
-
-# Transport errors of a worker call (aiohttp's, and the OS errors it lets through).
-TRANSPORT_ERRORS = (aiohttp.ClientError, OSError)
 
 
 class Establishment:
@@ -219,7 +217,7 @@ class Establishment:
         token: it finishes in the background (`attempt.pending_answer`).
         """
         reader = asyncio.ensure_future(self._first_output(attempt))
-        prefiller = asyncio.ensure_future(self._prefill(attempt, descriptor))
+        prefiller = asyncio.ensure_future(prefill(self, attempt, descriptor))
         kept = False  # the prefill answer was left to finish in the background
         try:
             done, _pending = await asyncio.wait({reader, prefiller}, timeout=self.client.remaining(self.deadline),
@@ -263,87 +261,3 @@ class Establishment:
             if stalled is not None and exc.line is not None:
                 exc.message = kv_timeout_message(exc.line, stalled.url)
             raise
-
-    async def _prefill(self, attempt: Attempt, descriptor: DescriptorLine) -> None:
-        """Get the prompt prefilled into the decode worker's blocks, trying each prefill worker once.
-
-        Prefill workers that fail are remembered for the rest of the request. When none is left
-        this raises the final RouterError (a prefill failure says nothing about the decode worker,
-        so there is no point in starting over with another one).
-        """
-        pool = self.client.pool
-        body = PrefillRequest(
-            request_id=attempt.request_id,
-            prompt_token_ids=descriptor.prompt_token_ids,
-            # The decode worker's resolved parameters (its model's generation_config.json defaults
-            # filled in), so that prefill samples the first token with the same values as decode.
-            sampling=descriptor.sampling if descriptor.sampling is not None else self.req.sampling.to_json(),
-            descriptor=descriptor.descriptor,  # reused as is by every retry
-        ).encode()
-        tried: list[Endpoint] = list(self.failed_prefill)
-        for _ in range(len(pool.endpoints("prefill"))):  # each prefill endpoint at most once
-            prefill = pool.choose("prefill", exclude=tried)
-            if prefill is None:
-                break
-            if time.monotonic() >= self.deadline:
-                raise self.timeout_error()
-            tried.append(prefill)
-            if await self._prefill_on(prefill, attempt, body):
-                return
-        raise self.exhausted()
-
-    async def _prefill_on(self, prefill: Endpoint, attempt: Attempt, body: bytes) -> bool:
-        """One prefill worker's try: True when it delivered, False when the next one should try."""
-        client, pool = self.client, self.client.pool
-        attempt.prefill = prefill
-        client.metrics.selections.labels("prefill", prefill.url).inc()
-        prefill.acquire()
-        try:
-            attempt.prefill_answer = await self._post_prefill(prefill, body)
-        except DecodePeerFailure:
-            pool.record_success(prefill)
-            raise  # the decode worker failed: `run` starts over with another one
-        except BackendFailure as exc:
-            logger.warning("prefill %s failed for %s: %s", prefill.url, attempt.request_id, exc.message)
-            client.record_failure(prefill, exc.message)
-            self.failed_prefill.append(prefill)
-            self.failures.append(WorkerFailure(prefill.url, "prefill", exc.message))
-            # A prefill that timed out may still be working: tell it to stop, in the background.
-            client.spawn(client.abort([prefill.url], attempt.request_id))
-            attempt.prefill = None
-            return False
-        except Busy as exc:
-            self.busy.append(WorkerFailure(prefill.url, "prefill", f"busy: {exc.message}"))
-            attempt.prefill = None
-            return False
-        except LeaseExpired as exc:
-            # Not this worker's fault (it answered; an earlier one took the lease's time).
-            pool.record_success(prefill)
-            exc.message = f"prefill worker {prefill.url} found the decode lease expired: {exc.message}"
-            raise
-        finally:
-            prefill.release()
-        pool.record_success(prefill)
-        return True
-
-    async def _post_prefill(self, prefill: Endpoint, body: bytes) -> PrefillAnswer:
-        """POST /internal/prefill; the answer comes once the decode worker acknowledged the KV."""
-        client = self.client
-        wait = client.remaining(self.deadline)
-        try:
-            async with asyncio.timeout(wait):
-                response = await client.pool.upstream().post(f"{prefill.url}/internal/prefill", body,
-                                                             connect_timeout_s=client.connect_timeout_s)
-                async with response:
-                    raw = await response.read()
-                    status = response.status
-        except TimeoutError:
-            raise BackendFailure(f"no prefill answer within {wait:.1f}s") from None
-        except TRANSPORT_ERRORS as exc:
-            raise BackendFailure(describe_exception(exc)) from exc
-        if status != 200:
-            raise_for_status(status, raw, "prefill")
-        try:
-            return PrefillAnswer.decode(raw)
-        except ValueError as exc:
-            raise BackendFailure(str(exc)) from None

@@ -10,12 +10,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import orjson
 
 from inference.router.errors import RouterError
 
 if TYPE_CHECKING:
     from inference.router.endpoint import Endpoint
+
+# Transport errors of a worker call (aiohttp's, and the OS errors it lets through).
+TRANSPORT_ERRORS = (aiohttp.ClientError, OSError)
 
 # How much of a worker's error body is quoted back to the client.
 MAX_ERROR_TEXT = 500

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 from inference.router.attempt import Attempt
 from inference.router.endpoint import Endpoint
 from inference.router.errors import RouterError
-from inference.router.establish import TRANSPORT_ERRORS, Establishment
+from inference.router.establish import Establishment
 from inference.router.events import DoneEvent, ErrorEvent, Event, GenerateRequest, TokenEvent
+from inference.router.failures import TRANSPORT_ERRORS
 from inference.router.health import describe_exception
 from inference.router.migration import resumed_request
 from inference.wire.stream import DecodeLine, DoneLine, ErrorLine, TokenLine
