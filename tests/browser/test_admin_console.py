@@ -25,14 +25,16 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.utils import timezone
 
+from inference import jobs
 from inference.actions import samples as sample_actions
 from inference.actions import scale as scale_actions
 from inference.metrics import collector
 from inference.models import Deployment, RouterEndpoint, ScaleEvent, ScalingRule, Worker
+from inference.selectors import charts as chart_specs
 from nodes.models import Node
 from tests.browser.conftest import CHROMIUM, SKIP_REASON, BrowserSession
 from tests.inference.router.stand_ins import Cluster
-from tests.support.celery_capture import SentTasks, sent_tasks  # noqa: F401  (fixture)
+from tests.support.celery_capture import SentTasks, capture, sent_tasks  # noqa: F401  (fixture)
 from tests.support.control_plane import make_deployment, make_model, make_node, make_worker
 from tests.support.processes import start_router
 
@@ -176,15 +178,15 @@ def _values(chart: dict[str, Any], label: str) -> list[float]:
 
 
 def _assert_charts(browser: BrowserSession, payload: dict[str, Any], workers: list[Worker], split: str) -> None:
-    """The uPlot instances hold, for each chart of charts.CHARTS, the lines the payload gives it
+    """The uPlot instances hold, for each chart of chart_specs.CHARTS, the lines the payload gives it
     (router fields; workers; roles, or workers when split per worker), over the payload's window,
     with the values of the payload, and the router and per-worker series have values."""
     charts: dict[str, dict[str, Any]] = browser.page.evaluate(CHARTS_JS)
-    assert set(charts) == {c["id"] for c in charts.CHARTS}
+    assert set(charts) == {c["id"] for c in chart_specs.CHARTS}
     since, now = (datetime.fromisoformat(payload[key]).timestamp() for key in ("since", "now"))
     names = [w["name"] for w in payload["workers"]]
     assert sorted(names) == sorted(collector.worker_name(w) for w in workers)  # the sampled workers, by name
-    for spec in charts.CHARTS:
+    for spec in chart_specs.CHARTS:
         chart = charts[spec["id"]]
         assert chart["x"] == pytest.approx([since, now], abs=0.01), spec["id"]  # the page's window
         if spec["source"] == "router":
@@ -232,7 +234,7 @@ OVERFLOW_JS = """() => {
 
 def test_admin_console_in_chromium(
     browser: BrowserSession, live_server: Any, console: Console, traffic: list[Worker],
-    sent_tasks: SentTasks,  # noqa: F811
+    sent_tasks: SentTasks, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
 ) -> None:
     """Log in, see the node online, read the charts' data (per role, per worker) as it refreshes, edit a
     rule, scale decode +1."""
@@ -324,7 +326,9 @@ def test_admin_console_in_chromium(
     assert (deployment.prefill_replicas, deployment.decode_replicas) == (2, 1)
     assert ScaleEvent.objects.filter(deployment=deployment).count() == 1  # the edit changed no replicas
     assert sent_tasks.named("reconcile_deployment") == [({"deployment_id": deployment.pk}, None)]  # any save
-    sent_tasks.clear()
+    # The scale action queues scale_deployment_task for the controller, as the REST API does: run it here
+    # as the controller would; its reconcile is only recorded (no controller runs here).
+    controller = capture(monkeypatch, run_only=(jobs.SCALE_DEPLOYMENT,))
 
     with browser.step("scaled-decode"):
         page.goto(f"{base}/admin/inference/deployment/")
@@ -333,7 +337,8 @@ def test_admin_console_in_chromium(
         with page.expect_navigation():
             page.click("#changelist-form button[name=index]")
         message = page.locator(".messagelist").text_content() or ""
-        assert f"{deployment.name.capitalize()}: decode 1 → 2." in message  # the admin capitalises messages
+        # The admin capitalises messages.
+        assert f"{deployment.name.capitalize()}: decode 1 → 2 queued for the controller." in message
         row = page.locator("#result_list tbody tr", has_text=deployment.name)
         assert row.locator("td.field-decode").inner_text() == "2 [1–4] · 2 running"
     deployment.refresh_from_db()
@@ -341,8 +346,11 @@ def test_admin_console_in_chromium(
     event = ScaleEvent.objects.get(deployment=deployment, role="decode")
     assert (event.from_replicas, event.to_replicas, event.source) == (1, 2, "manual")
     assert event.reason == f"admin action decode +1 by {USERNAME}"
-    # The reconcile was enqueued on commit (recorded, not sent: no controller runs here).
-    assert sent_tasks.named("reconcile_deployment") == [({"deployment_id": deployment.pk}, None)]
+    # The scale was queued, then the reconcile enqueued on commit (recorded, not sent).
+    assert [kwargs for kwargs, _ in controller.named("scale_deployment_task")] == [
+        {"deployment_id": deployment.pk, "role": "decode", "delta": 1, "source": "manual", "reason": event.reason}
+    ]
+    assert controller.named("reconcile_deployment") == [({"deployment_id": deployment.pk}, None)]
 
     with browser.step("metrics-after-scale"):
         with page.expect_response(lambda r: "/metrics/data/" in r.url) as data:

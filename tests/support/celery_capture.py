@@ -37,13 +37,16 @@ class SentTasks:
         self.results.clear()
 
 
-def capture(monkeypatch: pytest.MonkeyPatch, *, run_controller_tasks: bool) -> SentTasks:
-    """Replace the app's send_task: record each message and, if asked, run controller tasks inline."""
+def capture(
+    monkeypatch: pytest.MonkeyPatch, *, run_controller_tasks: bool = False, run_only: tuple[str, ...] = ()
+) -> SentTasks:
+    """Replace the app's send_task: record each message and, if asked, run controller tasks inline
+    (all of them, or the ones named in `run_only`)."""
     sent = SentTasks()
 
     def send_task(name: str, args: Any = None, kwargs: Any = None, queue: str | None = None, **options: Any) -> Any:
         sent.calls.append((name, dict(kwargs or {}), queue))
-        if run_controller_tasks and name.startswith("inference.tasks."):
+        if (run_controller_tasks and name.startswith("inference.tasks.")) or name in run_only:
             sent.results.append(app.tasks[name].run(*(args or ()), **(kwargs or {})))
         return types.SimpleNamespace(id=str(uuid.uuid4()))
 
