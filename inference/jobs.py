@@ -53,7 +53,10 @@ def send(name: str, *, queue: str | None = None, **kwargs: Any) -> str:
         if app.conf.task_always_eager:
             app.loader.import_default_modules()  # the task modules, as a Celery worker imports them
             return str(app.tasks[name].apply(kwargs=kwargs).id)
-        return str(app.send_task(name, kwargs=kwargs, queue=queue).id)
+        # No one reads a task's result: without ignore_result the sender subscribes to its result channel,
+        # and Celery's Redis result consumer gives up for good after a broker restart (every later send
+        # fails with "The Celery application must be restarted").
+        return str(app.send_task(name, kwargs=kwargs, queue=queue, ignore_result=True).id)
     except Exception as exc:  # any broker failure is the same refusal to the caller
         raise JobNotQueued(f"could not queue {name}: {exc}") from exc
 
@@ -69,7 +72,7 @@ def enqueue(name: str, *, queue: str | None = None, **kwargs: Any) -> None:
         try:
             send(name, queue=queue, **kwargs)
         except JobNotQueued:
-            logger.exception("%s not enqueued (%s); the periodic reconcile will catch up", name, kwargs)
+            logger.exception("%s not enqueued (%s); the periodic reconcile and agent sync catch up", name, kwargs)
 
     transaction.on_commit(publish)
 

@@ -34,7 +34,7 @@ def workers_by_role(workers: Iterable[Worker]) -> dict[tuple[int, str], list[Wor
 
 
 def describe_workers(workers: list[Worker]) -> str:
-    """"2 decode worker(s) (#4, #5)": a group of workers of one role, for ScaleEvent reasons."""
+    """A group of workers of one role as ScaleEvent reasons name it, e.g. '2 decode worker(s) (#4, #5)'."""
     return f"{len(workers)} {workers[0].role} worker(s) (" + ", ".join(f"#{w.pk}" for w in workers) + ")"
 
 
