@@ -31,6 +31,7 @@ from inference.selectors.schedules import active_override, schedule_rule_holding
 logger = logging.getLogger(__name__)
 
 def validate_source(source: str) -> str:
+    """Return `source` if it is a ScaleSource value, else raise ValueError naming the valid ones."""
     if source not in ScaleSource.values:
         raise ValueError(f"source must be one of {', '.join(ScaleSource.values)}, got {source!r}")
     return source
