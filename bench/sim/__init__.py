@@ -16,6 +16,7 @@ one small loopback call from the prefill worker to the decode worker's `/sim/kv`
     bench/sim/policy_cost.py the router's policy + admission CPU per request, in process
     bench/sim/health_cost.py the router's health checks' CPU per check, in process
     bench/sim/request_cost.py the router core's CPU per request, in process
+    bench/sim/footprint.py   the fleet's own memory, start time and CPU per answer
     bench/sim/router_scale.py the benchmark: router CPU per request and health-check CPU by pool size
 
 A fleet process also answers a control API (any of its ports): `POST /sim/workers` starts or stops

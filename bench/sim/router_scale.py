@@ -14,7 +14,8 @@ Beside them, in process: policy + admission CPU per request on the real WorkerPo
 (bench/sim/policy_cost.py; also a prototype of the proposed change), the health checks' CPU per
 check with a cProfile (bench/sim/health_cost.py; also a prototype of a lean check), and the router
 core's CPU per request with a cProfile (bench/sim/request_cost.py), at the smallest and the largest
-pool, against the largest fleet.
+pool, against the largest fleet; and the fleet's own footprint (bench/sim/footprint.py: memory per
+simulated worker, time to start 100 more, bytes and fleet CPU per /health and /metrics answer).
 
     .venv/bin/python -m bench.sim.router_scale            # about 4 minutes
     .venv/bin/python -m bench.sim.router_scale --quick    # seconds
@@ -40,7 +41,7 @@ from bench.common import (
     synthetic_prompts,
     write_result,
 )
-from bench.sim import health_cost, policy_cost, request_cost
+from bench.sim import footprint, health_cost, policy_cost, request_cost
 from bench.sim.config import SimConfig
 from bench.sim.launch import SimPlatform, sim_platform
 
@@ -137,6 +138,12 @@ def _tables(result: dict[str, Any]) -> str:
     core = "".join(f"\nrouter core in process, {c['decode_endpoints']} decode endpoints: "
                    f"{fmt(c['cpu_us_per_request'], 0)} µs CPU per request" for c in result.get("core_request_cost", []))
     health += core
+    fp = result.get("fleet_footprint")
+    if fp is not None:
+        health += (f"\nfleet: {fp['workers']} simulated workers in one process, {fmt(fp['rss_mib'], 0)} MiB; "
+                   f"+{fp['batch']} workers in {fmt(fp['start_batch_s'], 2)} s; /health {fmt(fp['health_bytes'], 0)} B "
+                   f"({fmt(fp['fleet_cpu_us_per_health'], 0)} µs fleet CPU), /metrics {fmt(fp['metrics_bytes'], 0)} B "
+                   f"({fmt(fp['fleet_cpu_us_per_metrics'], 0)} µs)")
     return (markdown_table(["decode", "prefill", "health checks/s", "router idle CPU %", "µs/check",
                             "ok", "errors", "req/s", "router CPU ms/req", "net of health"], rows)
             + "\n\n" + markdown_table(["policy", "decode endpoints", "policy+admission CPU µs/request"], prows)
@@ -198,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                 result["core_request_cost"] = [
                     request_cost.measure(fleet.prefill[:max(1, n // 4)], fleet.decode[:n], prompts, count,
                                          CLIENTS, MAX_TOKENS) for n in pools]
+    if not deadline.expired():
+        result["fleet_footprint"] = footprint.measure(args.log_dir, batch=10 if quick else 100,
+                                                      total=30 if quick else 1000, answers=10 if quick else 200)
     result["verdict"] = _verdict(result, largest)
     name = "sim_router_scale" + ("_quick" if quick else "")
     print_header(name)

@@ -123,6 +123,8 @@ def test_router_scale_quick(tmp_path: Path, log_dir: Path) -> None:
     assert row["fleet_idle_cpu_share"] >= 0
     (core,) = result["core_request_cost"]
     assert core["decode_endpoints"] == 4 and core["ok"] == 6 and core["cpu_us_per_request"] > 0
+    fp = result["fleet_footprint"]
+    assert fp["workers"] == 30 and fp["rss_mib"] > 0 and fp["health_bytes"] > 100 and fp["metrics_bytes"] > 1000
     assert set(result["verdict"]) >= {"policy_admission_target_met", "health_target_met"}
 
 
