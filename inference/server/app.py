@@ -200,7 +200,8 @@ def _common_routes(worker: Worker) -> list[Route]:
 
 
 def _decode_routes(worker: DecodeWorker) -> list[Route]:
-    """`POST /internal/decode`: the NDJSON event stream, credited when the router sends credit."""
+    """`POST /internal/decode`: the NDJSON stream (inference.wire.stream's lines), credited when the
+    router sends credit."""
 
     async def decode(request: Request) -> Response:
         credit_header = request.headers.get(credit.HEADER)
@@ -212,13 +213,9 @@ def _decode_routes(worker: DecodeWorker) -> list[Route]:
         server = request.scope.get("server") or ("127.0.0.1", 0)
         events = await worker.open_decode(body, str(server[0]), stream_credit)
 
-        async def ndjson() -> AsyncIterator[bytes]:
-            async for event in events:
-                yield (json.dumps(event, separators=(",", ":")) + "\n").encode()
-
         if stream_credit is not None:
-            return credit.CreditedStreamResponse(ndjson(), stream_credit, media_type="application/x-ndjson")
-        return StreamingResponse(ndjson(), media_type="application/x-ndjson")
+            return credit.CreditedStreamResponse(events, stream_credit, media_type="application/x-ndjson")
+        return StreamingResponse(events, media_type="application/x-ndjson")
 
     return [Route("/internal/decode", _internal(worker, decode), methods=["POST"])]
 

@@ -6,6 +6,7 @@ picks the role's class. The worker reads the engine only through `AsyncEngine`'s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -189,9 +190,7 @@ class WorkerCore:
     def clamp(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """Cut max_tokens so prompt+output stays within --max-sequence-length (finish_reason=length)."""
         room = self.max_sequence_length - prompt_len
-        if params.max_tokens > room:
-            params.max_tokens = room
-        return params
+        return dataclasses.replace(params, max_tokens=room) if params.max_tokens > room else params
 
     # ------------------------------------------------------------------ aborts
     @functools.cached_property

@@ -1,8 +1,7 @@
-"""One decode request's NDJSON event stream: descriptor, then (once its KV arrived) tokens, then done.
+"""One decode request's NDJSON stream: descriptor, then (once its KV arrived) tokens, then done.
 
-Lines: `{"type": "descriptor", "descriptor", "prompt_token_ids", "sampling"}` first; `{"type":
-"token", "token_ids", "text"}` per engine output; `{"type": "done", "finish_reason", "usage",
-"timings"}` at the end, or `{"type": "error", "message"[, "reason": "kv_timeout", ...]}`. The state
+The lines are the wire's (`inference.wire.stream`): descriptor first, a token line per engine
+output, then done, or an error line (`reason: kv_timeout` when the lease ran out). The state
 of the request's run (outcome, timings, tokens sent) lives in a `DecodeStream`, so each step of it is a
 short method; the worker (decode.py) reserves, waits for the KV and aborts.
 """
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from inference.engine import RequestOutput
 from inference.kv_transfer import TransferDescriptor, TransferStats
 from inference.server.credit import StreamCredit
+from inference.wire.stream import descriptor_line, done_line, error_line, token_line
 
 if TYPE_CHECKING:
     from inference.server.decode import DecodeWorker
@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 # How long a decode stream waits for the next engine output (or router credit) before giving up.
 OUTPUT_TIMEOUT_S = 120.0
 
-Event = dict[str, Any]
+# One encoded NDJSON line.
+Event = bytes
 
 
 @dataclass
@@ -64,14 +65,13 @@ class DecodeStream:
     async def events(self) -> AsyncIterator[Event]:
         """The stream's lines; however it ends, the outcome is counted and an unfinished request aborted."""
         try:
-            yield {"type": "descriptor", "descriptor": self.descriptor.to_dict(),
-                   "prompt_token_ids": self.prompt_token_ids, "sampling": self.sampling}
+            yield descriptor_line(self.descriptor.to_dict(), self.prompt_token_ids, self.sampling)
             expiry = await self.worker.wait_for_kv(self.request_id, self.waiter)
             if expiry is not None:
                 self.outcome = "kv_timeout"
                 # `reason` lets the router tell a lease that ran out (the prefill side went silent:
                 # it retries with a fresh reservation) from a failing decode worker.
-                yield {"type": "error", "reason": "kv_timeout", **expiry}
+                yield error_line(str(expiry.pop("message")), "kv_timeout", **expiry)
                 return
             if self.waiter.aborted:
                 return
@@ -79,7 +79,7 @@ class DecodeStream:
                 yield event
         except TimeoutError:
             self.outcome = "error"
-            yield {"type": "error", "message": f"no output from the engine for {OUTPUT_TIMEOUT_S:.0f}s"}
+            yield error_line(f"no output from the engine for {OUTPUT_TIMEOUT_S:.0f}s")
         finally:
             await self.worker.decode_ended(self.request_id, self.outcome, self.finished)
 
@@ -91,7 +91,7 @@ class DecodeStream:
         while True:
             if not await self._credit_allows():
                 self.outcome = "error"
-                yield {"type": "error", "message": f"no credit from the router for {OUTPUT_TIMEOUT_S:.0f}s"}
+                yield error_line(f"no credit from the router for {OUTPUT_TIMEOUT_S:.0f}s")
                 return
             try:
                 # asyncio.timeout arms a timer; wait_for would also wrap each token's wait in a task
@@ -107,7 +107,7 @@ class DecodeStream:
                 yield self._final_line(out)
                 return
         self.outcome = "error"
-        yield {"type": "error", "message": "engine stream ended without finishing"}
+        yield error_line("engine stream ended without finishing")
 
     async def _credit_allows(self) -> bool:
         """Wait until the credit covers the next token; False when the router gave none for too long.
@@ -128,7 +128,7 @@ class DecodeStream:
         """The token line of an output (None when it carries neither tokens nor text); TTFT, ITL."""
         n = len(out.new_token_ids)
         if not n:
-            return {"type": "token", "token_ids": [], "text": out.new_text} if out.new_text else None
+            return token_line([], out.new_text) if out.new_text else None
         now = time.perf_counter()
         metrics, signals = self.worker.metrics, self.worker.signals
         if self.last_token_at is None:
@@ -140,7 +140,7 @@ class DecodeStream:
         self.last_token_at = now
         self.completion_tokens += n
         metrics.generation_tokens.inc(n)
-        return {"type": "token", "token_ids": out.new_token_ids, "text": out.new_text}
+        return token_line(out.new_token_ids, out.new_text)
 
     def _final_line(self, out: RequestOutput) -> Event:
         """The last line of a finished request: `done` with usage and timings, or the error."""
@@ -148,18 +148,17 @@ class DecodeStream:
         if out.finish_reason in ("abort", "error"):
             # One label for every abort, whichever way it reached the stream.
             self.outcome = "aborted" if out.finish_reason == "abort" else "error"
-            return {"type": "error", "message": f"request ended: {out.finish_reason}"}
+            return error_line(f"request ended: {out.finish_reason}")
         self.outcome = "ok"
         self.worker.metrics.e2e.observe(time.perf_counter() - self.received_at)
         stats = self.waiter.stats
-        return {
-            "type": "done",
-            "finish_reason": out.finish_reason,
-            "usage": {"prompt_tokens": len(self.prompt_token_ids), "completion_tokens": self.completion_tokens},
-            "timings": {
+        return done_line(
+            str(out.finish_reason),
+            {"prompt_tokens": len(self.prompt_token_ids), "completion_tokens": self.completion_tokens},
+            {
                 "kv_wait_s": round(self.kv_wait_s, 6),
                 "decode_s": round(time.perf_counter() - self.decode_started, 6),
                 "kv_transfer_s": round(stats.seconds, 6) if stats else None,
                 "kv_bytes": stats.nbytes if stats else 0,
             },
-        }
+        )

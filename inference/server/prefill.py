@@ -7,6 +7,7 @@ alive (`LeaseKeeper`), reporting its progress (`PrefillRun.stage`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -23,6 +24,7 @@ from inference.server.core import WorkerCore
 from inference.server.errors import StartupError, WorkerError, bad_request
 from inference.server.requests import parse_sampling, parse_token_ids
 from inference.server.transport import build_sender
+from inference.wire.prefill import PrefillAnswer
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +141,7 @@ class PrefillWorker(WorkerCore):
             raise WorkerError(409, f"the decode lease of {request_id} has expired", "lease_expired")
         # The first token is sampled here with the request's own parameters (seeded streams continue
         # on the decode side), but only one token: decode owns the rest.
-        first_params = SamplingParams.from_dict({**params.to_dict(), "max_tokens": 1})
-        return PrefillRun(request_id, ids, first_params, descriptor, started)
+        return PrefillRun(request_id, ids, dataclasses.replace(params, max_tokens=1), descriptor, started)
 
     async def _prefill(self, run: PrefillRun) -> dict[str, Any]:
         """Compute and send under the lease's keeper; the answer with the first token and timings."""
@@ -175,12 +176,8 @@ class PrefillWorker(WorkerCore):
         self.metrics.kv_transfer_seconds.observe(stats.seconds)
         self.metrics.e2e.observe(time.perf_counter() - run.started)
         self.metrics.outcome("ok")
-        return {
-            "first_token": run.first_token,
-            "kv_bytes": stats.nbytes,
-            "prefill_s": round(run.prefill_s, 6),
-            "transfer_s": round(stats.seconds, 6),
-        }
+        answer = PrefillAnswer(run.first_token, stats.nbytes, round(run.prefill_s, 6), round(stats.seconds, 6))
+        return answer.to_json()
 
     def _stage(self, run: PrefillRun) -> str:
         """The progress renewals report; while computing, the engine says queued or running."""
