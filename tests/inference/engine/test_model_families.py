@@ -9,6 +9,7 @@ or a (1 + w) norm read as w, shows as a logits difference.
 """
 from __future__ import annotations
 
+import copy
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,7 @@ from inference.engine import LLMEngine, ModelConfig, SamplingParams
 from inference.engine.dtypes import cpu_has_native_bf16
 
 from .conftest import NEW_TOKENS, PROMPT_LENGTHS, TinyModel, _common_config, _make_prompts
-from .test_logits_parity import max_diff
+from .test_logits_parity import STEPS, engine_logits, max_diff, reference_logits
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -93,6 +94,8 @@ def _gemma2(cfg: dict[str, Any]) -> tuple[Any, Any]:
 
     cfg.update(sliding_window=16, head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
                final_logit_softcapping=5.0, tie_word_embeddings=True)
+    # Eager attention: transformers versions that run Gemma 2 on SDPA drop the attention soft cap.
+    cfg["attn_implementation"] = "eager"
     return Gemma2ForCausalLM, Gemma2Config(**cfg)
 
 
@@ -190,13 +193,60 @@ def test_greedy_tokens_equal(family: TinyModel) -> None:
     assert [r.token_ids for r in results] == family.greedy
 
 
+def bf16_error_bound(family: TinyModel, tokens: list[list[int]]) -> float:
+    """What bf16 rounding alone costs here: transformers' own bf16 logits against its fp32 ones on
+    our tokens, tripled. Random weights with randomised norms make bf16's error a few percent of the
+    logits (more than a fixed share of them allows in some families), and ours rounds in other places:
+    Gemma's (1 + w) norm weights are rounded to bf16 once folded (measured on an H200: ours 0.61,
+    transformers' own 0.27); a bug shows as an error the size of the logits (9.6 there)."""
+    hf32 = family.hf_model.float()
+    hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
+    worst = 0.0
+    for prompt, generated in zip(family.prompts, tokens, strict=True):
+        ref = reference_logits(hf32, prompt, generated, STEPS)
+        own = reference_logits(hf16, prompt, generated, STEPS)
+        worst = max(worst, max(float((a - b).abs().max()) for a, b in zip(own, ref, strict=True)))
+    return 3 * worst
+
+
+def engine_diff(engine: LLMEngine, family: TinyModel) -> tuple[float, list[list[int]]]:
+    """Largest |ours - transformers fp32| over every row and step (on any device), and our tokens."""
+    ours, tokens = engine_logits(engine, family.prompts, STEPS)
+    hf = family.hf_model.float()
+    worst = 0.0
+    for i, prompt in enumerate(family.prompts):
+        ref = reference_logits(hf, prompt, tokens[i], STEPS)
+        worst = max(worst, max(float((ours[t][i].float().cpu() - ref[t]).abs().max()) for t in range(STEPS)))
+    return worst, tokens
+
+
 @pytest.mark.skipif(not cpu_has_native_bf16(), reason="this CPU has no native bf16")
 def test_bf16_logits_close(family: TinyModel) -> None:
-    """bf16 weights and KV: within bf16 rounding of the fp32 reference."""
+    """bf16 weights and KV: within three times transformers' own bf16 error."""
     engine = LLMEngine(family.path, block_size=16, num_blocks=64, dtype="bfloat16")
-    with torch.inference_mode():
-        scale = max(float(family.hf_model(input_ids=torch.tensor([p])).logits.abs().max()) for p in family.prompts)
-    assert 0 < max_diff(engine, family.hf_model.float(), family.prompts) < 0.05 * scale
+    worst, tokens = engine_diff(engine, family)
+    assert 0 < worst < bf16_error_bound(family, tokens)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_fp32_logits_and_tokens_match(family: TinyModel) -> None:
+    """On a GPU (SDPA over decode buckets, no CPU kernels): fp32 logits within float rounding, greedy
+    tokens equal."""
+    engine = LLMEngine(family.path, block_size=16, num_blocks=64, max_num_seqs=8, device="cuda", dtype="float32")
+    worst, _ = engine_diff(engine, family)
+    assert worst < 1e-3
+    results = engine.generate(family.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    assert [r.token_ids for r in results] == family.greedy
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_bf16_logits_close(family: TinyModel) -> None:
+    """On a GPU in bf16: within three times transformers' own bf16 error."""
+    engine = LLMEngine(family.path, block_size=16, num_blocks=64, max_num_seqs=8, device="cuda", dtype="bfloat16")
+    worst, tokens = engine_diff(engine, family)
+    bound = bf16_error_bound(family, tokens)
+    print(f"cuda bf16 {family.path}: ours {worst:.3g}, bound {bound:.3g}")
+    assert 0 < worst < bound
 
 
 BASE = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
