@@ -220,6 +220,18 @@ def engine_diff(engine: LLMEngine, family: TinyModel) -> tuple[float, list[list[
     return worst, tokens
 
 
+def test_chunked_and_cached_prefill_match(family: TinyModel) -> None:
+    """Prefills over cached keys (sliding windows cut through them): the 70-token prompt in chunks of
+    32, then a prompt sharing its first three blocks, which come from the prefix cache."""
+    engine = LLMEngine(family.path, block_size=16, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=32)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    long = family.prompts[3]
+    assert engine.generate([long], greedy)[0].token_ids == family.greedy[3]
+    variant = long[:48] + family.prompts[1]
+    assert engine.generate([variant], greedy)[0].token_ids == hf_greedy(family.hf_model, variant)
+    assert engine.prefix_cache_hit_rate > 0
+
+
 @pytest.mark.skipif(not cpu_has_native_bf16(), reason="this CPU has no native bf16")
 def test_bf16_logits_close(family: TinyModel) -> None:
     """bf16 weights and KV: within three times transformers' own bf16 error."""
