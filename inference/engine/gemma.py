@@ -17,7 +17,8 @@ from .batch import BatchMetadata, DecodeBucket
 from .config import ModelConfig
 from .families import SLIDING, GemmaFeatures
 from .kv_cache import KVCache
-from .model import MLP, Attention, DecoderLayer, LlamaForCausalLM, RMSNorm, RotaryEmbedding, rope_inv_freq
+from .model import MLP, Attention, DecoderLayer, LlamaForCausalLM, RMSNorm
+from .rope import RotaryEmbedding, rope_inv_freq
 
 
 def _gemma(config: ModelConfig) -> GemmaFeatures:
