@@ -310,6 +310,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config)
         # The compiled CPU kernels (cpu_kernels.py) when the model runner enabled them; None: torch ops.
         self.cpu_ops: Any = None
+        self.layer_windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
         self.tie_weights()
 
     def make_layer(self, config: ModelConfig, layer_idx: int) -> DecoderLayer:
@@ -347,9 +348,10 @@ class LlamaForCausalLM(nn.Module):
     def layer_metas(self, meta: BatchMetadata, dtype: torch.dtype) -> list[BatchMetadata]:
         """Each layer's metadata: `meta` itself, or for a sliding-window layer `meta` limited to the
         window (built once per step and shared by the layers of that window)."""
-        windows = [self.config.layer_window(i) for i in range(self.config.num_hidden_layers)]
-        by_window = {w: meta if w is None else windowed(meta, w, dtype) for w in set(windows)}
-        return [by_window[w] for w in windows]
+        if self.config.sliding_window is None:  # every layer attends fully: nothing to build
+            return [meta] * len(self.layer_windows)
+        by_window = {w: meta if w is None else windowed(meta, w, dtype) for w in set(self.layer_windows)}
+        return [by_window[w] for w in self.layer_windows]
 
     def _forward_fused(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metas: list[BatchMetadata],
