@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
+from django.db import close_old_connections
 
 from inference.models import Deployment, Worker, WorkerStatus
 from inference.router import WorkerPool
@@ -32,6 +33,9 @@ class DeploymentView:
 
 def read_deployment(name: str) -> DeploymentView:
     """The deployment's routing view from the database (sync ORM; call from a thread in async code)."""
+    # No request cycle closes this thread's connection: drop it here once it is broken (a database restart)
+    # or past CONN_MAX_AGE, or every later round fails with "the connection is closed".
+    close_old_connections()
     deployment = Deployment.objects.filter(name=name).first()
     if deployment is None:
         return DeploymentView(False, "round-robin", [], [])
