@@ -7,17 +7,40 @@ hosts run beat once: `--no-beat` on all but one.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
+import multiprocessing
+import os
+import signal
 import socket
 from argparse import ArgumentParser
 from typing import Any
 
+from celery.signals import beat_embedded_init
 from django.conf import settings
 from django.core.management.base import BaseCommand
 from django.db import connections
 
 from config.celery import app
 from inference.management.commands.setup_schedules import setup_schedules
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@beat_embedded_init.connect
+def _beat_dies_with_controller(**_: Any) -> None:
+    """In the embedded beat process: SIGTERM when the controller dies, however it dies.
+
+    A controller killed outright (SIGKILL, OOM) otherwise leaves its beat running, and the next
+    controller's beat then sends every periodic task twice.
+    """
+    parent = multiprocessing.parent_process()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the service manager stops the process group instead
+        return
+    if parent is not None and os.getppid() != parent.pid:  # the controller died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Command(BaseCommand):
