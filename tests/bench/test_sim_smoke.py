@@ -78,6 +78,18 @@ def test_generation_through_the_real_router(log_dir: Path) -> None:
             assert 400 <= bad.status_code < 500, bad.text
             status = client.get("/health").json()
             assert status["ready"] and status["decode_slots"] == 4 * (FAST.batch_size + FAST.batch_size // 4)
+            # A client that hangs up mid-stream (of 10 s): the router aborts, the simulated worker frees
+            # its blocks at once.
+            with client.stream("POST", "/generate", json={"input_ids": [7] * 16, "max_tokens": 4000,
+                                                          "stream": True}) as hung_up:
+                assert hung_up.status_code == 200
+                next(hung_up.iter_lines())
+        deadline = time.monotonic() + 4
+        busy = [1]
+        while any(busy) and time.monotonic() < deadline:  # bounded
+            busy = [httpx.get(url + "/health", timeout=10).json()["kv_usage"] for url in plat.fleet.decode]
+            time.sleep(0.2)
+        assert not any(busy), busy
         hits = plat.fleet.stats()
         assert hits["decode"] >= 9 and hits["prefill"] >= 9 and hits["health"] >= 6 and hits.get("kv", 0) >= 1
     assert started and all(_gone(pid) for pid in started), [p for p in started if not _gone(p)]
