@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, tuple[int, int]] = {
     "router_overhead": (900, 300),
     "peer_clients": (1500, 300),
     "cpu_limits": (900, 300),
+    "sim.router_scale": (900, 120),
 }
 
 
