@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from inference.engine.families import SUPPORTED_ARCHITECTURES, SUPPORTED_MODEL_TYPES
 from inference.tools.model_prep.core import (
     TOKENIZER_FILES,
     ModelPrepError,
@@ -22,15 +23,11 @@ from inference.tools.model_prep.fixups import (
     write_generation_config,
 )
 
-# Architectures the engine implements (see inference/engine/config.py); model_type is the fallback used
-# when a config.json lacks "architectures".
-SUPPORTED_ARCHITECTURES: dict[str, str] = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-
+# The architectures the engine implements are the engine's own list (inference/engine/families.py), so a
+# family added there is accepted here; model_type is the fallback when a config.json lacks "architectures".
+_FAMILY_TO_ARCH: dict[str, str] = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 _MODEL_TYPE_TO_ARCH: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "smollm": "LlamaForCausalLM",
-    "smollm2": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
+    model_type: _FAMILY_TO_ARCH[family] for model_type, family in SUPPORTED_MODEL_TYPES.items()
 }
 
 

@@ -296,6 +296,22 @@ def test_local_prepare_errors(tmp_path: Path, tiny: Path, breaker: object, messa
     assert not (tmp_path / "dest").exists()
 
 
+@pytest.mark.parametrize(("architecture", "model_type"), [("MistralForCausalLM", "mistral"),
+                                                         ("Qwen3ForCausalLM", "qwen3"), (None, "gemma3_text")])
+def test_local_prepare_accepts_every_family_the_engine_runs(
+    tmp_path: Path, tiny: Path, architecture: str | None, model_type: str
+) -> None:
+    """The local source checks architectures against the engine's own list, not a copy of it: a Mistral,
+    Qwen3 or (by model_type alone) Gemma 3 folder is accepted and its architecture filled in."""
+    src = _copy(tiny, tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ([architecture] if architecture else []), model_type
+    (src / "config.json").write_text(json.dumps(cfg))
+    prepare_from_local(src, tmp_path / "dest")
+    written = json.loads((tmp_path / "dest" / "config.json").read_text())
+    assert written["architectures"] == [architecture or "Gemma3ForCausalLM"]
+
+
 def test_local_prepare_missing_folder(tmp_path: Path) -> None:
     with pytest.raises(ModelPrepError, match="does not exist"):
         prepare_from_local(tmp_path / "nope", tmp_path / "dest")
