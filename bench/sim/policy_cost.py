@@ -9,23 +9,29 @@ Admission with `pool_size` decode endpoints (+ a quarter as many prefill endpoin
 the health answer of a simulated worker (so `batch_size` is read as in production) and a random
 number of requests in flight (half its slots on average), with CPU time (`time.thread_time`) per
 block of requests; the median block is reported. A cProfile of the largest pool shows where the
-time goes.
+time goes. The kept state the router reads per request (each endpoint's slots, the pool's list in
+rotation) is what makes the cost flat in the pool size; tests/inference/router/test_admission_cache.py
+checks it follows every change.
+
+    .venv/bin/python -m bench.sim.policy_cost [--sizes 4,64,256] [--policies round-robin,...] [--profile]
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import cProfile
 import io
+import json
 import pstats
 import random
 import statistics
+import sys
 import time
-from collections.abc import Collection
 from typing import Any
 
 from bench.sim.config import SimConfig
 from bench.sim.worker import SimWorker
-from inference.router import Admission, Endpoint, WorkerPool
+from inference.router import Admission, WorkerPool
 from inference.router.admission import slots_for
 
 
@@ -112,41 +118,34 @@ def profile(decode: int, policy: str, requests: int, top: int = 12) -> list[dict
     return rows[:top]
 
 
-class CachedSlotsAdmission(Admission):
-    """A prototype of the change proposed for inference/router/admission.py, measured beside the real
-    one (not used by the router): each endpoint's slot count is computed once per health answer
-    instead of on every request (`limit` → `batch_size` → `slots_for` per endpoint per request is
-    most of the real cost at 256 endpoints), and the free-slot scan compares two attributes."""
+def main(argv: list[str] | None = None) -> int:
+    """Measure every policy at each pool size and print one JSON line per measurement."""
+    p = argparse.ArgumentParser(prog="python -m bench.sim.policy_cost", description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="4,64,256", help="decode endpoint counts, comma separated (default 4,64,256)")
+    p.add_argument("--policies", default="round-robin,least-connections,power-of-two",
+                   help="policies, comma separated (default: all three)")
+    p.add_argument("--block", type=int, default=500, help="requests per timed block (default 500)")
+    p.add_argument("--blocks", type=int, default=9, help="timed blocks; the median is reported (default 9)")
+    p.add_argument("--profile", action="store_true", help="also print a cProfile of the largest size, round-robin")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    except ValueError:
+        p.error(f"--sizes: positive integers, comma separated, not {args.sizes!r}")
+    if not sizes or min(sizes) < 1:
+        p.error("--sizes: positive integers, comma separated")
+    if args.block < 1 or args.blocks < 1:
+        p.error("--block and --blocks must be >= 1")
+    policies = [name.strip() for name in args.policies.split(",") if name.strip()]
+    for size in sizes:
+        for policy in policies:
+            row = measure(size, policy, args.block, args.blocks)
+            print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    if args.profile:
+        for row in profile(max(sizes), "round-robin", 2000):
+            print(json.dumps(row), flush=True)
+    return 0
 
-    def __init__(self, pool: WorkerPool) -> None:
-        super().__init__(pool)
-        self._slots: dict[Endpoint, tuple[object, int]] = {}
 
-    def limit(self, endpoint: Endpoint) -> int:
-        """The endpoint's slots, recomputed only when its health answer changed."""
-        cached = self._slots.get(endpoint)
-        if cached is None or cached[0] is not endpoint.last_health:
-            cached = (endpoint.last_health, super().limit(endpoint))
-            self._slots[endpoint] = cached
-        return cached[1]
-
-    def _free(self, exclude: Collection[Endpoint]) -> list[Endpoint]:
-        now = time.monotonic()
-        slots = self._slots
-        out = []
-        for e in self.pool.candidates("decode", exclude):
-            cached = slots.get(e)
-            limit = cached[1] if cached is not None and cached[0] is e.last_health else self.limit(e)
-            if e.inflight < limit and e.full_until <= now:
-                out.append(e)
-        return out
-
-
-def measure_cached(decode: int, policy: str, block: int, blocks: int) -> dict[str, Any]:
-    """`measure` with the CachedSlotsAdmission prototype in place of the router's Admission."""
-    prefill = max(1, decode // 4)
-    pool, _ = build_pool(decode, prefill, policy)
-    per_block = asyncio.run(_blocks(pool, CachedSlotsAdmission(pool), block, blocks))
-    return {"decode_endpoints": decode, "prefill_endpoints": prefill, "policy": policy,
-            "variant": "prototype: slots cached per health answer", "requests": block * blocks,
-            "cpu_us_per_request_median": statistics.median(per_block)}
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -11,7 +11,7 @@ the default 2 s health interval) are started, then:
   tokens, 8 clients); the router's CPU ÷ requests, raw and net of the idle (health) rate.
 
 Beside them, in process: policy + admission CPU per request on the real WorkerPool and Admission
-(bench/sim/policy_cost.py; also a prototype of the proposed change), the health checks' CPU per
+(bench/sim/policy_cost.py), the health checks' CPU per
 check with a cProfile (bench/sim/health_cost.py; also a prototype of a lean check), and the router
 core's CPU per request with a cProfile (bench/sim/request_cost.py), at the smallest and the largest
 pool, against the largest fleet; and the fleet's own footprint (bench/sim/footprint.py: memory per
@@ -128,8 +128,6 @@ def _tables(result: dict[str, Any]) -> str:
              fmt(r["router_cpu_ms_per_request_net_of_health"], 3)] for r in result["router"]]
     prows = [[r["policy"], r["decode_endpoints"], fmt(r["cpu_us_per_request_median"], 1)]
              for r in result["policy_admission"]]
-    prows += [[f"{r['policy']} (prototype)", r["decode_endpoints"], fmt(r["cpu_us_per_request_median"], 1)]
-              for r in result["policy_admission_prototype"]]
     hp = result.get("health_profile")
     health = "" if hp is None else (
         f"\n\nhealth checks in process, {hp['endpoints']} endpoints: {fmt(hp['cpu_us_per_check'], 0)} µs CPU per check "
@@ -174,13 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         "note": note_shared_machine(), "sim_config": config.to_dict(), "health_interval_s": HEALTH_INTERVAL_S,
         "clients": CLIENTS, "prompt_tokens": PROMPT_TOKENS, "max_tokens": MAX_TOKENS,
         "targets": {"policy_admission_us_per_request": TARGET_POLICY_US, "health_core_share": TARGET_HEALTH_SHARE},
-        "router": [], "policy_admission": [], "policy_admission_prototype": [],
+        "router": [], "policy_admission": [],
     }
     block, blocks = (50, 3) if quick else (500, 9)
     for size in sorted(set(sizes) | {4}):
         for policy in POLICIES:
             result["policy_admission"].append(policy_cost.measure(size, policy, block, blocks))
-            result["policy_admission_prototype"].append(policy_cost.measure_cached(size, policy, block, blocks))
     largest = max(sizes)
     result["policy_profile"] = {"decode_endpoints": largest, "policy": "round-robin",
                                 "top_own_time": policy_cost.profile(largest, "round-robin", 200 if quick else 2000)}

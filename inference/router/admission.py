@@ -11,6 +11,11 @@ fast, never by a timeout.
 The capacity follows the deployment: each decode worker's batch size comes from its health answer
 (`batch_size`), scale-outs add slots as their workers join the pool, and a worker that answered 429
 (its KV pool is full) gets nothing new until one of its requests ends or a short back-off passes.
+
+Per request, admission reads only what is already computed: each endpoint's slots (set when its
+health answer arrives), the pool's kept list of decode endpoints in rotation, and the policy walks
+that list with a test of the slot, the back-off and the request's tried workers instead of listing
+the free ones first (policies.py `choose_where`).
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import collections
 import time
 from collections.abc import Collection
 
-from inference.router.endpoint import Endpoint
+from inference.router.endpoint import Endpoint, slots_for
 from inference.router.errors import RouterError
 from inference.router.metrics import RouterMetrics
 from inference.router.pool import WorkerPool
@@ -30,11 +35,6 @@ DEFAULT_BATCH_SIZE = 32
 FULL_BACKOFF_S = 0.25
 # Waiters re-check at least this often: health changes and scale-outs add capacity without a release.
 _RECHECK_S = 0.25
-
-
-def slots_for(batch_size: int) -> int:
-    """Requests admitted to a decode worker of `batch_size`: the batch plus a quarter for prefill overlap."""
-    return batch_size + max(1, batch_size // 4)
 
 
 class Admission:
@@ -57,7 +57,7 @@ class Admission:
         self.pool = pool
         self.queue_timeout_s = queue_timeout_s
         self.max_queue = max_queue
-        self.default_batch_size = default_batch_size
+        self.default_batch_size = default_batch_size  # also sets the default slots
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self.rejected = 0  # 429s given by admission, for /router/status
         self.metrics: RouterMetrics | None = None  # set by the client that uses this admission
@@ -69,26 +69,31 @@ class Admission:
 
     # ---------------------------------------------------------------------------------- capacity
 
+    @property
+    def default_batch_size(self) -> int:
+        """The batch size assumed for a worker whose health answer reports none."""
+        return self._default_batch_size
+
+    @default_batch_size.setter
+    def default_batch_size(self, value: int) -> None:
+        if value < 1:
+            raise ValueError("default_batch_size must be >= 1")
+        self._default_batch_size = value
+        self._default_slots = slots_for(value)
+
     def limit(self, endpoint: Endpoint) -> int:
         """Requests this router admits to `endpoint` at once."""
-        return slots_for(endpoint.batch_size() or self.default_batch_size)
+        return endpoint.slots or self._default_slots
 
     def capacity(self) -> int:
         """Slots of every decode endpoint in rotation (what the deployment can take right now)."""
-        endpoints = self.pool.candidates("decode")
-        return sum(self.limit(endpoint) for endpoint in endpoints)
+        default = self._default_slots
+        return sum(endpoint.slots or default for endpoint in self.pool.in_rotation("decode"))
 
     @property
     def queued(self) -> int:
         """Requests waiting for a slot."""
         return len(self._waiters)
-
-    def _free(self, exclude: Collection[Endpoint]) -> list[Endpoint]:
-        now = time.monotonic()
-        return [
-            e for e in self.pool.candidates("decode", exclude)
-            if e.inflight < self.limit(e) and e.full_until <= now
-        ]
 
     # ---------------------------------------------------------------------------------- slots
 
@@ -102,7 +107,7 @@ class Admission:
             raise RouterError(503, "no decode endpoints configured")
         if not self._waiters:  # nobody queued: take a free slot now (no overtaking a queue)
             chosen = self._take(exclude)
-            if chosen is not None or not self.pool.candidates("decode", exclude):
+            if chosen is not None or not self.pool.has_candidate("decode", exclude):
                 return chosen
         if len(self._waiters) >= self.max_queue:
             self._reject("queue_full")
@@ -126,7 +131,7 @@ class Admission:
                     )
                 if self._waiters[0] is waiter:
                     chosen = self._take(exclude)
-                    if chosen is not None or not self.pool.candidates("decode", exclude):
+                    if chosen is not None or not self.pool.has_candidate("decode", exclude):
                         return chosen
                 try:
                     await asyncio.wait_for(asyncio.shield(waiter), timeout=min(remaining, _RECHECK_S))
@@ -151,11 +156,19 @@ class Admission:
     # ---------------------------------------------------------------------------------- internals
 
     def _take(self, exclude: Collection[Endpoint]) -> Endpoint | None:
-        free = self._free(exclude)
-        if not free:
-            return None
-        chosen = self.pool.choose_among("decode", free)
-        chosen.acquire()
+        """The policy's pick among the decode endpoints in rotation with a free slot, not backing off
+        and not in `exclude`, its slot taken; None when there is none."""
+        now = time.monotonic()
+        default = self._default_slots
+        if exclude:
+            def free(e: Endpoint) -> bool:
+                return e.inflight < (e.slots or default) and e.full_until <= now and e not in exclude
+        else:
+            def free(e: Endpoint) -> bool:
+                return e.inflight < (e.slots or default) and e.full_until <= now
+        chosen = self.pool.choose_where("decode", free)
+        if chosen is not None:
+            chosen.acquire()
         return chosen
 
     def _renew(self, waiter: asyncio.Future[None]) -> asyncio.Future[None]:

@@ -3,6 +3,12 @@
 A policy only chooses; the pool decides who the candidates are (in rotation, not yet tried by this
 request). Each pool role has its own policy instance, so round-robin cycles prefill and decode
 independently.
+
+`choose` picks among a list of candidates; `choose_where` picks among the endpoints of a list that
+pass a test (a free decode slot, not yet tried), without building the list of those that pass:
+round-robin walks on from its cursor, power-of-two samples and re-samples a bounded number of times.
+The router calls it per request on the pool's cached list of endpoints in rotation, so the common
+case touches a few endpoints however many there are.
 """
 from __future__ import annotations
 
@@ -13,6 +19,11 @@ from typing import Protocol
 
 from inference.router.endpoint import Endpoint
 
+# A test an endpoint must pass to be chosen (a free slot, not yet tried by the request).
+Accept = Callable[[Endpoint], bool]
+# Random draws power-of-two makes among all endpoints before it lists the accepted ones instead.
+_SAMPLE_TRIES = 8
+
 
 class Policy(Protocol):
     """Chooses one endpoint among candidates (a non-empty sequence)."""
@@ -22,6 +33,11 @@ class Policy(Protocol):
     def choose(self, candidates: Sequence[Endpoint]) -> Endpoint:
         """Return one of `candidates`; raises ValueError when there are none."""
         ...
+
+    def choose_where(self, endpoints: Sequence[Endpoint], accept: Accept) -> Endpoint | None:
+        """What `choose` would return among the `endpoints` that `accept` takes; None when it takes none."""
+        ...
+
 
 
 def _require(candidates: Sequence[Endpoint]) -> None:
@@ -48,6 +64,19 @@ class RoundRobin:
             self._next += 1
         return candidates[index]
 
+    def choose_where(self, endpoints: Sequence[Endpoint], accept: Accept) -> Endpoint | None:
+        """The first accepted endpoint from the cursor on; the cursor moves past it."""
+        n = len(endpoints)
+        with self._lock:
+            start = self._next
+            for step in range(n):
+                index = (start + step) % n
+                endpoint = endpoints[index]
+                if accept(endpoint):
+                    self._next = index + 1
+                    return endpoint
+        return None
+
 
 class LeastConnections:
     """The candidate with the fewest requests in flight; ties go round-robin so idle workers share."""
@@ -62,6 +91,18 @@ class LeastConnections:
         _require(candidates)
         fewest = min(endpoint.inflight for endpoint in candidates)
         return self._tiebreak.choose([e for e in candidates if e.inflight == fewest])
+
+    def choose_where(self, endpoints: Sequence[Endpoint], accept: Accept) -> Endpoint | None:
+        """The least loaded accepted endpoint (one pass over all of them: least needs every count)."""
+        fewest: list[Endpoint] = []
+        least = -1
+        for endpoint in endpoints:
+            inflight = endpoint.inflight
+            if (least < 0 or inflight <= least) and accept(endpoint):
+                if inflight != least:
+                    fewest, least = [], inflight
+                fewest.append(endpoint)
+        return self._tiebreak.choose(fewest) if fewest else None
 
 
 class PowerOfTwo:
@@ -79,9 +120,43 @@ class PowerOfTwo:
     def choose(self, candidates: Sequence[Endpoint]) -> Endpoint:
         """The less loaded of two random candidates (the only one when there is one)."""
         _require(candidates)
-        if len(candidates) == 1:
+        n = len(candidates)
+        if n == 1:
             return candidates[0]
-        first, second = self._rng.sample(list(candidates), 2)
+        first, second = self._two_indexes(n)
+        return self._better(candidates[first], candidates[second])
+
+    def choose_where(self, endpoints: Sequence[Endpoint], accept: Accept) -> Endpoint | None:
+        """The less loaded of two accepted endpoints drawn at random (uniformly, as `choose` among the
+        accepted ones would): draws among all of them first, a list of the accepted ones only when a
+        few draws in a row found none (a pool that is mostly full or tried)."""
+        n = len(endpoints)
+        rng = self._rng
+        picked: list[Endpoint] = []
+        for _ in range(_SAMPLE_TRIES):
+            if n == 0:
+                return None
+            endpoint = endpoints[rng.randrange(n)]
+            if (not picked or endpoint is not picked[0]) and accept(endpoint):
+                picked.append(endpoint)
+                if len(picked) == 2:
+                    return self._better(picked[0], picked[1])
+        accepted = [e for e in endpoints if accept(e)]
+        if not accepted:
+            return None
+        if picked and len(accepted) > 1:  # one accepted draw already: its partner, uniformly
+            others = [e for e in accepted if e is not picked[0]]
+            return self._better(picked[0], others[rng.randrange(len(others))])
+        return self.choose(accepted)
+
+    def _two_indexes(self, n: int) -> tuple[int, int]:
+        """Two distinct indexes below `n` (>= 2), uniformly."""
+        first = self._rng.randrange(n)
+        second = self._rng.randrange(n - 1)
+        return first, second + 1 if second >= first else second
+
+    @staticmethod
+    def _better(first: Endpoint, second: Endpoint) -> Endpoint:
         return second if second.inflight < first.inflight else first
 
 

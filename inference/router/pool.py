@@ -3,6 +3,10 @@
 Endpoints can be replaced at run time (`set_endpoints`) so that a control plane can feed the pool;
 an endpoint kept across a replacement keeps its state (in-flight count, health). A background
 asyncio task polls `GET /health` on every endpoint each interval.
+
+The list of endpoints in rotation per role is kept, not rebuilt per request: it is rebuilt when an
+endpoint's health flips (the process-wide `rotation_stamp` moved) or `set_endpoints` replaced the
+role's endpoints.
 """
 from __future__ import annotations
 
@@ -14,9 +18,9 @@ from typing import Any
 
 import aiohttp
 
-from inference.router.endpoint import ROLES, Endpoint
+from inference.router.endpoint import ROLES, Endpoint, rotation_stamp
 from inference.router.health import KEEPALIVE_S, HealthChecker, check_endpoint, new_session
-from inference.router.policies import Policy, canonical_policy_name, make_policy
+from inference.router.policies import Accept, Policy, canonical_policy_name, make_policy
 from inference.router.upstream import UpstreamClient
 
 logger = logging.getLogger(__name__)
@@ -54,6 +58,8 @@ class WorkerPool:
         self.headers: dict[str, str] = dict(headers or {})
         self._policies: dict[str, Policy] = {role: make_policy(self.policy_name) for role in ROLES}
         self._endpoints: dict[str, list[Endpoint]] = {role: [] for role in ROLES}
+        # Per role: (the rotation stamp it was built at, the endpoints in rotation); None: rebuild.
+        self._rotation: dict[str, tuple[int, list[Endpoint]] | None] = {role: None for role in ROLES}
         self._http: aiohttp.ClientSession | None = None
         self._http_loop: asyncio.AbstractEventLoop | None = None
         self._upstream: UpstreamClient | None = None
@@ -88,6 +94,7 @@ class WorkerPool:
             updated.append(existing.get(endpoint.url, endpoint))
         # One assignment: a request choosing concurrently sees either the old or the new list.
         self._endpoints[role] = updated
+        self._rotation[role] = None
         self._info_cache = None
 
     def set_policy(self, policy: str) -> None:
@@ -112,21 +119,43 @@ class WorkerPool:
         candidate ("panic mode", as in Envoy): a worker whose health check merely timed out under
         load still gets the request instead of every request failing until the next check.
         """
-        endpoints = self._endpoints[role]
-        if any(endpoint.healthy for endpoint in endpoints):
-            return [e for e in endpoints if e.healthy and e not in exclude]
-        return [e for e in endpoints if e not in exclude]
+        rotation = self.in_rotation(role)
+        if not exclude:
+            return list(rotation)
+        return [e for e in rotation if e not in exclude]
+
+    def in_rotation(self, role: str) -> list[Endpoint]:
+        """The endpoints of `role` in rotation (all of them in panic mode, see `candidates`).
+
+        The pool's own list, kept until an endpoint's health flips or `set_endpoints` runs: read it,
+        do not change it.
+        """
+        stamp = rotation_stamp()  # read before building: a flip during the build moves it again
+        cached = self._rotation[role]
+        if cached is None or cached[0] != stamp:
+            endpoints = self._endpoints[role]
+            healthy = [e for e in endpoints if e.healthy]
+            cached = (stamp, healthy or list(endpoints))
+            self._rotation[role] = cached
+        return cached[1]
+
+    def has_candidate(self, role: str, exclude: Collection[Endpoint] = ()) -> bool:
+        """Whether `candidates(role, exclude)` is not empty, without building it."""
+        rotation = self.in_rotation(role)
+        if not exclude:
+            return bool(rotation)
+        return any(e not in exclude for e in rotation)
 
     def choose(self, role: str, exclude: Collection[Endpoint] = ()) -> Endpoint | None:
         """The endpoint the policy picks among `candidates(role, exclude)`, or None if there is none."""
-        candidates = self.candidates(role, exclude)
-        if not candidates:
-            return None
-        return self._policies[role].choose(candidates)
+        rotation = self.in_rotation(role)
+        if not exclude:
+            return self._policies[role].choose(rotation) if rotation else None
+        return self._policies[role].choose_where(rotation, lambda e: e not in exclude)
 
-    def choose_among(self, role: str, candidates: list[Endpoint]) -> Endpoint:
-        """The endpoint the role's policy picks among `candidates` (non-empty)."""
-        return self._policies[role].choose(candidates)
+    def choose_where(self, role: str, accept: Accept) -> Endpoint | None:
+        """The endpoint the role's policy picks among those in rotation that `accept` takes, or None."""
+        return self._policies[role].choose_where(self.in_rotation(role), accept)
 
     def record_failure(self, endpoint: Endpoint, error: str) -> None:
         """A request failed on `endpoint` (connect error, 5xx, timeout): count it toward removal."""
