@@ -100,6 +100,8 @@ LANGUAGE_CODE = "en-us"
 TIME_ZONE = env_str("PLATFORM_TIME_ZONE", "UTC") or "UTC"
 USE_I18N = True
 USE_TZ = True
+# Timestamps to the second everywhere in the admin (config/formats/en/formats.py).
+FORMAT_MODULE_PATH = ["config.formats"]
 
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"

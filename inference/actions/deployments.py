@@ -118,12 +118,13 @@ def delete_deployment(deployment: Deployment) -> None:
         locked.delete()
 
 
-def create_deployment(**fields: Any) -> Deployment:
+def create_deployment(*, source: str = "manual", **fields: Any) -> Deployment:
     """Create a deployment from model field values, validated (`full_clean`), with its ScaleEvents.
 
-    Raises django.core.exceptions.ValidationError naming the fields at fault.
+    `source`: who creates it (`bootstrap` for the quick start's demo deployment). Raises
+    django.core.exceptions.ValidationError naming the fields at fault.
     """
     deployment = Deployment(**fields)
     deployment.full_clean()
-    save_deployment(deployment, source="manual", reason="deployment created")
+    save_deployment(deployment, source=str(source), reason="deployment created")
     return deployment

@@ -14,6 +14,8 @@ from django.utils.safestring import SafeString
 
 from inference.admin.display import (
     age_text,
+    event_outcome,
+    format_duration,
     health_summary,
     status_badge,
 )
@@ -88,8 +90,20 @@ class ScaleEventInline(admin.TabularInline):
     max_num = 0
     can_delete = False
     verbose_name_plural = f"recent scale events (newest {RECENT_EVENTS})"
-    fields = ["created_at", "role", "from_replicas", "to_replicas", "source", "rule", "reason", "time_to_run_s"]
+    fields = [
+        "created_at", "role", "from_replicas", "to_replicas", "outcome", "source", "rule", "reason", "time_to_run",
+    ]
     readonly_fields = fields
+
+    @admin.display(description="outcome")
+    def outcome(self, event: ScaleEvent) -> SafeString:
+        """Refused (no node could take the workers) or applied."""
+        return event_outcome(event)
+
+    @admin.display(description="time to run")
+    def time_to_run(self, event: ScaleEvent) -> str:
+        """How long the workers placed for the event took to run."""
+        return "–" if event.refused else format_duration(event.time_to_run_s)
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         """Events are recorded by inference.actions, never typed in."""

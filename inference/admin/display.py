@@ -108,6 +108,32 @@ def human_bytes(count: float | None) -> str:
     return f"{value:.1f} TiB"
 
 
+def format_duration(seconds: float | None) -> str:
+    """Seconds in the largest fitting units: "850 ms", "12.4 s", "3 min 05 s", "2 h 10 min" ("–" if None)."""
+    if seconds is None:
+        return "–"
+    value = float(seconds)
+    if value < 1:
+        return f"{value * 1000:.0f} ms"
+    if value < 60:
+        return f"{value:.1f} s"
+    if value < 3600:
+        minutes, rest = divmod(round(value), 60)
+        return f"{minutes} min {rest:02d} s"
+    hours, rest = divmod(round(value) // 60, 60)
+    return f"{hours} h {rest:02d} min"
+
+
+def event_outcome(event: Any) -> SafeString:
+    """A ScaleEvent's outcome as a badge: red "refused" (no node could take the workers) or "applied"."""
+    if event.refused:
+        return format_html(
+            '<span class="event-refused" title="{}" style="background:#c62828;color:#fff;padding:1px 6px;'
+            'border-radius:8px">refused</span>', "the controller could not place the workers: see the reason",
+        )
+    return format_html('<span class="event-applied">{}</span>', "applied")
+
+
 def short_reason(note: str, limit: int = 48) -> str:
     """The headline of a reason for a list column: the text before its first parenthesis, cut at a word
     with an ellipsis past `limit` characters (the full text goes in the cell's title). A plain

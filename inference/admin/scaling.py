@@ -7,10 +7,13 @@ from typing import Any
 from django.contrib import admin
 from django.http import HttpRequest
 from django.utils import timezone
+from django.utils.safestring import SafeString
 
 from inference.actions import rules as rule_actions
 from inference.admin.display import (
     ReadOnlyAdmin,
+    event_outcome,
+    format_duration,
 )
 from inference.models import (
     ScaleEvent,
@@ -67,10 +70,12 @@ class ScaleOverrideAdmin(ReadOnlyAdmin):
 
 @admin.register(ScaleEvent)
 class ScaleEventAdmin(ReadOnlyAdmin):
-    """Every replica change with its source and reason."""
+    """Every replica change with its source and reason; placements the controller refused are marked so."""
 
-    list_display = ["created_at", "deployment", "role", "change", "source", "rule", "time_to_run", "reason"]
-    list_filter = ["source", "role", "deployment"]
+    list_display = [
+        "created_at", "deployment", "role", "change", "outcome", "source", "rule", "time_to_run", "reason",
+    ]
+    list_filter = ["refused", "source", "role", "deployment"]
     list_select_related = ["deployment", "rule"]
     search_fields = ["deployment__name", "reason"]
     date_hierarchy = "created_at"
@@ -80,9 +85,16 @@ class ScaleEventAdmin(ReadOnlyAdmin):
         """from → to."""
         return f"{event.from_replicas} → {event.to_replicas}"
 
+    @admin.display(description="outcome", ordering="refused")
+    def outcome(self, event: ScaleEvent) -> SafeString:
+        """A red "refused" badge for placements no node could take, else "applied"."""
+        return event_outcome(event)
+
     @admin.display(description="time to run", ordering="time_to_run_s")
     def time_to_run(self, event: ScaleEvent) -> str:
         """Seconds until the workers placed for the event ran; "starting" while they do not yet."""
+        if event.refused:
+            return "—"
         if event.time_to_run_s is not None:
-            return f"{event.time_to_run_s:.0f}s"
+            return format_duration(event.time_to_run_s)
         return "starting" if event.placed_workers.exists() else "—"

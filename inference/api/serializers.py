@@ -191,13 +191,14 @@ class ScalingRuleSerializer(ModelCleanMixin):
 
 class ScaleEventSerializer(serializers.ModelSerializer):
     """One recorded change of a deployment's replicas, with its source and reason, the workers placed
-    for it and how long they took to run (time_to_run_s, null while they start)."""
+    for it and how long they took to run (time_to_run_s, null while they start). `refused`: workers the
+    controller could not place (the reason names each node and why), not a change of the desired count."""
 
     class Meta:
         model = ScaleEvent
         fields = [
-            "id", "deployment", "role", "from_replicas", "to_replicas", "source", "rule", "reason", "created_at",
-            "placed_workers", "time_to_run_s",
+            "id", "deployment", "role", "from_replicas", "to_replicas", "source", "refused", "rule", "reason",
+            "created_at", "placed_workers", "time_to_run_s",
         ]  # fmt: skip
         read_only_fields = fields
 

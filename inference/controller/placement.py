@@ -26,13 +26,20 @@ event's `time_to_run_s` is filled in when the last of its workers reports RUNNIN
 (inference.actions.workers.report_healthy), which is how long the scale-out or failover took to serve.
 
 A replica that no node fits stays missing (the next reconcile tries again) and is recorded as a
-ScaleEvent (source "recovery": the controller restoring the desired count) whose reason names each node
-considered and why it was refused ("no free CPUs ...", "no free port ...", "role not accepted ...",
+ScaleEvent flagged `refused`, with the source of the scale it could not carry out ("recovery" when none
+asked: the controller restoring the desired count), whose reason names each node considered and why it
+was refused ("no free CPUs ...", "no free port ...", "role not accepted ...",
 "heartbeat stale ...", "offline", ...). Reconciles run every few seconds, so the event is written once:
 again only when the reason or the counts change, a worker of the deployment+role was placed since, or
 another scale change of the role was recorded since. Placements are serialised across reconciles (a
 PostgreSQL advisory lock held to the end of the reconcile's transaction), because two deployments placed
 at once would otherwise both see the same CPUs as free; ports are also protected by a unique constraint.
+
+The normal start-up order records nothing: `make up` starts the controller before the agent, so its
+first reconciles find no node registered (or the node OFFLINE since the last `make down`, or its
+heartbeat stale). While every node is in such a state ("waiting for an agent") and the controller
+process started less than CONTROLLER_STARTUP_GRACE_S ago (default 60 s), the refusal is only logged;
+past that, an agent that never came is recorded as any other refusal.
 """
 from __future__ import annotations
 
@@ -68,6 +75,10 @@ PLACEMENT_LOCK_ID = 0x706C6163  # "plac"
 
 # How the reasons of "no node fits" events start (placements never carry those events out).
 REFUSED_PREFIX = "placement refused"
+# When this controller process started (this module is loaded by its first reconcile at the latest):
+# refusals that only say "no agent yet" are not recorded within CONTROLLER_STARTUP_GRACE_S of it.
+CONTROLLER_STARTED_AT = timezone.now()
+DEFAULT_STARTUP_GRACE_S = 60.0
 
 
 @dataclass
@@ -294,23 +305,41 @@ def place_worker(deployment: Deployment, role: str, *, now: datetime | None = No
     return place_worker_explained(deployment, role, now=now)[0]
 
 
+def waiting_for_agents(plan: PlacementPlan) -> bool:
+    """Whether the plan failed only because no agent is up yet: no node registered, or each one offline
+    or with a stale heartbeat (a draining node or one short of resources is a real refusal)."""
+    return all(why == NodeStatus.OFFLINE or why.startswith("heartbeat stale") for _, why in plan.refusals)
+
+
+def in_startup_grace(now: datetime) -> bool:
+    """Whether this controller process started less than CONTROLLER_STARTUP_GRACE_S before `now`."""
+    grace = float(getattr(settings, "CONTROLLER_STARTUP_GRACE_S", DEFAULT_STARTUP_GRACE_S))
+    return timedelta(0) <= now - CONTROLLER_STARTED_AT < timedelta(seconds=grace)
+
+
 def record_unplaced(
-    deployment: Deployment, role: str, *, active: int, desired: int, plan: PlacementPlan
+    deployment: Deployment, role: str, *, active: int, desired: int, plan: PlacementPlan,
+    cause: ScaleEvent | None = None, now: datetime | None = None,
 ) -> ScaleEvent | None:
     """Record that `desired - active` workers of the role could not be placed, once per distinct reason.
 
-    Written as a ScaleEvent (source "recovery") naming every node considered and why it was refused;
-    None when the role's latest ScaleEvent already says exactly this and no worker of the role was
-    placed since (the reconcile loop would otherwise write one per round). Call with `deployment` locked.
+    Written as a ScaleEvent flagged `refused`, with the source of `cause` (the scale it could not carry
+    out; "recovery" without one), naming every node considered and why it was refused. None when the
+    role's latest ScaleEvent already says exactly this and no worker of the role was placed since (the
+    reconcile loop would otherwise write one per round), and during the controller's start-up while no
+    agent is up yet (module docstring). Call with `deployment` locked.
     """
     reason = (
         f"{REFUSED_PREFIX}: {desired - active} {role} worker(s) not placed ({active} of {desired} running "
         f"or starting); nodes considered: {plan.explain()}"
     )
+    if waiting_for_agents(plan) and in_startup_grace(now or timezone.now()):
+        logger.info("%s: %s (the controller is starting: waiting for agents to register)", deployment.name, reason)
+        return None
     last = ScaleEvent.objects.filter(deployment=deployment, role=role).order_by("-created_at", "-pk").first()
     if (
         last is not None
-        and last.source == ScaleSource.RECOVERY
+        and last.refused
         and (last.reason, last.from_replicas, last.to_replicas) == (reason, active, desired)
         and not Worker.objects.filter(deployment=deployment, role=role, created_at__gt=last.created_at).exists()
     ):
@@ -320,7 +349,8 @@ def record_unplaced(
         role=role,
         from_replicas=active,
         to_replicas=desired,
-        source=ScaleSource.RECOVERY,
+        source=cause.source if cause is not None else ScaleSource.RECOVERY,
+        refused=True,
         reason=reason,
     )
     logger.warning("%s: %s", deployment.name, reason)
@@ -334,7 +364,7 @@ def placement_cause(deployment: Deployment, role: str) -> ScaleEvent | None:
         Worker.objects.filter(deployment=deployment, role=role)
         .order_by("-created_at").values_list("created_at", flat=True).first()
     )
-    events = ScaleEvent.objects.filter(deployment=deployment, role=role).exclude(reason__startswith=REFUSED_PREFIX)
+    events = ScaleEvent.objects.filter(deployment=deployment, role=role, refused=False)
     if last_placed is not None:
         events = events.filter(created_at__gt=last_placed)
     for event in events.order_by("-created_at", "-pk")[:20]:

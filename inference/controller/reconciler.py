@@ -128,7 +128,7 @@ def reconcile(deployment: Deployment | int, *, now: datetime | None = None) -> R
                         # Nothing changes until a node frees up: the rest would be refused for the same reason.
                         result.unplaced[role] = desired - len(workers) - placed
                         event = record_unplaced(locked, role, active=len(workers) + placed, desired=desired,
-                                                plan=plan)
+                                                plan=plan, cause=cause, now=now)
                         if event is not None:
                             result.refused_events.append(event.pk)
                         break

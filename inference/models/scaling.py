@@ -106,7 +106,9 @@ class ScalingRule(models.Model):
 
 
 class ScaleSource(models.TextChoices):
-    """What asked for a scale change."""
+    """What asked for a scale change: an operator (admin, REST API), a rule (threshold, schedule, SLO), the
+    controller restoring the desired count (recovery: failover, re-placement, adoption) or the platform's
+    own first start (bootstrap: the quick start's deployment created by `bootstrap_demo`)."""
 
     MANUAL = "manual", "Admin"
     API = "api", "REST API"
@@ -114,10 +116,15 @@ class ScaleSource(models.TextChoices):
     SCHEDULE = "schedule", "Schedule rule"
     SLO = "slo", "SLO rule"
     RECOVERY = "recovery", "Recovery"
+    BOOTSTRAP = "bootstrap", "Bootstrap"
 
 
 class ScaleEvent(models.Model):
     """One change of a deployment's replicas, with its reason, and how long its new workers took to run.
+
+    `refused`: the event records workers the controller could not place (no node fits; the reason names
+    each node and why), not a change of the desired count; its source is that of the scale it could not
+    carry out (recovery when none asked).
 
     The controller links each worker it places to the event that asked for it (`placed_workers`); when
     the last of them reports RUNNING, `time_to_run_s` is filled in (inference.actions.workers.report_healthy).
@@ -130,6 +137,9 @@ class ScaleEvent(models.Model):
     source = models.CharField(max_length=16, choices=ScaleSource.choices)
     rule = models.ForeignKey(ScalingRule, null=True, blank=True, on_delete=models.SET_NULL)
     reason = models.TextField()
+    refused = models.BooleanField(
+        default=False, help_text="the controller could not place the workers (the reason says why)",
+    )
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     placed_workers = models.ManyToManyField(
         Worker, blank=True, related_name="scale_events",
@@ -144,7 +154,8 @@ class ScaleEvent(models.Model):
         ordering = ["-created_at"]
 
     def __str__(self) -> str:
-        return f"{self.deployment.name} {self.role} {self.from_replicas}->{self.to_replicas}"
+        refused = " (refused)" if self.refused else ""
+        return f"{self.deployment.name} {self.role} {self.from_replicas}->{self.to_replicas}{refused}"
 
 
 class ScaleOverride(models.Model):

@@ -190,7 +190,9 @@ def evaluate_windowed_rule(
 def last_change(deployment: Deployment, role: str, now: datetime) -> datetime | None:
     """When the role's desired replicas last changed before `now` (its latest ScaleEvent from a scaler)."""
     return (
-        ScaleEvent.objects.filter(deployment=deployment, role=role, source__in=CHANGE_SOURCES, created_at__lte=now)
+        ScaleEvent.objects.filter(
+            deployment=deployment, role=role, source__in=CHANGE_SOURCES, refused=False, created_at__lte=now
+        )
         .order_by("-created_at").values_list("created_at", flat=True).first()
     )
 

@@ -128,7 +128,7 @@ def deployment_metric_series(
          "router_metrics": {field: {label, unit}},          # of "router" (RouterSample)
          "router": {"t": [...], field: [...]},              # the deployment's router(s)
          "charts": CHARTS,
-         "events": [{t, role, from, to, source, reason}, ...]}
+         "events": [{t, role, from, to, source, refused, reason}, ...]}
 
     `role` limits the roles and workers (not the router, which serves both). Each series has at most
     `max_points` points: longer windows are averaged into time buckets.
@@ -175,7 +175,7 @@ def deployment_metric_series(
 
     events = [
         {"t": int(e.created_at.timestamp() * 1000), "role": e.role, "from": e.from_replicas, "to": e.to_replicas,
-         "source": e.source, "reason": e.reason}
+         "source": e.source, "refused": e.refused, "reason": e.reason}
         for e in ScaleEvent.objects.filter(deployment=deployment, created_at__gte=start, role__in=roles)
         .order_by("created_at")[:500]
     ]  # fmt: skip

@@ -24,7 +24,7 @@ from django.db import transaction
 from rest_framework.authtoken.models import Token
 
 from inference.actions.deployments import create_deployment
-from inference.models import Deployment, Model, RouterEndpoint, RuleKind, ScalingRule
+from inference.models import Deployment, Model, RouterEndpoint, RuleKind, ScaleSource, ScalingRule
 
 
 def _admin_password(path: Path) -> str:
@@ -102,7 +102,7 @@ class Command(BaseCommand):
         return create_deployment(
             name=options["deployment"], model=model, prefill_replicas=1, prefill_min=1, prefill_max=high,
             decode_replicas=1, decode_min=1, decode_max=high, context_length=options["context_length"],
-            router_policy="least-connections", batch_size=16,
+            router_policy="least-connections", batch_size=16, source=str(ScaleSource.BOOTSTRAP),
         )
 
     def _router(self, deployment: Deployment, url: str) -> None:

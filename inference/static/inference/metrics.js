@@ -10,7 +10,7 @@
  *    events: [{t, role, from, to, source, reason}]}
  * and gives each chart its lines: a router chart one per field, a "worker" chart one per worker, a
  * "role" chart one per role, or one per worker when the page's "Series" toggle says "per worker".
- * Scale events are dashed vertical lines. The uPlot instances are in window.metricsCharts (by chart
+ * Scale events are dashed vertical lines (refused placements dotted red, their label marked ✗). The uPlot instances are in window.metricsCharts (by chart
  * id), where the browser tests read their series and data.
  */
 (function () {
@@ -21,6 +21,7 @@
     "#9e9d24", "#283593"];
   var FIELD_COLOURS = ["#1565c0", "#e65100", "#2e7d32"];
   var EVENT_COLOUR = "#7b1fa2";
+  var REFUSED_COLOUR = "#c62828";  // scale events whose workers no node could take
   var HEIGHT = 190;
   var MIN_GAP_MS = 15000;  // a silence longer than this (and than 3 sampling periods) breaks a line
 
@@ -179,19 +180,30 @@
           ctx.lineWidth = ratio;
           ctx.font = Math.round(11 * ratio) + "px sans-serif";
           ctx.textBaseline = "top";
+          var labelEnds = [];  // right edge of the last label drawn on each text row
           (payload.events || []).forEach(function (event) {
             var x = Math.round(u.valToPos(event.t / 1000, "x", true)) + 0.5;
             if (x < u.bbox.left || x > right) { return; }
-            ctx.setLineDash([3 * ratio, 3 * ratio]);
+            // A refused placement changed nothing: a dotted red line and a struck label ("d→2 ✗").
+            var colour = event.refused ? REFUSED_COLOUR : EVENT_COLOUR;
+            ctx.strokeStyle = colour;
+            ctx.fillStyle = colour;
+            ctx.setLineDash(event.refused ? [1 * ratio, 3 * ratio] : [3 * ratio, 3 * ratio]);
             ctx.beginPath();
             ctx.moveTo(x, top);
             ctx.lineTo(x, bottom);
             ctx.stroke();
             ctx.setLineDash([]);
-            var text = event.role.charAt(0) + "→" + event.to;
-            var fitsRight = x + 3 * ratio + ctx.measureText(text).width <= right;
-            ctx.textAlign = fitsRight ? "left" : "right";
-            ctx.fillText(text, fitsRight ? x + 3 * ratio : x - 3 * ratio, top + ratio);
+            var text = event.role.charAt(0) + "→" + event.to + (event.refused ? " ✗" : "");
+            var width = ctx.measureText(text).width;
+            var fitsRight = x + 3 * ratio + width <= right;
+            var start = fitsRight ? x + 3 * ratio : x - 3 * ratio - width;
+            // Labels that would overlap an earlier one go on the next row down (at most 4 rows).
+            var row = 0;
+            while (row < 3 && labelEnds[row] !== undefined && start < labelEnds[row] + 4 * ratio) { row += 1; }
+            labelEnds[row] = start + width;
+            ctx.textAlign = "left";
+            ctx.fillText(text, start, top + ratio + row * 13 * ratio);
           });
           ctx.restore();
         }],
@@ -364,7 +376,9 @@
     var span = Date.parse(payload.now) - Date.parse(payload.since);
     (payload.events || []).slice().reverse().slice(0, 50).forEach(function (event) {
       var row = document.createElement("tr");
-      [formatTime(event.t, span), event.role, event.from + " → " + event.to, event.source, event.reason]
+      if (event.refused) { row.className = "metrics-event-refused"; }
+      [formatTime(event.t, span), event.role, event.from + " → " + event.to + (event.refused ? " refused" : ""),
+        event.source, event.reason]
         .forEach(function (text) {
           var cell = document.createElement("td");
           cell.textContent = String(text);  // textContent: reasons are free text

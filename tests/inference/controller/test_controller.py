@@ -330,9 +330,10 @@ def test_a_refusal_is_recorded_again_after_a_placement_or_a_scale_change(
     reconciler.reconcile(dep)
     reconciler.reconcile(dep)
     events = list(ScaleEvent.objects.filter(deployment=dep, role="decode").order_by("created_at", "pk"))
-    assert [(e.source, e.from_replicas, e.to_replicas) for e in events] == [
-        ("recovery", 1, 2), ("recovery", 0, 2), ("recovery", 1, 2), ("api", 2, 3), ("recovery", 1, 3),
-    ]  # the second: the stopped worker's re-placement
+    assert [(e.source, e.refused, e.from_replicas, e.to_replicas) for e in events] == [
+        ("recovery", True, 1, 2), ("recovery", False, 0, 2), ("recovery", True, 1, 2), ("api", False, 2, 3),
+        ("api", True, 1, 3),
+    ]  # the second: the stopped worker's re-placement; the last: the API's scale-out, refused
     assert events[1].reason.startswith("re-placement") and events[1].placed_workers.count() == 1
     assert "2 decode worker(s) not placed" in events[-1].reason
 
@@ -364,8 +365,12 @@ def test_the_demo_starts_on_two_cpus_and_its_scale_out_is_refused(
     with django_capture_on_commit_callbacks(execute=True):
         refused = reconciler.reconcile(dep)
     assert refused.started == [] and refused.unplaced == {"decode": 1}
-    [event] = refusals(dep)
+    [event] = ScaleEvent.objects.filter(deployment=dep, refused=True)
     assert "local: no free CPUs (needs 1 contiguous, 0 of 2 free" in event.reason
+    assert (event.source, event.from_replicas, event.to_replicas) == ("threshold", 1, 2)  # the rule's scale-out
+    assert not refusals(dep)  # nothing labelled recovery: the deployment was created by the bootstrap
+    assert set(ScaleEvent.objects.filter(deployment=dep, refused=False).values_list("source", flat=True)) == {
+        "bootstrap", "threshold"}
     assert len(live(dep, "decode")) == 1
 
 

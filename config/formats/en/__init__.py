@@ -1,0 +1,1 @@
+"""English formats (see formats.py)."""
