@@ -235,6 +235,8 @@ class LLMEngine(KVHandover):
         prompt = [int(t) for t in prompt_token_ids]
         if any(t < 0 or t >= vocab for t in prompt):
             raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
         if len(prompt) > self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt)} tokens, more than the context length {self.max_model_len}"

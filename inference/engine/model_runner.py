@@ -234,7 +234,7 @@ class ModelRunner:
         # The common all-greedy batch needs neither the per-row parameters nor the sampler's tensors.
         # Decode steps of the batch the slot cache saw last time (most of them) know the answer.
         if is_prefill or not self._slots.same_batch:
-            greedy = all(s.params.greedy for s in seqs)
+            greedy = all(s.params.greedy and not s.params.has_processors for s in seqs)
             if not is_prefill:
                 self._batch_greedy = greedy
         else:
@@ -248,7 +248,7 @@ class ModelRunner:
                 self._next_decode = (meta.decode_lens + 1, ids)
         else:
             sampled = sample(logits, [s.params for s in seqs],
-                             [s.params.seed_offset + len(s.output_token_ids) for s in seqs])
+                             [s.params.seed_offset + len(s.output_token_ids) for s in seqs], seqs)
         if order is None:
             return sampled
         tokens = [0] * len(batch)

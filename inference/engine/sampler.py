@@ -1,5 +1,6 @@
-"""Token sampling, vectorized over the batch: greedy, temperature, top-k, top-p, min-p, and
-per-request seeds that give the same stream in every process.
+"""Token sampling, vectorized over the batch: logits processors (penalties, logit_bias,
+min_tokens; `logits_processors.py`), greedy, temperature, top-k, top-p, min-p, and per-request seeds
+that give the same stream in every process.
 
 Sampling uses the exponential-race form of a categorical draw: with `E_v ~ Exp(1)` independent,
 `argmax_v p_v / E_v` is distributed as `p`. Unseeded rows draw all their noise in one call; a seeded
@@ -8,8 +9,11 @@ work, so a prefill worker and a decode worker (on any device) continue the same 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from .logits_processors import TokenHistory, apply_processors
 from .sampling_params import SamplingParams
 
 # Mixes (seed, step) into one generator seed. Any fixed injective-enough mix works; what matters is that
@@ -64,20 +68,38 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return x.max(dim=-1).indices
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
-    """One token per row of `logits` `[batch, vocab]`; `steps[i]` is row i's output index (for seeds).
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    steps: list[int],
+    histories: Sequence[TokenHistory] | None = None,
+) -> list[int]:
+    """One token per row of `logits` `[batch, vocab]`; `steps[i]` is row i's output index (for seeds),
+    `histories[i]` row i's tokens (needed when a row uses a logits processor).
 
-    Greedy rows take the argmax. A row whose temperature is so small that the scaled logits overflow
-    takes the argmax too (its limit), instead of failing the batch with NaNs.
+    The processors run first, so greedy rows take the argmax of the processed logits. A row whose
+    temperature is so small that the scaled logits overflow takes the argmax too (its limit),
+    instead of failing the batch with NaNs.
     """
+    owned = False  # whether `logits` is this function's own tensor (then scaled in place)
+    if histories is not None and any(p.has_processors for p in params):
+        logits, owned = apply_processors(logits, params, histories), True
     greedy_ids = row_argmax(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return [int(t) for t in greedy_ids.tolist()]
     picked = [params[i] for i in rows]
-    temps = torch.tensor([p.temperature for p in picked], dtype=torch.float32, device=logits.device)
-    x = logits[rows].float() / temps[:, None]
-    finite = torch.isfinite(x).all(-1)
+    temps = torch.tensor([p.temperature for p in picked], dtype=torch.float32, device=logits.device)[:, None]
+    # One pass over the logits where possible: every row sampled needs no row gather, and a tensor of
+    # our own (processed, or converted to fp32) is scaled in place.
+    if len(rows) < len(params):
+        x = logits[rows].float().div_(temps)
+    elif owned or logits.dtype != torch.float32:
+        x = logits.float().div_(temps)
+    else:
+        x = logits / temps
+    # Overflow shows as +inf (or NaN); -inf is a masked token (min_tokens) or a harmless underflow.
+    finite = ~(torch.isposinf(x) | torch.isnan(x)).any(-1)
     x = _filter(torch.where(finite[:, None], x, torch.zeros_like(x)), picked)
     probs = torch.softmax(x, dim=-1)
     noise = torch.empty_like(probs).exponential_()

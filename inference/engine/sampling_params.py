@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from inference.wire.sampling import MODEL_DEFAULT_FIELDS, Sampling, check
+from inference.wire.sampling import MODEL_DEFAULT_FIELDS, Sampling, SamplingError, check, logit_bias_json
 
 # The sampling fields a model's generation_config.json may set as defaults, as vLLM reads them
 # (vLLM also reads repetition_penalty, which this engine does not implement; `do_sample` is
@@ -31,6 +31,12 @@ class SamplingParams:
     output tokens produced before this request took the stream over (a router migrating a stream
     to another decode worker sets it): its first token is output token `seed_offset` of the seed's
     sequence, so a seeded stream continues exactly as an unbroken run would.
+
+    Logits processors (`logits_processors.py`): `frequency_penalty` / `presence_penalty` (OpenAI's,
+    over the generated tokens: the output, and after a migration the prompt's last `seed_offset`
+    tokens, which were generated), `repetition_penalty` (vLLM's, over prompt and output; 1 = off),
+    `logit_bias` (token id -> added to its logit), `min_tokens` (EOS and `stop_token_ids` masked
+    until that many tokens were generated, `seed_offset` included).
     """
 
     max_tokens: int = 16
@@ -43,11 +49,24 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed_offset: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
         """Whether this request decodes greedily (argmax)."""
         return self.temperature == 0.0
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether a logits processor (penalty, bias, min_tokens) changes this request's logits."""
+        return bool(
+            self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+            or self.logit_bias or self.min_tokens
+        )
 
     def validate(self) -> None:
         """Raise ValueError (the wire's `SamplingError`) naming the first invalid field."""
@@ -55,8 +74,10 @@ class SamplingParams:
             check(f.name, getattr(self, f.name))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe dictionary (lists copied)."""
-        return asdict(self)
+        """JSON-safe dictionary (lists copied; `logit_bias` keyed by token ids as strings)."""
+        out = asdict(self)
+        out["logit_bias"] = logit_bias_json(self.logit_bias)
+        return out
 
     @classmethod
     def from_wire(cls, sampling: Sampling, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
@@ -92,7 +113,13 @@ class SamplingParams:
         for key in ("stop", "stop_token_ids"):
             if key in kwargs and isinstance(kwargs[key], tuple):
                 kwargs[key] = list(kwargs[key])
-        for key in ("temperature", "top_p", "min_p"):
+        if "logit_bias" in kwargs:
+            # JSON keys are strings; a bad value is left for validate() to name.
+            try:
+                kwargs["logit_bias"] = check("logit_bias", kwargs["logit_bias"])
+            except SamplingError:
+                pass
+        for key in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
             # JSON clients send 1 for 1.0; keep the dataclass types honest.
             if key in kwargs and _is_number(kwargs[key]):
                 kwargs[key] = float(kwargs[key])

@@ -28,6 +28,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 _GENERATE_FIELDS = {
     "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
     "stop_token_ids", "ignore_eos", "model", "input_ids",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens",
 }
 
 
@@ -77,12 +78,17 @@ def parse_sampling(data: dict[str, Any], max_tokens_field: str = "max_tokens") -
                 values[name] = RULES[name](max_tokens_field if name == "max_tokens" else name, value)
     except SamplingError as exc:
         raise bad_request(exc.quoted()) from None
-    return Sampling(**values)
+    sampling = Sampling(**values)
+    if sampling.min_tokens > sampling.max_tokens:
+        raise bad_request(f"'min_tokens' must be at most '{max_tokens_field}' ({sampling.max_tokens}), "
+                          f"got {sampling.min_tokens}")
+    return sampling
 
 
 # The sampling fields a client may set (`seed_offset` is the router's own, for migrations).
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "min_p", "top_k", "seed", "stop", "stop_token_ids",
-                    "ignore_eos")
+                    "ignore_eos", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
+                    "min_tokens")
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,12 +178,6 @@ def _check_unsupported(data: dict[str, Any]) -> None:
         raise bad_request("'logprobs' is not supported")
     if data.get("suffix"):
         raise bad_request("'suffix' is not supported")
-    for penalty in ("frequency_penalty", "presence_penalty"):
-        value = data.get(penalty)
-        if value not in (None, 0, 0.0):
-            raise bad_request(f"'{penalty}' is not supported (only 0)")
-    if data.get("logit_bias"):
-        raise bad_request("'logit_bias' is not supported")
     if data.get("tools") or data.get("functions"):
         raise bad_request("'tools' are not supported")
     response_format = data.get("response_format")

@@ -125,6 +125,61 @@ def _seed_offset(name: str, value: Any) -> int:
     return int(value)
 
 
+# OpenAI's ranges: penalties in [-2, 2], a logit bias in [-100, 100] on at most 300 tokens.
+PENALTY_LIMIT = 2.0
+LOGIT_BIAS_LIMIT = 100.0
+MAX_LOGIT_BIAS = 300
+
+
+def _penalty(name: str, value: Any) -> float:
+    rule = f"in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]"
+    number = _finite(name, value, rule)
+    if not -PENALTY_LIMIT <= number <= PENALTY_LIMIT:
+        raise SamplingError(name, f"must be {rule}, got {value!r}")
+    return number
+
+
+def _repetition_penalty(name: str, value: Any) -> float:
+    rule = "a finite number > 0 (1 = off)"
+    number = _finite(name, value, rule)
+    if number <= 0:
+        raise SamplingError(name, f"must be {rule}, got {value!r}")
+    return number
+
+
+def _token_key(name: str, key: Any) -> int:
+    """A logit_bias key: a token id as JSON writes it (a string of digits), or an int."""
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12:
+        return int(key)
+    if _is_int(key) and key >= 0:
+        return int(key)
+    raise SamplingError(name, f"keys must be token ids (strings of digits), got {key!r}")
+
+
+def _logit_bias(name: str, value: Any) -> dict[int, float]:
+    if not isinstance(value, Mapping):
+        raise SamplingError(name, "must be an object mapping token ids to numbers in [-100, 100]")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise SamplingError(name, f"may hold at most {MAX_LOGIT_BIAS} tokens")
+    out: dict[int, float] = {}
+    rule = f"in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"
+    for key, bias in value.items():
+        token = _token_key(name, key)
+        number = math.inf
+        if isinstance(bias, int | float) and not isinstance(bias, bool):
+            number = float(bias) if abs(bias) <= 1e300 else math.inf  # no OverflowError on huge ints
+        if not -LOGIT_BIAS_LIMIT <= number <= LOGIT_BIAS_LIMIT:
+            raise SamplingError(name, f"values must be numbers {rule}, got {bias!r} for token {key!r}")
+        out[token] = number
+    return out
+
+
+def _min_tokens(name: str, value: Any) -> int:
+    if not _is_int(value) or value < 0:
+        raise SamplingError(name, f"must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
 # One rule per field: (name, value) -> the normalized value, or SamplingError.
 RULES: dict[str, Callable[[str, Any], Any]] = {
     "max_tokens": _max_tokens,
@@ -137,6 +192,17 @@ RULES: dict[str, Callable[[str, Any], Any]] = {
     "stop_token_ids": _token_ids,
     "ignore_eos": _flag,
     "seed_offset": _seed_offset,
+    "frequency_penalty": _penalty,
+    "presence_penalty": _penalty,
+    "repetition_penalty": _repetition_penalty,
+    "logit_bias": _logit_bias,
+    "min_tokens": _min_tokens,
+}
+
+# The fields that change the logits before sampling (logits processors), with the value that
+# leaves them off; `to_json` sends them only when set.
+PROCESSOR_DEFAULTS: dict[str, Any] = {
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {}, "min_tokens": 0,
 }
 
 
@@ -153,6 +219,11 @@ class Sampling:
     decode worker fills them from its model's generation_config.json, then the engine's defaults,
     and hands the resolved values to the prefill worker. `seed_offset` is how many output tokens
     came before this request took a stream over (a migrated stream's seeded sampler goes on there).
+
+    Logits processors (applied by the engine's sampler on both workers): `frequency_penalty` and
+    `presence_penalty` (OpenAI's, over the generated tokens), `repetition_penalty` (vLLM's, over
+    prompt and generated tokens; 1 = off), `logit_bias` (token id -> bias added to its logit) and
+    `min_tokens` (EOS and stop token ids masked until that many tokens were generated).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -165,6 +236,11 @@ class Sampling:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed_offset: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Sampling:
@@ -176,7 +252,8 @@ class Sampling:
         return cls(**{name: check(name, value) for name, value in data.items() if value is not None})
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object: model-default fields only when set, `seed_offset` only when not 0."""
+        """The JSON object: model-default fields only when set, `seed_offset` and the logits
+        processors only when not off."""
         out: dict[str, Any] = {"max_tokens": self.max_tokens}
         for name in MODEL_DEFAULT_FIELDS:
             value = getattr(self, name)
@@ -185,6 +262,10 @@ class Sampling:
         out.update(seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
         if self.seed_offset:
             out["seed_offset"] = self.seed_offset
+        for name, off in PROCESSOR_DEFAULTS.items():
+            value = getattr(self, name)
+            if value != off:
+                out[name] = logit_bias_json(value) if name == "logit_bias" else value
         return out
 
     def continued(self, emitted: int) -> Sampling | None:
@@ -195,6 +276,11 @@ class Sampling:
         if remaining < 1:
             return None
         return replace(self, max_tokens=remaining, seed_offset=self.seed_offset + emitted)
+
+
+def logit_bias_json(bias: Mapping[int, float]) -> dict[str, float]:
+    """`logit_bias` as JSON holds it (token ids as strings)."""
+    return {str(token): value for token, value in bias.items()}
 
 
 def field_names() -> tuple[str, ...]:

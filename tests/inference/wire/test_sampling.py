@@ -48,3 +48,36 @@ def test_a_continued_stream_keeps_its_budget_and_seed_position() -> None:
     sampling = Sampling(max_tokens=10, seed=7, seed_offset=2)
     assert sampling.continued(4) == Sampling(max_tokens=6, seed=7, seed_offset=6)
     assert sampling.continued(10) is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("frequency_penalty", 3), ("presence_penalty", -2.5), ("repetition_penalty", 0.0),
+     ("logit_bias", {"1": 200}), ("logit_bias", {"a": 1}), ("min_tokens", -1)],
+)
+def test_processor_fields_are_judged_alike_by_router_worker_and_engine(field: str, value: Any) -> None:
+    with pytest.raises(SamplingError) as info:
+        Sampling.from_json({field: value})
+    assert info.value.field == field
+    with pytest.raises(ValueError, match=f"^{field}"):
+        SamplingParams(**{field: value}).validate()
+
+
+def test_processor_fields_round_trip_with_token_ids_as_json_strings() -> None:
+    sampling = Sampling.from_json({"logit_bias": {"3": 1, "40": -100}, "min_tokens": 2, "repetition_penalty": 1.2,
+                                   "frequency_penalty": 0.1, "presence_penalty": 0.2})
+    assert sampling.logit_bias == {3: 1.0, 40: -100.0}
+    wire = sampling.to_json()
+    assert wire["logit_bias"] == {"3": 1.0, "40": -100.0}
+    assert Sampling.from_json(wire) == sampling
+    params = SamplingParams.from_wire(sampling)
+    assert params.has_processors and params.to_dict()["logit_bias"] == {"3": 1.0, "40": -100.0}
+    assert SamplingParams.from_dict(params.to_dict()) == params
+
+
+def test_a_continued_stream_keeps_its_processors() -> None:
+    # The new worker's prompt ends with the tokens already streamed, and `seed_offset` says how many:
+    # frequency and presence penalties count them, min_tokens counts them as generated.
+    sampling = Sampling(max_tokens=10, min_tokens=5, frequency_penalty=1.0, logit_bias={4: 2.0})
+    continued = sampling.continued(3)
+    assert continued == Sampling(max_tokens=7, min_tokens=5, frequency_penalty=1.0, logit_bias={4: 2.0}, seed_offset=3)

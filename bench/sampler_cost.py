@@ -1,0 +1,97 @@
+"""Sampler cost of penalties and logit_bias: one decode step's sampling with and without them, side
+by side in one process (issue 23's target: penalties at most 1.1x plain sampling per step).
+
+`[32, 49152]` logits (SmolLM2's vocabulary), each row with a 512-token prompt and 256 generated
+tokens; rounds alternate the configurations so that load from other jobs hits them alike. The
+processed configuration sets frequency, presence and repetition penalties and a 10-token logit_bias
+on every row (the worst case: every row pays). No model is run: the forward pass is the same with or
+without penalties, so the sampler's time is what they add.
+
+    .venv/bin/python -m bench.sampler_cost
+    .venv/bin/python -m bench.sampler_cost --quick
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field, replace
+
+from bench.common import base_parser, log, parse_args, write_result
+
+MODULE = "bench.sampler_cost"
+
+
+@dataclass
+class History:
+    """A request's tokens as the sampler reads them."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    stop_ids: frozenset[int] | None = frozenset({0})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Time `sample` per configuration; print and write the ratios against plain sampling."""
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=49152)
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--generated", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--steps", type=int, default=10, help="sampled steps per configuration per round")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(p, argv)
+    import torch
+
+    from inference.engine import SamplingParams
+    from inference.engine.sampler import sample
+
+    torch.set_num_threads(args.threads)
+    rounds, steps = (2, 2) if args.quick else (args.rounds, args.steps)
+    rng = random.Random(0)
+    histories = [History([rng.randrange(args.vocab) for _ in range(args.prompt)],
+                         [rng.randrange(args.vocab) for _ in range(args.generated)]) for _ in range(args.batch)]
+    logits = torch.randn(args.batch, args.vocab, generator=torch.Generator().manual_seed(0)) * 3
+    bias = {rng.randrange(args.vocab): 5.0 for _ in range(10)}
+
+    def penalized(params: SamplingParams) -> SamplingParams:
+        return replace(params, frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.1, logit_bias=bias)
+
+    temperature = SamplingParams(temperature=0.8)
+    top_p = SamplingParams(temperature=0.8, top_p=0.95)
+    greedy = SamplingParams(temperature=0.0)
+    configs = {
+        "temperature": temperature,
+        "temperature+penalties": penalized(temperature),
+        "top_p": top_p,
+        "top_p+penalties": penalized(top_p),
+        "greedy": greedy,
+        "greedy+penalties": penalized(greedy),
+    }
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    step_ids = list(range(args.batch))
+    for _ in range(rounds):
+        for name, params in configs.items():
+            batch = [params] * args.batch
+            for _ in range(steps):
+                started = time.perf_counter()
+                sample(logits, batch, step_ids, histories)
+                times[name].append((time.perf_counter() - started) * 1000)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratios = {f"{base}+penalties / {base}": med[f"{base}+penalties"] / med[base]
+              for base in ("temperature", "top_p", "greedy")}
+    for base in ("temperature", "top_p", "greedy"):
+        log(f"{base}: {med[base]:.2f} ms, with penalties {med[base + '+penalties']:.2f} ms, "
+            f"ratio {ratios[f'{base}+penalties / {base}']:.3f}")
+    result = {"batch": args.batch, "vocab": args.vocab, "prompt_tokens": args.prompt,
+              "generated_tokens": args.generated, "threads": args.threads, "step_ms": med, "ratios": ratios,
+              "raw_ms": times}
+    name = "sampler_cost" + ("_quick" if args.quick else "")
+    print(f"result: {write_result(args.out_dir, name, MODULE, argv, result)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
