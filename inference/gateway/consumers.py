@@ -162,8 +162,8 @@ class GatewayConsumer(AsyncHttpConsumer):  # type: ignore[misc]
         await self.send_body(body)
 
     async def error(self, exc: RouterError) -> None:
-        """The JSON error answer for a RouterError; 429 carries Retry-After."""
-        headers = [(b"retry-after", b"1")] if exc.status == 429 else []
+        """The JSON error answer for a RouterError; 429 and 503 carry Retry-After."""
+        headers = [(b"retry-after", b"1")] if exc.status in (429, 503) else []
         await self.json(exc.status, exc.to_dict(), headers)
 
     async def router_or_503(self) -> RouterService | None:
@@ -225,6 +225,7 @@ class GenerationConsumer(GatewayConsumer):
             except orjson.JSONDecodeError as exc:
                 raise RouterError(400, f"request body is not valid JSON: {exc}") from exc
             parsed = PARSERS[self.kind](data)
+            await service.ready_for_generation()  # the workers' models and slots known, or 503
             if self.kind != "generate":  # the seed's /generate ignores `model`; OpenAI clients rely on it
                 service.check_model(parsed.model)
             model = parsed.model or service.model_hint() or "unknown"

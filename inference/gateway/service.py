@@ -4,6 +4,11 @@ Built lazily on first use, so importing the consumers never touches the network;
 thread starts on first use inside the running event loop (a gunicorn/uvicorn worker has one loop;
 when a new loop shows up, as in tests, the pool moves its HTTP session to it). Settings are read
 once, here.
+
+Readiness: until the pool has a health answer from a prefill and a decode worker, the router knows
+neither the models nor the slots it serves, so a generation request waits for those answers, at
+most as long as the first health round can take (`ready_wait_s`), and then gets 503 with
+Retry-After: never a completion under a model name nobody serves.
 """
 from __future__ import annotations
 
@@ -18,6 +23,9 @@ from django.conf import settings
 
 from inference.gateway.follow import follow, load_now
 from inference.router import Admission, DisaggregatedClient, RouterError, RouterMetrics, WorkerPool
+
+# How often a request waiting for the first health answers looks again (only before the router is ready).
+_READY_POLL_S = 0.02
 
 
 @dataclass
@@ -57,10 +65,38 @@ class RouterService:
                 names.add(model)
         return names
 
+    def ready_wait_s(self) -> float:
+        """How long a generation request waits for the first health answers: one health check's
+        longest time (connect + answer), the most the first round can take."""
+        return max(1.0, self.pool.connect_timeout_s + self.pool.health_timeout_s)
+
+    async def ready_for_generation(self) -> None:
+        """Return once a prefill and a decode worker have answered a health check (models and slots
+        known), waiting at most `ready_wait_s`; RouterError 503 when they have not by then.
+
+        Bounded: the health-check thread's first round ends within the same time. Without that thread
+        (health checks off) this request checks the workers itself, once.
+        """
+        pool = self.pool
+        if not pool.unknown_roles():
+            return
+        deadline = time.monotonic() + self.ready_wait_s()
+        if not pool.health_checks_running:
+            await asyncio.wait_for(pool.check_all(), timeout=self.ready_wait_s())
+        while unknown := pool.unknown_roles():  # bounded by the deadline
+            if time.monotonic() >= deadline:
+                raise RouterError(
+                    503,
+                    f"router not ready: no {' or '.join(unknown)} worker has answered a health check yet "
+                    f"(waited {self.ready_wait_s():g}s); retry later",
+                )
+            await asyncio.sleep(_READY_POLL_S)
+
     def check_model(self, requested: str | None) -> None:
         """RouterError 404 (OpenAI's `model_not_found`) unless `requested` is served or an alias of it.
 
-        No name or no worker that reported one yet: accepted (nothing to check against).
+        No name, or workers that answered but report no model (older versions): accepted (nothing to
+        check against). Call after `ready_for_generation`, which waits for the answers.
         """
         if not requested:
             return

@@ -70,7 +70,9 @@ class GenerateSocketConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
     async def _run(self, parsed: ParsedRequest) -> None:
         parts: list[str] = []
         try:
-            events = get_router().client.generate(parsed.request)
+            service = get_router()
+            await service.ready_for_generation()  # the workers' models and slots known, or an error
+            events = service.client.generate(parsed.request)
             async with aclosing(events):
                 async for event in events:
                     if isinstance(event, TokenEvent):

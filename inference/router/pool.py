@@ -172,8 +172,14 @@ class WorkerPool:
         endpoint.record_success()
 
     def ready(self) -> bool:
-        """True when at least one prefill and one decode endpoint are in rotation."""
-        return all(any(e.healthy for e in self._endpoints[role]) for role in ROLES)
+        """True when at least one prefill and one decode endpoint are in rotation and answered a
+        health check (a new endpoint is in rotation before its first answer, but not yet known)."""
+        return all(any(e.healthy and e.last_health is not None for e in self._endpoints[role]) for role in ROLES)
+
+    def unknown_roles(self) -> list[str]:
+        """The roles none of whose endpoints has answered a health check yet: before their first
+        answers the router knows neither their models nor their slots (empty once it knows both)."""
+        return [role for role in ROLES if not any(e.last_health is not None for e in self._endpoints[role])]
 
     # ----------------------------------------------------------------------------------------
     # HTTP session and health checks
