@@ -34,7 +34,8 @@ def reconcile_all() -> int:
     return len(reconciler.reconcile_all())
 
 
-@shared_task(name="inference.tasks.scale_deployment_task", ignore_result=True)
+# Its result (the ScaleEvent id) is kept: GET /api/tasks/{id}/ reports it to the client that queued the scale.
+@shared_task(name="inference.tasks.scale_deployment_task", ignore_result=False)
 def scale_deployment_task(
     *, deployment_id: int, role: str, source: str, reason: str, replicas: int | None = None, delta: int | None = None
 ) -> int | None:

@@ -112,7 +112,8 @@ MAX_OVERRIDE = timedelta(days=7)
 class ScheduleConflict(Exception):
     """A manual scale that an active schedule rule would revert at its next evaluation.
 
-    Carries the rule, so the API (409) and the admin can name it and say how to override it.
+    Carries the rule, so the API (409) and the admin can name it and say how to override it. `requested`
+    is the count asked for, `held` the rule's (both within the role's bounds).
     """
 
     def __init__(self, rule: ScalingRule, role: str, requested: int, held: int) -> None:
@@ -121,6 +122,17 @@ class ScheduleConflict(Exception):
             f"schedule rule '{rule.name}' ({window_text(rule)}) holds {role} replicas at {held}; a manual "
             f"scale to {requested} would be reverted at its next evaluation. Ask for an override with an "
             "end time (override_until or override_minutes), or disable the rule."
+        )
+
+
+class ReplicasOutOfBounds(ValueError):
+    """A manual scale to a count outside the role's [min, max]: refused rather than clamped silently."""
+
+    def __init__(self, role: str, requested: int, low: int, high: int) -> None:
+        self.role, self.requested, self.low, self.high = role, requested, low, high
+        super().__init__(
+            f"{role} replicas must be within the deployment's {role} bounds [{low}, {high}], got {requested}; "
+            f"change {role}_min / {role}_max on the deployment first"
         )
 
 
@@ -234,7 +246,8 @@ def request_manual_scale(
 ) -> ScaleRequest:
     """An operator's scale of `role` (to `replicas`, or by `delta`), checked now and queued for the controller.
 
-    The admin's actions and `POST /api/deployments/{id}/scale/` both go through here. In one transaction:
+    The admin's actions and `POST /api/deployments/{id}/scale/` both go through here. A `replicas` outside
+    the role's [min, max] raises ReplicasOutOfBounds (a `delta` past a bound stops at it). In one transaction:
     the scale is checked against the schedule rules (`plan_manual_scale`: ScheduleConflict, nothing
     changed, unless `override_until` asks for an override, which is recorded) and
     inference.tasks.scale_deployment_task is sent (`jobs.send`); the controller applies it with
@@ -248,11 +261,13 @@ def request_manual_scale(
     with transaction.atomic():
         locked = Deployment.objects.select_for_update().get(pk=deployment.pk)
         current = locked.replicas(role)
+        low, high = locked.bounds(role)
+        if replicas is not None and not low <= int(replicas) <= high:
+            raise ReplicasOutOfBounds(role, int(replicas), low, high)
         wanted = int(replicas) if replicas is not None else current + int(delta or 0)
         override = plan_manual_scale(
             locked, role, wanted, source=source, actor=actor, reason=reason, override_until=override_until, now=now,
         )  # fmt: skip
-        low, high = locked.bounds(role)
         kwargs: dict[str, Any] = {
             "deployment_id": locked.pk, "role": role, "source": source, "reason": reason + override_note(override),
         }  # fmt: skip

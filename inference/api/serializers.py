@@ -204,7 +204,7 @@ class ScaleEventSerializer(serializers.ModelSerializer):
 
 
 class ScaleRequestSerializer(serializers.Serializer):
-    """Body of `POST /api/deployments/{id}/scale/`; the count is clamped to the role's bounds later.
+    """Body of `POST /api/deployments/{id}/scale/`; a count outside the role's [min, max] is refused (400).
 
     Inside an active schedule rule's window a count the rule would revert is refused (409) unless an
     override end is given, as `override_until` (a time) or `override_minutes` (from now).
@@ -241,11 +241,31 @@ class ScaleRequestSerializer(serializers.Serializer):
 
 
 class ScaleQueuedSerializer(serializers.Serializer):
-    """Answer of the scale endpoint: the Celery task that will apply the change, and the override in force."""
+    """Answer of the scale endpoint: the Celery task that will apply the change (its state at `task_url`),
+    the role's count now and the one asked for, and the override in force."""
 
     queued = serializers.BooleanField()
     task_id = serializers.CharField()
+    task_url = serializers.CharField(help_text="GET it for the task's state (`GET /api/tasks/{task_id}/`)")
+    role = serializers.CharField()
+    from_replicas = serializers.IntegerField(help_text="the role's desired replicas when the scale was queued")
+    to_replicas = serializers.IntegerField(help_text="the count the controller will set")
     override = ScaleOverrideSerializer(allow_null=True)
+
+
+class TaskStatusSerializer(serializers.Serializer):
+    """State of a queued control-plane task (Celery's AsyncResult), e.g. the scale endpoint's."""
+
+    task_id = serializers.CharField()
+    state = serializers.ChoiceField(
+        choices=["PENDING", "RECEIVED", "STARTED", "RETRY", "SUCCESS", "FAILURE", "REVOKED"],
+        help_text="Celery's state; PENDING also for an id Celery has no record of (unknown or expired)",
+    )
+    ready = serializers.BooleanField(help_text="whether the task has finished (SUCCESS, FAILURE or REVOKED)")
+    scale_event = serializers.IntegerField(
+        allow_null=True, help_text="the ScaleEvent a finished scale task recorded (null: nothing changed)",
+    )
+    error = serializers.CharField(allow_null=True, help_text="why a FAILURE failed")
 
 
 class RuleRefSerializer(serializers.Serializer):

@@ -1,8 +1,9 @@
 """URLs of the REST API, mounted at /api/ by config/urls.py (before the router's api/generate)."""
-from django.urls import URLPattern, URLResolver
+from django.urls import URLPattern, URLResolver, path
 from rest_framework.routers import DefaultRouter
 
 from inference.api import views
+from inference.api.task_status import TaskStatusView
 
 router = DefaultRouter()
 router.register("nodes", views.NodeViewSet, basename="node")
@@ -13,4 +14,7 @@ router.register("rules", views.ScalingRuleViewSet, basename="scalingrule")
 router.register("events", views.ScaleEventViewSet, basename="scaleevent")
 router.register("overrides", views.ScaleOverrideViewSet, basename="scaleoverride")
 
-urlpatterns: list[URLPattern | URLResolver] = list(router.urls)
+urlpatterns: list[URLPattern | URLResolver] = [
+    *router.urls,
+    path("tasks/<str:task_id>/", TaskStatusView.as_view(), name="task-status"),
+]

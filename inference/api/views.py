@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from django.db.models import Count, ProtectedError, Q
+from django.urls import reverse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import mixins, status, viewsets
@@ -230,8 +231,9 @@ class DeploymentViewSet(PlatformViewSetMixin, viewsets.ModelViewSet):
             raise Conflict(str(exc)) from exc
 
     @extend_schema(
-        summary="Queue a scale operation for one role (the count is clamped to the role's min/max); "
-        "409 if an active schedule rule would revert it, unless an override end is given",
+        summary="Queue a scale operation for one role; 400 when the count is outside the role's min/max, "
+        "409 if an active schedule rule would revert it, unless an override end is given; the task's state "
+        "at task_url",
         request=ScaleRequestSerializer,
         responses={202: ScaleQueuedSerializer, 409: ScheduleConflictSerializer, 503: ErrorSerializer},
     )
@@ -252,10 +254,17 @@ class DeploymentViewSet(PlatformViewSetMixin, viewsets.ModelViewSet):
             )  # fmt: skip
         except scale_actions.ScheduleConflict as exc:
             return _conflict_response(exc)
+        except scale_actions.ReplicasOutOfBounds as exc:
+            raise ValidationError({"replicas": [str(exc)]}) from exc
         except jobs.JobNotQueued as exc:  # the broker is down: nothing was changed, no override kept
             logger.exception("could not enqueue the scale of %s", deployment.name)
             raise ServiceUnavailable(f"could not queue the scale operation: {exc}") from exc
-        payload = ScaleQueuedSerializer({"queued": True, "task_id": queued.task_id, "override": queued.override}).data
+        payload = ScaleQueuedSerializer({
+            "queued": True, "task_id": queued.task_id,
+            "task_url": request.build_absolute_uri(reverse("task-status", args=[queued.task_id])),
+            "role": queued.role, "from_replicas": queued.current, "to_replicas": queued.target,
+            "override": queued.override,
+        }).data  # fmt: skip
         return Response(payload, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(

@@ -24,7 +24,7 @@ from inference.models import Deployment, ScaleEvent, ScaleOverride, ScalingRule,
 from inference.scaling import rules as scaling_rules
 from inference.selectors import schedules
 from nodes.models import Node
-from tests.support.celery_capture import SentTasks, capture, tasks_run_inline  # noqa: F401  (fixture)
+from tests.support.celery_capture import SentTasks, capture, sent_tasks, tasks_run_inline  # noqa: F401  (fixture)
 from tests.support.control_plane import make_deployment, make_model, make_node, make_worker
 
 pytestmark = pytest.mark.django_db
@@ -245,18 +245,22 @@ def test_scale_unknown_deployment_is_404(api: APIClient) -> None:
     assert response.status_code == 404
 
 
-def test_scale_clamping_is_recorded_when_the_task_runs(api: APIClient, tasks_run_inline: SentTasks) -> None:  # noqa: F811
-    """Run the queued task in-process with the published kwargs; the clamp shows in the event's reason."""
-    ran = tasks_run_inline.results
-    deployment = make_deployment(prefill_replicas=1, prefill_max=3)
+def test_scale_out_of_bounds_is_400_naming_the_bounds(api: APIClient, sent_tasks: SentTasks) -> None:  # noqa: F811
+    """Regression: replicas 5 or 0 answered 202 and were clamped silently to the role's bounds."""
+    deployment = make_deployment(prefill_replicas=1, prefill_min=1, prefill_max=3)
     url = f"/api/deployments/{deployment.pk}/scale/"
-    response = api.post(url, {"role": "prefill", "replicas": 10, "reason": "spike"}, format="json")
+    for replicas in (5, 0):
+        response = api.post(url, {"role": "prefill", "replicas": replicas, "reason": "spike"}, format="json")
+        assert response.status_code == 400, response.content
+        assert response.json() == {"replicas": [
+            f"prefill replicas must be within the deployment's prefill bounds [1, 3], got {replicas}; "
+            "change prefill_min / prefill_max on the deployment first"]}
+    assert sent_tasks.calls == [] and not ScaleEvent.objects.filter(deployment=deployment).exists()
+    response = api.post(url, {"role": "prefill", "replicas": 3}, format="json")
     assert response.status_code == 202, response.content
-    event = ScaleEvent.objects.get(deployment=deployment)
-    assert ran == [event.pk]
-    assert (event.from_replicas, event.to_replicas, event.source) == (1, 3, "api")
-    assert "spike" in event.reason and "clamped" in event.reason and "requested 10" in event.reason
-    assert Deployment.objects.get(pk=deployment.pk).prefill_replicas == 3
+    body = response.json()
+    assert (body["role"], body["from_replicas"], body["to_replicas"]) == ("prefill", 1, 3)
+    assert body["task_url"].endswith(f"/api/tasks/{body['task_id']}/")
 
 
 def _broker_down(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -307,6 +311,7 @@ def test_manual_scale_inside_a_schedule_window_is_409_naming_the_rule(
     assert response.status_code == 409, response.content
     body = response.json()
     assert "'night'" in body["detail"] and "override_until" in body["detail"]
+    assert "holds decode replicas at 1; a manual scale to 3 would be reverted" in body["detail"]
     assert body["rule"]["id"] == rule.pk and body["rule"]["name"] == "night" and body["held_replicas"] == 1
     assert ran == [] and not ScaleEvent.objects.filter(deployment=deployment).exists()
     assert not ScaleOverride.objects.exists()
