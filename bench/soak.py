@@ -30,7 +30,6 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from typing import Any
 import httpx
 
 from bench.common import base_parser, log, markdown_table, parse_args, percentile, tiny_model_dir, write_result
+from inference.tools.load_test.sse import sse_lines
 
 DEPLOYMENT = "soak"
 FAULT_KINDS = ("decode", "prefill", "agent", "redis")
@@ -88,25 +88,12 @@ def _body(kind: str, rng: random.Random) -> tuple[str, dict[str, Any], bool]:
     return path, {**body, "prompt": text}, stream
 
 
-async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
-    """The body's lines, split at "\n" only: httpx's aiter_lines also splits at U+2028, U+0085, U+001C
-    and the other str.splitlines separators, which JSON leaves unescaped inside strings, so an event
-    whose text holds one would arrive torn."""
-    pending = b""
-    async for chunk in resp.aiter_bytes():
-        *lines, pending = (pending + chunk).split(b"\n")
-        for line in lines:
-            yield line.rstrip(b"\r").decode()
-    if pending:
-        yield pending.decode()
-
-
 async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any], rec: Record, t0: float) -> None:
     async with client.stream("POST", url, json=body) as resp:
         if resp.status_code != 200:
             rec.outcome, rec.detail = f"http_{resp.status_code}", (await resp.aread())[:200].decode(errors="replace")
             return
-        async for line in sse_lines(resp):
+        async for line in sse_lines(resp.aiter_bytes()):  # not aiter_lines: it tears at U+2028
             if not line.startswith("data:"):
                 continue
             data = line[5:].strip()
