@@ -20,6 +20,7 @@ from inference import jobs
 from inference.actions import deployments as deployment_actions
 from inference.actions import rules as rule_actions
 from inference.actions import scale as scale_actions
+from inference.admin import scale_controls
 from inference.admin.deployment_inlines import (
     DeploymentWorkerInline,
     RouterEndpointInline,
@@ -213,19 +214,11 @@ class DeploymentAdmin(admin.ModelAdmin):
             except jobs.JobNotQueued as exc:
                 self.message_user(request, f"{deployment.name}: not scaled: {exc}", messages.ERROR)
                 continue
-            if not queued.changes:
-                low, high = deployment.bounds(role)
-                self.message_user(
-                    request,
-                    f"{deployment.name}: {role} stays at {queued.current} (bounds [{low}, {high}]).",
-                    messages.WARNING,
-                )
-            else:
-                self.message_user(
-                    request,
-                    f"{deployment.name}: {role} {queued.current} → {queued.target} queued for the controller.",
-                    messages.SUCCESS,
-                )
+            self.log_change(request, deployment, scale_controls.queued_message(deployment, queued))
+            self.message_user(
+                request, scale_controls.queued_message(deployment, queued),
+                messages.SUCCESS if queued.changes else messages.WARNING,
+            )
 
     @admin.action(description="Scale prefill +1", permissions=["change"])
     def scale_prefill_up(self, request: HttpRequest, queryset: QuerySet) -> None:
@@ -253,6 +246,11 @@ class DeploymentAdmin(admin.ModelAdmin):
         """Adds <id>/metrics/ (charts page) and <id>/metrics/data/ (its JSON) before the defaults."""
         extra = [
             path(
+                "<path:object_id>/scale/",
+                self.admin_site.admin_view(self.scale_view),
+                name="inference_deployment_scale",
+            ),
+            path(
                 "<path:object_id>/metrics/",
                 self.admin_site.admin_view(self.metrics_view),
                 name="inference_deployment_metrics",
@@ -264,6 +262,20 @@ class DeploymentAdmin(admin.ModelAdmin):
             ),
         ]
         return extra + list(super().get_urls())
+
+    def scale_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """POST of the deployment page's scale form (inference.admin.scale_controls)."""
+        return scale_controls.scale_view(self, request, object_id)
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        """The change page with the scale controls above the form."""
+        deployment = Deployment.objects.filter(pk=object_id).first()
+        context = dict(extra_context or {})
+        if deployment is not None and self.has_change_permission(request, deployment):
+            context["scale_panels"] = scale_controls.role_panels(deployment)
+        return super().change_view(request, object_id, form_url, extra_context=context)
 
     def _viewable(self, request: HttpRequest, object_id: str) -> Deployment:
         deployment = get_object_or_404(Deployment, pk=object_id)

@@ -5,6 +5,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.contrib.admin.models import LogEntry
 from django.contrib.auth import get_user_model
 from django.contrib.staticfiles import finders
 from django.test import Client
@@ -131,7 +132,9 @@ def test_scale_actions(
     event = ScaleEvent.objects.get(deployment=deployment)
     assert (event.role, event.from_replicas, event.to_replicas, event.source) == (role, start, expected, "manual")
     assert "root" in event.reason
-    assert f"{start} → {expected} queued for the controller" in response.content.decode()
+    assert f"queued: {role} {start} → {expected}" in response.content.decode()
+    [entry] = LogEntry.objects.filter(object_id=str(deployment.pk))  # the deployment's History
+    assert entry.change_message.startswith(f"{deployment.name}: queued: {role} {start} → {expected}")
     assert [kw for kw, _ in tasks_run_inline.named("scale_deployment_task")] == [
         {"deployment_id": deployment.pk, "role": role, "delta": expected - start, "source": "manual",
          "reason": f"admin action {role} {expected - start:+d} by root"}
