@@ -12,7 +12,7 @@ the default 2 s health interval) are started, then:
 
 Beside them, in process: policy + admission CPU per request on the real WorkerPool and Admission
 (bench/sim/policy_cost.py), the health checks' CPU per
-check with a cProfile (bench/sim/health_cost.py; also a prototype of a lean check), and the router
+check with a cProfile (bench/sim/health_cost.py; the lean check and aiohttp's), and the router
 core's CPU per request with a cProfile (bench/sim/request_cost.py), at the smallest and the largest
 pool, against the largest fleet; and the fleet's own footprint (bench/sim/footprint.py: memory per
 simulated worker, time to start 100 more, bytes and fleet CPU per /health and /metrics answer).
@@ -131,8 +131,8 @@ def _tables(result: dict[str, Any]) -> str:
     hp = result.get("health_profile")
     health = "" if hp is None else (
         f"\n\nhealth checks in process, {hp['endpoints']} endpoints: {fmt(hp['cpu_us_per_check'], 0)} µs CPU per check "
-        f"({fmt(100 * hp['core_share_at_interval'], 2)} % of a core at {HEALTH_INTERVAL_S:g} s); lean prototype "
-        f"{fmt(hp['prototype_lean_cpu_us_per_check'], 0)} µs per check")
+        f"({fmt(100 * hp['core_share_at_interval'], 2)} % of a core at {HEALTH_INTERVAL_S:g} s); through aiohttp "
+        f"{fmt(hp['aiohttp_cpu_us_per_check'], 0)} µs per check")
     core = "".join(f"\nrouter core in process, {c['decode_endpoints']} decode endpoints: "
                    f"{fmt(c['cpu_us_per_request'], 0)} µs CPU per request" for c in result.get("core_request_cost", []))
     health += core

@@ -7,16 +7,29 @@ healthy workers out of rotation (measured before this module: all three healthy 
 session, and only evidence about the worker takes it out at once: a refused connection, an HTTP
 error status, or its own non-healthy answer. A check that times out counts toward removal only
 after `failure_threshold` timeouts in a row (a stopped or wedged process).
+
+The thread checks with a lean client (`HealthClient`: one kept connection per endpoint, the request
+bytes built once, httptools parsing the answer and orjson its body; about a quarter of aiohttp's CPU
+per check, bench/sim/health_cost.py), and spreads the checks over the interval: each endpoint is
+checked at a fixed phase of it (from its URL), so a router with hundreds of endpoints does a few
+checks every few milliseconds instead of one burst per round. A new endpoint is checked at once,
+then at its phase.
 """
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import threading
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+import time
+import zlib
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, cast
+from urllib.parse import urlsplit
 
 import aiohttp
+import httptools
+import orjson
 
 from inference.router.endpoint import Endpoint
 
@@ -54,26 +67,43 @@ def new_session(headers: Mapping[str, str] | None = None) -> aiohttp.ClientSessi
 
 
 async def check_endpoint(pool: WorkerPool, session: aiohttp.ClientSession, endpoint: Endpoint) -> bool:
-    """`GET /health` on `endpoint` and apply the result to it; True when it answered healthy."""
-    payload: dict[str, Any] | None = None
-    error: str | None = None
+    """`GET /health` on `endpoint` through aiohttp and apply the result; True when it answered healthy."""
     timeout = aiohttp.ClientTimeout(total=pool.health_timeout_s + pool.connect_timeout_s,
                                     sock_connect=pool.connect_timeout_s)
-    try:
+
+    async def fetch() -> tuple[int, bytes]:
         async with session.get(f"{endpoint.url}/health", timeout=timeout) as response:
-            try:
-                body = await response.json(content_type=None)
-            except ValueError:
-                body = None
-            if isinstance(body, dict):
-                payload = body
-            if response.status != 200:
-                error = f"health check answered HTTP {response.status}"
-            elif payload is None or payload.get("status") != "healthy":
-                status = payload.get("status") if payload else None
-                error = f"health check status is {status!r}, not 'healthy'"
+            return response.status, await response.read()
+
+    return await apply_check(pool, endpoint, fetch)
+
+
+async def check_endpoint_lean(pool: WorkerPool, client: HealthClient, endpoint: Endpoint) -> bool:
+    """`GET /health` on `endpoint` through the lean `client` and apply the result; True when healthy."""
+    return await apply_check(pool, endpoint, lambda: client.get_health(endpoint.url, pool.connect_timeout_s))
+
+
+async def apply_check(pool: WorkerPool, endpoint: Endpoint, fetch: Callable[[], Awaitable[tuple[int, bytes]]]) -> bool:
+    """Run one health check (`fetch` gives the answer's status and body) and apply it to `endpoint`."""
+    payload: dict[str, Any] | None = None
+    error: str | None = None
+    total_s = pool.health_timeout_s + pool.connect_timeout_s
+    try:
+        async with asyncio.timeout(total_s):
+            status, raw = await fetch()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            body = None
+        if isinstance(body, dict):
+            payload = body
+        if status != 200:
+            error = f"health check answered HTTP {status}"
+        elif payload is None or payload.get("status") != "healthy":
+            answered = payload.get("status") if payload else None
+            error = f"health check status is {answered!r}, not 'healthy'"
     except TimeoutError:
-        error = f"health check got no answer within {pool.health_timeout_s + pool.connect_timeout_s:g}s"
+        error = f"health check got no answer within {total_s:g}s"
         if endpoint.record_health_timeout(error, pool.failure_threshold):
             logger.warning("%s endpoint %s out of rotation: %d health checks in a row timed out",
                            endpoint.role, endpoint.url, endpoint.health_timeouts)
@@ -89,6 +119,135 @@ async def check_endpoint(pool: WorkerPool, session: aiohttp.ClientSession, endpo
         else:
             logger.warning("%s endpoint %s out of rotation: %s", endpoint.role, endpoint.url, error)
     return ok
+
+
+class _HealthConnection(asyncio.Protocol):
+    """One kept connection to a worker for its `GET /health`; one request at a time."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._body: list[bytes] = []
+        self._answer: asyncio.Future[tuple[int, bytes]] | None = None
+        self.closed = False
+        self.idle_since = 0.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(aiohttp.ClientPayloadError(f"bad HTTP response from {self.where}: {exc}"))
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._fail(aiohttp.ServerDisconnectedError(f"worker {self.where} closed the connection"))
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        answer, self._answer = self._answer, None
+        body, self._body = b"".join(self._body), []
+        if not self._parser.should_keep_alive():
+            self.close()
+        self.idle_since = time.monotonic()
+        if answer is not None and not answer.done():
+            answer.set_result((self._parser.get_status_code(), body))
+
+    def _fail(self, exc: BaseException) -> None:
+        answer, self._answer = self._answer, None
+        if answer is not None and not answer.done():
+            answer.set_exception(exc)
+
+    async def get(self, request: bytes) -> tuple[int, bytes]:
+        """Send `request` and wait for the whole answer: (status, body)."""
+        assert self.transport is not None
+        answer = self._answer = self.loop.create_future()
+        self.transport.write(request)
+        try:
+            return await answer
+        except BaseException:
+            self.close()  # failed or cancelled mid-answer: the connection's state is unknown
+            raise
+
+    def close(self) -> None:
+        """Close for good (never reused)."""
+        if not self.closed:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.close()
+
+
+class HealthClient:
+    """`GET /health` on workers over one kept connection per worker (one event loop): the request's
+    bytes are built once per worker, the answer is parsed by httptools (as the router's upstream
+    client does, inference/router/upstream.py)."""
+
+    def __init__(self, headers: Mapping[str, str] | None = None, keepalive_s: float = KEEPALIVE_S) -> None:
+        self._headers = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in (headers or {}).items())
+        self._keepalive_s = keepalive_s
+        self._requests: dict[str, tuple[str, int, bytes]] = {}
+        self._connections: dict[str, _HealthConnection] = {}
+
+    def _request(self, url: str) -> tuple[str, int, bytes]:
+        known = self._requests.get(url)
+        if known is None:
+            parts = urlsplit(url)
+            host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+            if parts.scheme != "http" or not host:
+                raise aiohttp.InvalidURL(url)  # the pool's URLs are validated; https needs aiohttp
+            target = f"{parts.path.rstrip('/')}/health"
+            known = (host, port, f"GET {target} HTTP/1.1\r\nHost: {host}:{port}\r\n".encode("latin-1")
+                     + self._headers + b"\r\n")
+            self._requests[url] = known
+        return known
+
+    async def get_health(self, url: str, connect_timeout_s: float) -> tuple[int, bytes]:
+        """The status and body of `GET {url}/health`. A kept connection that the worker closed as it
+        was reused is replaced once by a fresh one."""
+        host, port, request = self._request(url)
+        conn = self._connections.get(url)
+        if conn is not None and not conn.closed and time.monotonic() - conn.idle_since < self._keepalive_s:
+            try:
+                return await conn.get(request)
+            except aiohttp.ServerDisconnectedError:
+                pass
+        if conn is not None:
+            conn.close()
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(connect_timeout_s):
+            _, conn = await loop.create_connection(lambda: _HealthConnection(f"{host}:{port}"), host, port)
+        self._connections[url] = conn
+        return await conn.get(request)
+
+    def forget(self, url: str) -> None:
+        """Close the connection to an endpoint that left the pool."""
+        conn = self._connections.pop(url, None)
+        self._requests.pop(url, None)
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        """Close every connection."""
+        for url in list(self._connections):
+            self.forget(url)
+
+
+def phase_of(url: str, interval_s: float) -> float:
+    """Where in each interval `url` is checked: a fixed offset in [0, interval) from the URL."""
+    return zlib.crc32(url.encode()) / 2**32 * interval_s
+
+
+def next_check_at(url: str, interval_s: float, now: float) -> float:
+    """The first time after `now` at `url`'s phase of the interval (on the monotonic clock)."""
+    phase = phase_of(url, interval_s)
+    return (int((now - phase) // interval_s) + 1) * interval_s + phase
 
 
 class HealthChecker:
@@ -113,13 +272,17 @@ class HealthChecker:
     def stop(self, timeout_s: float = 5.0) -> None:
         """Ask the thread to stop and wait for it (bounded)."""
         self._stop.set()
+        self.wake()
+        self._thread.join(timeout_s)
+
+    def wake(self) -> None:
+        """Look at the pool's endpoints now (from any thread): new ones are checked at once."""
         loop, wake = self._loop, self._wake
         if loop is not None and wake is not None and not loop.is_closed():
             try:
                 loop.call_soon_threadsafe(wake.set)
             except RuntimeError:  # the loop closed meanwhile
                 pass
-        self._thread.join(timeout_s)
 
     def _run(self) -> None:
         asyncio.run(self._main())
@@ -127,17 +290,63 @@ class HealthChecker:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        session = new_session(self.pool.headers)
+        client = HealthClient(self.pool.headers)
+        running: set[asyncio.Task[None]] = set()
         try:
-            while not self._stop.is_set():  # for the life of the router; every check is bounded
-                endpoints = self.pool.all_endpoints()
-                try:
-                    await asyncio.gather(*(check_endpoint(self.pool, session, e) for e in endpoints))
-                except Exception:  # noqa: BLE001  one bad round must not end the checks
-                    logger.exception("health-check round failed")
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=self.pool.health_interval_s)
-                except TimeoutError:
-                    pass
+            await self._schedule(client, running)
         finally:
-            await session.close()
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            client.close()
+
+    async def _schedule(self, client: HealthClient, running: set[asyncio.Task[None]]) -> None:
+        """Check each endpoint at its phase of the interval (a new one at once) until stopped."""
+        assert self._wake is not None
+        pool = self.pool
+        due: list[tuple[float, int, Endpoint]] = []  # a heap: (when, tiebreak, endpoint)
+        scheduled: dict[Endpoint, float] = {}
+        checking: set[Endpoint] = set()
+        version = -1
+        order = 0
+        while not self._stop.is_set():  # for the life of the router; every check is bounded
+            now = time.monotonic()
+            if version != pool.endpoints_version:  # endpoints replaced: schedule new ones, drop gone ones
+                version = pool.endpoints_version
+                current = set(pool.all_endpoints())
+                for endpoint in current - scheduled.keys():
+                    scheduled[endpoint] = now
+                    order += 1
+                    heapq.heappush(due, (now, order, endpoint))
+                for endpoint in scheduled.keys() - current:
+                    del scheduled[endpoint]
+                    if not any(e.url == endpoint.url for e in current):
+                        client.forget(endpoint.url)
+            interval = pool.health_interval_s
+            while due and due[0][0] <= now:
+                _, _, endpoint = heapq.heappop(due)
+                if endpoint not in scheduled:
+                    continue  # left the pool
+                when = next_check_at(endpoint.url, interval, now)
+                scheduled[endpoint] = when
+                order += 1
+                heapq.heappush(due, (when, order, endpoint))
+                if endpoint not in checking:  # a check still waiting for its answer is not doubled
+                    checking.add(endpoint)
+                    task = asyncio.create_task(self._check(client, endpoint, checking))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+            sleep_s = min(interval, max(0.0, due[0][0] - time.monotonic())) if due else interval
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=sleep_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+
+    async def _check(self, client: HealthClient, endpoint: Endpoint, checking: set[Endpoint]) -> None:
+        try:
+            await check_endpoint_lean(self.pool, client, endpoint)
+        except Exception:  # noqa: BLE001  one bad check must not end the checks
+            logger.exception("health check of %s failed", endpoint.url)
+        finally:
+            checking.discard(endpoint)

@@ -60,6 +60,7 @@ class WorkerPool:
         self._endpoints: dict[str, list[Endpoint]] = {role: [] for role in ROLES}
         # Per role: (the rotation stamp it was built at, the endpoints in rotation); None: rebuild.
         self._rotation: dict[str, tuple[int, list[Endpoint]] | None] = {role: None for role in ROLES}
+        self.endpoints_version = 0  # moves on every set_endpoints (the health checker follows it)
         self._http: aiohttp.ClientSession | None = None
         self._http_loop: asyncio.AbstractEventLoop | None = None
         self._upstream: UpstreamClient | None = None
@@ -95,6 +96,9 @@ class WorkerPool:
         # One assignment: a request choosing concurrently sees either the old or the new list.
         self._endpoints[role] = updated
         self._rotation[role] = None
+        self.endpoints_version += 1
+        if self._checker is not None:
+            self._checker.wake()  # new endpoints get their first check now, not at their phase
         self._info_cache = None
 
     def set_policy(self, policy: str) -> None:

@@ -130,7 +130,7 @@ def test_router_scale_quick(tmp_path: Path, log_dir: Path) -> None:
     assert all(r["cpu_us_per_request_median"] > 0 for r in result["policy_admission"])
     profile = result["health_profile"]
     assert profile["endpoints"] == 5 and profile["cpu_us_per_check"] > 0
-    assert profile["prototype_lean_cpu_us_per_check"] > 0
+    assert profile["aiohttp_cpu_us_per_check"] > 0
     assert profile["profile_top_own_time"] and result["policy_profile"]["top_own_time"]
     assert row["fleet_idle_cpu_share"] >= 0
     (core,) = result["core_request_cost"]
