@@ -338,7 +338,7 @@ def test_admin_console_in_chromium(
             page.click("#changelist-form button[name=index]")
         message = page.locator(".messagelist").text_content() or ""
         # The admin capitalises messages.
-        assert f"{deployment.name.capitalize()}: decode 1 → 2 queued for the controller." in message
+        assert f"{deployment.name.capitalize()}: queued: decode 1 → 2;" in message
         row = page.locator("#result_list tbody tr", has_text=deployment.name)
         assert row.locator("td.field-decode").inner_text() == "2 [1–4] · 2 running"
     deployment.refresh_from_db()
