@@ -28,6 +28,7 @@ from inference.admin.display import (
     status_badge,
     warn_overlaps,
 )
+from inference.admin.tables import json_table
 from inference.admin.workers import WorkerInline
 from inference.controller.pinning import live_cpu_overlaps
 from inference.models import (
@@ -66,12 +67,12 @@ class NodeAdmin(admin.ModelAdmin):
         "status",
         "hostname",
         "cpu_count",
-        "memory_bytes",
+        "memory_total",
         "gpus",
         "rdma_devices",
         "rdma_note",
         "last_heartbeat",
-        "last_metrics",
+        "metrics_table",
         "registered_at",
     ]
     fieldsets = [
@@ -80,10 +81,20 @@ class NodeAdmin(admin.ModelAdmin):
         ("Placement", {"fields": ["port_range_start", "port_range_end", "allow_cpu_oversubscription"]}),
         (
             "Registered resources and heartbeat",
-            {"fields": ["cpu_count", "memory_bytes", "gpus", "rdma_devices", "rdma_note", "last_heartbeat",
-                        "last_metrics", "registered_at"]},
+            {"fields": ["cpu_count", "memory_total", "gpus", "rdma_devices", "rdma_note", "last_heartbeat",
+                        "metrics_table", "registered_at"]},
         ),
     ]
+
+    @admin.display(description="memory")
+    def memory_total(self, node: Node) -> str:
+        """The host's memory in binary units, with the byte count."""
+        return f"{human_bytes(node.memory_bytes)} ({node.memory_bytes:,} bytes)".replace(",", " ")
+
+    @admin.display(description="last metrics")
+    def metrics_table(self, node: Node) -> SafeString | str:
+        """The last heartbeat's host and worker-process metrics as a table, in units."""
+        return json_table(node.last_metrics)
 
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
         """The list, with a warning for each pair of live workers pinned to shared CPUs."""

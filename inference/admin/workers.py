@@ -23,6 +23,7 @@ from inference.admin.display import (
     status_badge,
     warn_overlaps,
 )
+from inference.admin.tables import json_table
 from inference.controller.pinning import live_cpu_overlaps, overlapping_worker_ids
 from inference.models import (
     ACTIVE_WORKER_STATUSES,
@@ -146,14 +147,31 @@ class WorkerAdmin(admin.ModelAdmin):
         "restarts",
         "cpu_ids",
         "gpu_ids",
-        "last_health",
-        "last_metrics",
+        "health_table",
+        "metrics_table",
         "last_error",
         "last_seen",
         "created_at",
         "updated_at",
     ]
     fields = readonly_fields
+
+    def has_change_permission(self, request: HttpRequest, obj: Worker | None = None) -> bool:
+        """The worker page is read-only (no Save button): the controller and agents own the row. The list's
+        "Restart worker" action still needs the change permission, asked without an object."""
+        if obj is not None:
+            return False
+        return bool(super().has_change_permission(request, obj))
+
+    @admin.display(description="last health")
+    def health_table(self, worker: Worker) -> SafeString | str:
+        """The worker's last /health answer as a table, in units."""
+        return json_table(worker.last_health)
+
+    @admin.display(description="last metrics")
+    def metrics_table(self, worker: Worker) -> SafeString | str:
+        """The worker's last scraped metrics as a table, in units."""
+        return json_table(worker.last_metrics)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         """Workers are placed by the controller (scale the deployment instead)."""

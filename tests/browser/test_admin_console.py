@@ -265,8 +265,11 @@ def test_admin_console_in_chromium(
     with browser.step("lists-fit"):
         # Regression: the workers list cut LAST HEALTH off at 1,400 px and the scaling rules table
         # overflowed the deployment page. At the fixture's 1,400 px nothing scrolls sideways.
+        worker = Worker.objects.filter(deployment=deployment).order_by("pk").first()
+        assert worker is not None
         for path in ("/admin/inference/worker/", "/admin/nodes/node/",
-                     f"/admin/inference/deployment/{deployment.pk}/change/"):
+                     f"/admin/inference/deployment/{deployment.pk}/change/",
+                     f"/admin/nodes/node/{console.node.pk}/change/", f"/admin/inference/worker/{worker.pk}/change/"):
             page.goto(f"{base}{path}")
             # The admin scrolls wide tables inside their box (`.results`, inline `.tabular`): a column
             # cut off there is as hidden as one past the window's edge.
