@@ -5,7 +5,9 @@ by side in one process (issue 23's target: penalties at most 1.1x plain sampling
 tokens; rounds alternate the configurations so that load from other jobs hits them alike. The
 processed configuration sets frequency, presence and repetition penalties and a 10-token logit_bias
 on every row (the worst case: every row pays). No model is run: the forward pass is the same with or
-without penalties, so the sampler's time is what they add.
+without penalties, so the sampler's time is what they add. Times are the sampling thread's CPU
+time (`time.thread_time`; one torch thread, so torch works in it): on a shared machine wall time
+mostly measures the other jobs.
 
     .venv/bin/python -m bench.sampler_cost
     .venv/bin/python -m bench.sampler_cost --quick
@@ -76,16 +78,16 @@ def main(argv: list[str] | None = None) -> int:
         for name, params in configs.items():
             batch = [params] * args.batch
             for _ in range(steps):
-                started = time.perf_counter()
+                started = time.thread_time()
                 sample(logits, batch, step_ids, histories)
-                times[name].append((time.perf_counter() - started) * 1000)
+                times[name].append((time.thread_time() - started) * 1000)
     med = {k: statistics.median(v) for k, v in times.items()}
     ratios = {f"{base}+penalties / {base}": med[f"{base}+penalties"] / med[base]
               for base in ("temperature", "top_p", "greedy")}
     for base in ("temperature", "top_p", "greedy"):
         log(f"{base}: {med[base]:.2f} ms, with penalties {med[base + '+penalties']:.2f} ms, "
             f"ratio {ratios[f'{base}+penalties / {base}']:.3f}")
-    result = {"batch": args.batch, "vocab": args.vocab, "prompt_tokens": args.prompt,
+    result = {"clock": "thread CPU time", "batch": args.batch, "vocab": args.vocab, "prompt_tokens": args.prompt,
               "generated_tokens": args.generated, "threads": args.threads, "step_ms": med, "ratios": ratios,
               "raw_ms": times}
     name = "sampler_cost" + ("_quick" if args.quick else "")

@@ -69,10 +69,21 @@ def _pairs(rows: list[tuple[int, dict[int, float]]], vocab: int) -> tuple[list[i
     return r_idx, t_idx, values
 
 
-def process(x: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory]) -> torch.Tensor:
-    """Apply every row's processors to fp32 logits `x` `[rows, vocab]` (contiguous), in place."""
+def process(
+    x: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory],
+    scales: Sequence[float] | None = None,
+) -> torch.Tensor:
+    """Apply every row's processors to fp32 logits `x` `[rows, vocab]` (contiguous), in place.
+
+    `scales` (the sampler's `1 / temperature` per row): `x` is already scaled, so the additive terms
+    (bias, frequency and presence penalties) are scaled alike; the repetition penalty divides or
+    multiplies by the sign, which scaling keeps. This spares the sampler a copy of the logits.
+    """
     vocab = x.shape[-1]
     dev = x.device
+    scale = list(scales) if scales is not None else [1.0] * len(params)
     # min_tokens: the row's stop ids (EOS unless ignore_eos, and stop_token_ids) are masked.
     short = [
         (r, dict.fromkeys(h.stop_ids if h.stop_ids is not None else p.stop_token_ids, float("-inf")))
@@ -82,6 +93,8 @@ def process(x: torch.Tensor, params: Sequence[SamplingParams], histories: Sequen
     biased = short + [(r, p.logit_bias) for r, p in enumerate(params) if p.logit_bias]
     if biased:
         r_idx, t_idx, values = _pairs(biased, vocab)
+        if scales is not None:
+            values = [v * scale[r] for r, v in zip(r_idx, values, strict=True)]
         if r_idx:
             at = (torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev))
             x.index_put_(at, torch.tensor(values, dtype=x.dtype, device=dev), accumulate=True)
@@ -106,8 +119,10 @@ def process(x: torch.Tensor, params: Sequence[SamplingParams], histories: Sequen
             vocab,
         )
         index, rows = index.to(dev), rows.to(dev)
-        frequency = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype, device=dev)[rows]
-        presence = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype, device=dev)[rows]
+        frequency = torch.tensor([p.frequency_penalty * s for p, s in zip(params, scale, strict=True)],
+                                 dtype=x.dtype, device=dev)[rows]
+        presence = torch.tensor([p.presence_penalty * s for p, s in zip(params, scale, strict=True)],
+                                dtype=x.dtype, device=dev)[rows]
         # Presence once per seen token (duplicates write the same value), then frequency once per
         # occurrence (index_add_ accumulates): no [rows, vocab] count tensor.
         flat[index] = flat[index] - presence

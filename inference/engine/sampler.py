@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .logits_processors import TokenHistory, apply_processors
+from .logits_processors import TokenHistory, apply_processors, process
 from .sampling_params import SamplingParams
 
 # Mixes (seed, step) into one generator seed. Any fixed injective-enough mix works; what matters is that
@@ -68,6 +68,22 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return x.max(dim=-1).indices
 
 
+def _greedy_ids(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    histories: Sequence[TokenHistory] | None,
+    rows: list[int] | None = None,
+) -> torch.Tensor:
+    """The argmax of each row's processed logits (only `rows` when given)."""
+    if rows is not None:
+        logits = logits[rows]
+        params = [params[i] for i in rows]
+        histories = None if histories is None else [histories[i] for i in rows]
+    if histories is not None:
+        logits = apply_processors(logits, params, histories)
+    return row_argmax(logits)
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -77,36 +93,46 @@ def sample(
     """One token per row of `logits` `[batch, vocab]`; `steps[i]` is row i's output index (for seeds),
     `histories[i]` row i's tokens (needed when a row uses a logits processor).
 
-    The processors run first, so greedy rows take the argmax of the processed logits. A row whose
+    Greedy rows take the argmax of the processed logits. Sampled rows are processed after the
+    temperature scaling, with the additive terms scaled alike (`process`'s `scales`), so no extra
+    copy of the logits is made; a seeded row takes this same path in every batch. A row whose
     temperature is so small that the scaled logits overflow takes the argmax too (its limit),
     instead of failing the batch with NaNs.
     """
-    owned = False  # whether `logits` is this function's own tensor (then scaled in place)
-    if histories is not None and any(p.has_processors for p in params):
-        logits, owned = apply_processors(logits, params, histories), True
-    greedy_ids = row_argmax(logits)
+    if histories is not None and not any(p.has_processors for p in params):
+        histories = None
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
-        return [int(t) for t in greedy_ids.tolist()]
+        return [int(t) for t in _greedy_ids(logits, params, histories).tolist()]
     picked = [params[i] for i in rows]
     temps = torch.tensor([p.temperature for p in picked], dtype=torch.float32, device=logits.device)[:, None]
-    # One pass over the logits where possible: every row sampled needs no row gather, and a tensor of
-    # our own (processed, or converted to fp32) is scaled in place.
+    # One pass over the logits where possible: every row sampled needs no row gather.
     if len(rows) < len(params):
         x = logits[rows].float().div_(temps)
-    elif owned or logits.dtype != torch.float32:
+    elif logits.dtype != torch.float32:
         x = logits.float().div_(temps)
     else:
         x = logits / temps
+    if histories is not None:
+        x = process(x, picked, [histories[i] for i in rows], [1.0 / p.temperature for p in picked])
     # Overflow shows as +inf (or NaN); -inf is a masked token (min_tokens) or a harmless underflow.
     finite = ~(torch.isposinf(x) | torch.isnan(x)).any(-1)
-    x = _filter(torch.where(finite[:, None], x, torch.zeros_like(x)), picked)
+    all_finite = bool(finite.all())
+    if not all_finite:
+        x = torch.where(finite[:, None], x, torch.zeros_like(x))
+    x = _filter(x, picked)
     probs = torch.softmax(x, dim=-1)
     noise = torch.empty_like(probs).exponential_()
     for j, p in enumerate(picked):
         if p.seed is not None:
             noise[j] = seeded_noise(p.seed, steps[rows[j]], probs.shape[-1]).to(noise.device)
-    choice = torch.where(finite, row_argmax(probs / noise), greedy_ids[rows])
-    out = greedy_ids.clone()
+    choice = row_argmax(probs / noise)
+    if not all_finite:
+        choice = torch.where(finite, choice, _greedy_ids(logits, params, histories, rows))
+    if len(rows) == len(params):
+        return [int(t) for t in choice.tolist()]
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    out = torch.empty(len(params), dtype=choice.dtype, device=choice.device)
+    out[greedy_rows] = _greedy_ids(logits, params, histories, greedy_rows)
     out[rows] = choice
     return [int(t) for t in out.tolist()]

@@ -142,3 +142,14 @@ def test_penalties_change_sampled_draws_as_the_processed_distribution() -> None:
     freq = torch.bincount(torch.tensor(draws), minlength=4).float() / n
     expected = torch.softmax(torch.tensor([0.0, 1.9, -1.0, -2.0]), -1)
     torch.testing.assert_close(freq, expected, atol=0.015, rtol=0)
+
+
+def test_a_seeded_row_with_penalties_draws_the_same_in_any_batch() -> None:
+    logits, params, histories = _batch()
+    seeded = SamplingParams(temperature=0.7, seed=11, frequency_penalty=0.4, repetition_penalty=1.2,
+                            logit_bias={3: 2.0})
+    history = History([1, 2, 3], [3, 3, 8])
+    alone = [sample(logits[1:2], [seeded], [step], [history])[0] for step in range(20)]
+    mixed = [sample(logits[:3], [params[0], seeded, params[2]], [0, step, 0], [histories[0], history, histories[2]])[1]
+             for step in range(20)]
+    assert alone == mixed
