@@ -267,6 +267,9 @@ AGENT_LOG_DIR = Path(env_str("AGENT_LOG_DIR", str(VAR_DIR / "logs")) or VAR_DIR 
 CONTROLLER_PENDING_RESEND_S = env_float("CONTROLLER_PENDING_RESEND_S", 60.0)
 # After a worker FAILED on a node, the controller places that deployment+role elsewhere for this long.
 CONTROLLER_FAILURE_COOLDOWN_S = env_float("CONTROLLER_FAILURE_COOLDOWN_S", 300.0)
+# A freshly started controller only logs (does not record as events) placements refused because no agent
+# has registered yet, for this long: the normal start-up order is not a fault.
+CONTROLLER_STARTUP_GRACE_S = env_float("CONTROLLER_STARTUP_GRACE_S", 60.0)
 # collect_metrics: per-request timeout when scraping a worker's /metrics and /health.
 METRICS_SCRAPE_TIMEOUT_S = env_float("METRICS_SCRAPE_TIMEOUT_S", 2.0)
 # Scaling ignores a worker's load when its last health report is older than this.

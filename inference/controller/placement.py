@@ -78,7 +78,6 @@ REFUSED_PREFIX = "placement refused"
 # When this controller process started (this module is loaded by its first reconcile at the latest):
 # refusals that only say "no agent yet" are not recorded within CONTROLLER_STARTUP_GRACE_S of it.
 CONTROLLER_STARTED_AT = timezone.now()
-DEFAULT_STARTUP_GRACE_S = 60.0
 
 
 @dataclass
@@ -313,7 +312,7 @@ def waiting_for_agents(plan: PlacementPlan) -> bool:
 
 def in_startup_grace(now: datetime) -> bool:
     """Whether this controller process started less than CONTROLLER_STARTUP_GRACE_S before `now`."""
-    grace = float(getattr(settings, "CONTROLLER_STARTUP_GRACE_S", DEFAULT_STARTUP_GRACE_S))
+    grace = settings.CONTROLLER_STARTUP_GRACE_S
     return timedelta(0) <= now - CONTROLLER_STARTED_AT < timedelta(seconds=grace)
 
 
