@@ -11,9 +11,10 @@ after `failure_threshold` timeouts in a row (a stopped or wedged process).
 The thread checks with a lean client (`HealthClient`: one kept connection per endpoint, the request
 bytes built once, httptools parsing the answer and orjson its body; about a quarter of aiohttp's CPU
 per check, bench/sim/health_cost.py), and spreads the checks over the interval: each endpoint is
-checked at a fixed phase of it (from its URL), so a router with hundreds of endpoints does a few
-checks every few milliseconds instead of one burst per round. A new endpoint is checked at once,
-then at its phase.
+checked at one of eight fixed phases of it (from its URL), so a router with hundreds of endpoints
+checks an eighth of them at a time instead of all in one burst per round (measured at 256 + 64
+simulated endpoints: 1.6 % of the router process's core, 4 % before). A new endpoint is checked at
+once, then at its phase.
 """
 from __future__ import annotations
 
@@ -239,9 +240,15 @@ class HealthClient:
             self.forget(url)
 
 
+# Phases are whole eighths of the interval: checks due together share one wake of the thread, whose
+# socket answers then arrive together too (one check per wake cost the router process 30 % more CPU
+# than one burst per round, at 320 endpoints); eight groups still spread the load over the interval.
+PHASE_GROUPS = 8
+
+
 def phase_of(url: str, interval_s: float) -> float:
-    """Where in each interval `url` is checked: a fixed offset in [0, interval) from the URL."""
-    return zlib.crc32(url.encode()) / 2**32 * interval_s
+    """Where in each interval `url` is checked: one of `PHASE_GROUPS` fixed offsets, from the URL."""
+    return zlib.crc32(url.encode()) * PHASE_GROUPS // 2**32 * interval_s / PHASE_GROUPS
 
 
 def next_check_at(url: str, interval_s: float, now: float) -> float:
@@ -257,7 +264,7 @@ class HealthChecker:
         self.pool = pool
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake: asyncio.Event | None = None
+        self._wake: asyncio.Future[None] | None = None
         self._thread = threading.Thread(target=self._run, name="router-health-checks", daemon=True)
 
     @property
@@ -277,19 +284,35 @@ class HealthChecker:
 
     def wake(self) -> None:
         """Look at the pool's endpoints now (from any thread): new ones are checked at once."""
-        loop, wake = self._loop, self._wake
-        if loop is not None and wake is not None and not loop.is_closed():
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
             try:
-                loop.call_soon_threadsafe(wake.set)
+                loop.call_soon_threadsafe(self._woken)
             except RuntimeError:  # the loop closed meanwhile
                 pass
+
+    def _woken(self) -> None:
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep `seconds` or until `wake` (a future and a timer: cheaper than wait_for on an Event)."""
+        assert self._loop is not None
+        wake = self._wake = self._loop.create_future()
+        if self._stop.is_set():  # a stop that came before this future existed
+            return
+        timer = self._loop.call_later(seconds, self._woken)
+        try:
+            await wake
+        finally:
+            timer.cancel()
 
     def _run(self) -> None:
         asyncio.run(self._main())
 
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._wake = asyncio.Event()
         client = HealthClient(self.pool.headers)
         running: set[asyncio.Task[None]] = set()
         try:
@@ -302,7 +325,6 @@ class HealthChecker:
 
     async def _schedule(self, client: HealthClient, running: set[asyncio.Task[None]]) -> None:
         """Check each endpoint at its phase of the interval (a new one at once) until stopped."""
-        assert self._wake is not None
         pool = self.pool
         due: list[tuple[float, int, Endpoint]] = []  # a heap: (when, tiebreak, endpoint)
         scheduled: dict[Endpoint, float] = {}
@@ -337,11 +359,7 @@ class HealthChecker:
                     running.add(task)
                     task.add_done_callback(running.discard)
             sleep_s = min(interval, max(0.0, due[0][0] - time.monotonic())) if due else interval
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=sleep_s)
-            except TimeoutError:
-                pass
-            self._wake.clear()
+            await self._sleep(sleep_s)
 
     async def _check(self, client: HealthClient, endpoint: Endpoint, checking: set[Endpoint]) -> None:
         try:

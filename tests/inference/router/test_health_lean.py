@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 import orjson
 
 from inference.router import Endpoint, WorkerPool
-from inference.router.health import HealthClient, check_endpoint_lean, next_check_at, phase_of
+from inference.router.health import PHASE_GROUPS, HealthClient, check_endpoint_lean, next_check_at, phase_of
 from tests.inference.router.stand_ins import Cluster, dead_url
 
 
@@ -99,7 +99,9 @@ def test_each_endpoint_has_a_fixed_phase_and_the_phases_spread() -> None:
     urls = [f"http://10.0.0.{i}:8100" for i in range(64)]
     phases = [phase_of(url, interval) for url in urls]
     assert all(0 <= p < interval for p in phases)
-    assert len({round(p, 3) for p in phases}) > 48  # not one burst
+    groups = {round(p / interval * PHASE_GROUPS, 9) for p in phases}
+    assert all(g == int(g) for g in groups)  # whole fractions: a group's checks share one wake
+    assert len(groups) >= PHASE_GROUPS - 1  # not one burst
     for url, now in [(urls[0], 100.0), (urls[1], 101.37), (urls[2], 5.0)]:
         at = next_check_at(url, interval, now)
         assert now < at <= now + interval
