@@ -268,9 +268,28 @@ PARSERS = {"generate": parse_generate, "completion": parse_completion, "chat": p
 # --------------------------------------------------------------------------------------------
 
 
+# U+2028, U+2029 and U+0085 as UTF-8. JSON allows them raw inside strings (orjson writes them so), but many
+# clients split a stream into lines like Python's str.splitlines (httpx's iter_lines/aiter_lines, for one),
+# which also breaks at these: a generated token holding one would cut its event's JSON in two at the client
+# (issue 26's "torn event": the router had sent the line whole). Written as JSON escapes they mean the same.
+_SPLITLINES_BREAKS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2\x85", b"\\u0085"))
+
+
+def line_safe_json(encoded: bytes) -> bytes:
+    """`encoded` JSON with the non-ASCII line separators escaped, so no line splitter cuts it.
+
+    The two `in` scans are the whole cost for text without them (most text: they look for lead bytes
+    that only these and a few rarer characters share)."""
+    if b"\xe2\x80" not in encoded and b"\xc2\x85" not in encoded:
+        return encoded
+    for raw, escaped in _SPLITLINES_BREAKS:
+        encoded = encoded.replace(raw, escaped)
+    return encoded
+
+
 def sse(obj: dict[str, Any]) -> bytes:
-    """One Server-Sent Event carrying `obj` as JSON."""
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+    """One Server-Sent Event carrying `obj` as JSON (line separators escaped: `line_safe_json`)."""
+    return b"data: " + line_safe_json(orjson.dumps(obj)) + b"\n\n"
 
 
 def error_body(status: int, message: str, error_type: str | None = None) -> dict[str, Any]:
@@ -379,12 +398,12 @@ class SseFormatter:
         self._close_text = b""
         self._suffix = b""
         if parsed.kind != "generate":
-            head = orjson.dumps({
+            head = line_safe_json(orjson.dumps({
                 "id": _openai_id(parsed),
                 "object": "chat.completion.chunk" if parsed.kind == "chat" else "text_completion",
                 "created": parsed.created,
                 "model": model,
-            })
+            }))
             text_key = b'"delta":{"content":' if parsed.kind == "chat" else b'"text":'
             self._prefix = (b"data: " + head[:-1] + b',"choices":[{"index":0,"logprobs":null,"finish_reason":null,'
                             + text_key)
@@ -401,7 +420,7 @@ class SseFormatter:
         """The bytes for `event`, and whether it ends the stream (see `sse_event`)."""
         if type(event) is not TokenEvent:
             return sse_event(self.parsed, event, self.model)
-        text = orjson.dumps(event.text)
+        text = line_safe_json(orjson.dumps(event.text))
         ids = orjson.dumps(event.token_ids)
         if self.parsed.kind == "generate":
             return b'data: {"text":' + text + b',"token_ids":' + ids + b"}\n\n", False

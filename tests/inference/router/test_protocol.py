@@ -175,3 +175,30 @@ def test_formatter_token_chunks_equal_the_general_encoding(kind: str, body: dict
         assert fast_last == slow_last
         assert [json.loads(c[6:]) for c in fast.split(b"\n\n") if c.startswith(b"data: {")] == \
             [json.loads(c[6:]) for c in slow.split(b"\n\n") if c.startswith(b"data: {")]
+
+
+@pytest.mark.parametrize("kind", ["generate", "completion", "chat"])
+def test_sse_events_survive_a_splitlines_client(kind: str) -> None:
+    """Issue 26: a token holding U+2028, U+2029 or U+0085 (JSON allows them raw; a random model emits
+    them) must not cut its event where a client splits the stream like str.splitlines, as httpx's
+    iter_lines/aiter_lines do. Every line such a client reads is a whole event with the same text."""
+    texts = ["a\u2028b", "\u2029", "c\u0085d", "é — “quoted” \u2028\u2029\u0085"]
+    body: dict[str, Any] = {"prompt": "x", "stream": True}
+    if kind == "chat":
+        body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+    parsed = {"generate": parse_generate, "completion": parse_completion, "chat": parse_chat}[kind](body)
+    formatter = SseFormatter(parsed, "model\u2028x")
+    stream = formatter.preamble()
+    for i, text in enumerate(texts):
+        stream += formatter.event(TokenEvent(text, [i]))[0]
+    stream += formatter.event(DONE)[0]
+    lines = [line for line in stream.decode("utf-8").splitlines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    events = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+    if kind == "generate":
+        got = [e["text"] for e in events if "token_ids" in e]
+    else:
+        got = [e["choices"][0].get("text", e["choices"][0].get("delta", {}).get("content"))
+               for e in events if e.get("choices") and e["choices"][0].get("token_ids") is not None]
+        assert all(e["model"] == "model\u2028x" for e in events)
+    assert got == texts
