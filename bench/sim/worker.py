@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.sim.config import SimConfig
+from inference.server.abortable import AbortableTasks
 from inference.server.credit import StreamCredit
 from inference.server.errors import WorkerError, bad_request, overloaded
 from inference.server.load import LoadSignals
@@ -120,7 +121,7 @@ class SimWorker:
         self.used_blocks = 0
         self.streaming = 0  # decode streams past their KV (the "batch" and its queue)
         self._reservations: dict[str, _Reservation] = {}
-        self._prefills: dict[str, asyncio.Task[dict[str, Any]]] = {}
+        self._prefills: AbortableTasks[dict[str, Any]] = AbortableTasks()
         self._aborted: set[str] = set()
 
     # ------------------------------------------------------------------ status
@@ -184,9 +185,7 @@ class SimWorker:
         if reservation is not None:
             reservation.aborted = True
             reservation.kv.set()
-        task = self._prefills.get(request_id)
-        if task is not None and not task.done():
-            task.cancel()
+        self._prefills.cancel(request_id)
 
     # ------------------------------------------------------------------ decode
     async def open_decode(self, body: dict[str, Any], credit: StreamCredit | None = None) -> AsyncIterator[bytes]:
@@ -316,19 +315,8 @@ class SimWorker:
             raise bad_request(f"descriptor covers {descriptor.get('num_tokens')} tokens but the prompt has {len(ids)}")
         if float(descriptor.get("lease_expires_at", 0)) <= time.time():
             raise WorkerError(409, f"the decode lease of {request_id} has expired", "lease_expired")
-        task = asyncio.ensure_future(self._prefill(ids, descriptor))
-        self._prefills[request_id] = task
-        try:
-            return await task
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if task.cancelled() and (current is None or not current.cancelling()):
-                self.metrics.outcome("aborted")
-                raise WorkerError(409, f"prefill of {request_id} was aborted", "aborted") from None
-            raise
-        finally:
-            if self._prefills.get(request_id) is task:
-                del self._prefills[request_id]
+        return await self._prefills.run(request_id, self._prefill(ids, descriptor),
+                                        lambda: self.metrics.outcome("aborted"))
 
     async def _prefill(self, ids: list[int], descriptor: dict[str, Any]) -> dict[str, Any]:
         cfg = self.config

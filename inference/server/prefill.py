@@ -19,6 +19,7 @@ from inference.engine import SamplingParams
 from inference.kv_transfer import KVTransferError, TransferDescriptor, TransferStats
 from inference.kv_transfer.keeper import LeaseKeeper
 from inference.kv_transfer.lease import LeaseLost
+from inference.server.abortable import AbortableTasks
 from inference.server.args import ServerArgs
 from inference.server.core import WorkerCore
 from inference.server.errors import StartupError, WorkerError, bad_request
@@ -71,7 +72,7 @@ class PrefillWorker(WorkerCore):
         super().__init__(args)
         self.sender = build_sender(args, self.engine, self.layout, self.rdma_device)
         # Prefills in progress by request id, so that /internal/abort can cancel them.
-        self._prefill_tasks: dict[str, asyncio.Task[dict[str, Any]]] = {}
+        self._prefill_tasks: AbortableTasks[dict[str, Any]] = AbortableTasks()
         self.fault_prefill_delay_s = fault_prefill_delay_s()
         if self.fault_prefill_delay_s:
             logger.warning(
@@ -82,11 +83,9 @@ class PrefillWorker(WorkerCore):
     # ------------------------------------------------------------------ aborts
     async def abort_role_part(self, request_id: str) -> bool:
         """A prefill in progress is cancelled (its blocks are freed once a KV send under way is done)."""
-        task = self._prefill_tasks.get(request_id)
-        if task is not None and not task.done():
+        if request_id in self._prefill_tasks:
             logger.info("abort of %s: cancelling its prefill", request_id)
-            task.cancel()
-        return task is not None
+        return self._prefill_tasks.cancel(request_id)
 
     def has_pending(self, request_id: str) -> bool:
         """Whether a prefill of the request is registered here."""
@@ -103,20 +102,8 @@ class PrefillWorker(WorkerCore):
         if not isinstance(request_id, str) or not request_id:
             raise bad_request("'request_id' must be a non-empty string")
         self.refuse_if_aborted(request_id)
-        task = asyncio.ensure_future(self._prefill(self._parse(request_id, body)))
-        self._prefill_tasks[request_id] = task
-        try:
-            return await task
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if task.cancelled() and (current is None or not current.cancelling()):
-                # Cancelled by an abort, not by this handler being cancelled.
-                self.metrics.outcome("aborted")
-                raise WorkerError(409, f"prefill of {request_id} was aborted", "aborted") from None
-            raise
-        finally:
-            if self._prefill_tasks.get(request_id) is task:
-                del self._prefill_tasks[request_id]
+        run = self._parse(request_id, body)
+        return await self._prefill_tasks.run(request_id, self._prefill(run), lambda: self.metrics.outcome("aborted"))
 
     def _parse(self, request_id: str, body: dict[str, Any]) -> PrefillRun:
         """The request's prompt, parameters and descriptor, checked against this worker (400/409)."""
