@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery import shared_task
+from celery import Task, shared_task
 
 from inference.actions import samples as sample_actions
 from inference.actions import scale as scale_actions
@@ -34,13 +34,32 @@ def reconcile_all() -> int:
     return len(reconciler.reconcile_all())
 
 
-# Its result (the ScaleEvent id) is kept: GET /api/tasks/{id}/ reports it to the client that queued the scale.
-@shared_task(name="inference.tasks.scale_deployment_task", ignore_result=False)
+# Its outcome (the ScaleEvent id, or the error) is stored by the task itself for GET /api/tasks/{id}/:
+# jobs sends every task with ignore_result (a sender that asks for results subscribes to them, and Celery's
+# Redis result consumer never recovers from a broker restart), which also stops Celery storing it.
+@shared_task(name="inference.tasks.scale_deployment_task", bind=True, ignore_result=True)
 def scale_deployment_task(
-    *, deployment_id: int, role: str, source: str, reason: str, replicas: int | None = None, delta: int | None = None
+    self: Task, *, deployment_id: int, role: str, source: str, reason: str, replicas: int | None = None,
+    delta: int | None = None,
 ) -> int | None:
     """Set a role's desired replicas to `replicas`, or change them by `delta` (read under the lock); clamped
-    to min/max and recorded as a ScaleEvent. Returns the event id (None: nothing changed)."""
+    to min/max and recorded as a ScaleEvent. Returns the event id (None: nothing changed), also stored
+    under the task's id with the error if it fails."""
+    try:
+        event_id = _scale(deployment_id=deployment_id, role=role, source=source, reason=reason,
+                          replicas=replicas, delta=delta)
+    except Exception as exc:
+        if self.request.id:
+            self.backend.mark_as_failure(self.request.id, exc)
+        raise
+    if self.request.id:
+        self.backend.mark_as_done(self.request.id, event_id)
+    return event_id
+
+
+def _scale(
+    *, deployment_id: int, role: str, source: str, reason: str, replicas: int | None, delta: int | None
+) -> int | None:
     deployment = Deployment.objects.filter(pk=deployment_id).first()
     if deployment is None:
         logger.warning("scale_deployment_task: deployment #%s no longer exists", deployment_id)
