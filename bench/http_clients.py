@@ -126,7 +126,7 @@ async def _measure(base: str, n_lines: int, concurrency: int, total: int, rounds
 
     async def up_stream() -> int:
         async with await up.post(f"{base}/stream?n={n_lines}", raw, connect_timeout_s=3) as r:
-            reader = NdjsonReader(r.content)
+            reader: NdjsonReader[dict[str, Any]] = NdjsonReader(r.content)
             n = 0
             while await reader.next() is not None:  # bounded by the stream's end
                 n += 1

@@ -70,7 +70,7 @@ def serve_relay(port: int, upstream_port: int) -> None:
             clients.append(UpstreamClient())
         query = scope["query_string"].decode()
         response = await clients[0].post(f"http://{LOOPBACK}:{upstream_port}/s?{query}", b"{}", connect_timeout_s=3)
-        reader = NdjsonReader(response.content)
+        reader: NdjsonReader[dict[str, Any]] = NdjsonReader(response.content)
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         while (line := await reader.next_within(10)) is not None:  # bounded: the worker's n lines
             chunk = orjson.dumps({"text": line["text"], "token_ids": line["token_ids"]})

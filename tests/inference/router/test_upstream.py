@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import pytest
@@ -110,7 +111,7 @@ def test_chunked_ndjson_stream_arrives_line_by_line() -> None:
         async def scenario(base: str) -> None:
             client = UpstreamClient()
             response = await client.post(f"{base}/internal/decode", b"{}", connect_timeout_s=3)
-            reader = NdjsonReader(response.content)
+            reader: NdjsonReader[dict[str, Any]] = NdjsonReader(response.content)
             assert await asyncio.wait_for(reader.next(), 5) == {"type": "token", "token_ids": [0]}
             gate.set()
             assert [await reader.next() for _ in range(3)] == [
@@ -211,7 +212,7 @@ def test_a_line_torn_at_the_end_of_the_stream_is_never_a_line(clean_end: bool) -
     async def scenario(base: str) -> None:
         client = UpstreamClient()
         response = await client.post(f"{base}/internal/decode", b"{}", connect_timeout_s=3)
-        reader = NdjsonReader(response.content)
+        reader: NdjsonReader[dict[str, Any]] = NdjsonReader(response.content)
         assert await asyncio.wait_for(reader.next(), 5) == {"type": "token", "token_ids": [6], "text": "x"}
         with pytest.raises(aiohttp.ClientError) as caught:
             await asyncio.wait_for(reader.next(), 5)

@@ -74,7 +74,7 @@ def test_credited_stream_stops_at_its_credit_and_resumes_to_the_greedy_answer(cl
         response = await client.post(cluster["decode"] + "/internal/decode", _body(request_id),
                                      connect_timeout_s=5, credit=credit)
         assert response.status == 200
-        reader = NdjsonReader(response.content)
+        reader: NdjsonReader[dict[str, Any]] = NdjsonReader(response.content)
         descriptor = await reader.next()
         assert descriptor is not None and descriptor["type"] == "descriptor"
         await _prefill(cluster, request_id, descriptor)
