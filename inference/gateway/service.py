@@ -88,9 +88,15 @@ class RouterService:
                 raise RouterError(
                     503,
                     f"router not ready: no {' or '.join(unknown)} worker has answered a health check yet "
-                    f"(waited {self.ready_wait_s():g}s); retry later",
+                    f"(waited {self.ready_wait_s():g}s; {self._unanswered(unknown)}); retry later",
                 )
             await asyncio.sleep(_READY_POLL_S)
+
+    def _unanswered(self, roles: list[str]) -> str:
+        """Each endpoint of `roles` with its last error, so the operator sees which workers are missing."""
+        return "; ".join(
+            f"{role} {e.url}: {e.last_error or 'no answer yet'}" for role in roles for e in self.pool.endpoints(role)
+        )
 
     def check_model(self, requested: str | None) -> None:
         """RouterError 404 (OpenAI's `model_not_found`) unless `requested` is served or an alias of it.

@@ -237,14 +237,16 @@ def test_client_disconnect_frees_decode_blocks(cluster) -> None:
     assert health["kv_usage"] == 0 and health["running"] == 0, health
 
 
-def test_unreachable_backends_give_502_naming_them(log_dir: Path) -> None:
+def test_unreachable_backends_give_503_naming_them(log_dir: Path) -> None:
+    """Workers that never answered: the router is not ready (issue 20 item 6): 503 with Retry-After after a
+    bounded wait, naming every missing worker and why (a worker that dies later gives 502, as before)."""
     dead_p, dead_d = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
     router, url = start_router([dead_p], [dead_d], log_dir)
     try:
         r = httpx.post(url + "/generate", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
-        assert r.status_code == 502
+        assert r.status_code == 503 and r.headers.get("retry-after")
         message = json.dumps(r.json())
-        assert dead_d in message
+        assert dead_d in message and dead_p in message and "not ready" in message
     finally:
         router.stop()
 
