@@ -25,8 +25,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.managed_platform import ManagedPlatform, NotReady
+from tests.support.managed_platform import ManagedPlatform
 from tests.support.private_services import ServiceUnavailable
+from tests.support.processes import NotReady
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

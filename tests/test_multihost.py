@@ -37,7 +37,7 @@ import httpx
 import pytest
 
 from tests.support.netns import NetnsLab, NetnsUnavailable
-from tests.support.processes import ROOT, Proc
+from tests.support.processes import ROOT, NotReady, Proc, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -51,24 +51,11 @@ def free_port_on(address: str) -> int:
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float, procs: list[Proc], interval: float = 0.5) -> Any:
-    """Poll `check()` until it returns something truthy; fail with the processes' logs otherwise."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
-            last = exc
-        else:
-            if last:
-                return last
-        for proc in procs:
-            if not proc.alive():
-                pytest.fail(f"{proc.name} exited ({proc.popen.returncode}) while waiting for {what}:\n"
-                            f"{proc.log()[-4000:]}")
-        time.sleep(interval)
-    logs = "\n".join(f"--- {p.name} ---\n{p.log()[-2500:]}" for p in procs)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})\n{logs}")
+    """Poll `check()` until it returns something truthy; fail the test with the processes' logs otherwise."""
+    try:
+        return wait_until(what, check, timeout, procs, interval=interval)
+    except NotReady as exc:
+        pytest.fail(str(exc))
 
 
 def agent_command(rid: str, name: str, address: str, role: str) -> list[str]:

@@ -26,13 +26,9 @@ from typing import Any
 import httpx
 
 from tests.support.private_services import PrivatePostgres, PrivateRedis
-from tests.support.processes import ROOT, Proc, build_kernels_once, free_port
+from tests.support.processes import ROOT, Proc, build_kernels_once, free_port, wait_until
 
 LIVE = {"pending", "starting", "running", "unhealthy"}
-
-
-class NotReady(RuntimeError):
-    """A condition the platform did not reach in time (the message names it and quotes the logs)."""
 
 
 class ManagedPlatform:
@@ -223,21 +219,6 @@ class ManagedPlatform:
 
     def wait_for(self, what: str, check: Callable[[], Any], timeout: float, interval: float = 0.5,
                  watch: list[Proc] | None = None) -> Any:
-        """Poll `check()` until truthy; NotReady with the logs of `watch` (default: every live process)."""
-        deadline = time.monotonic() + timeout
-        last: Any = None
-        while time.monotonic() < deadline:
-            try:
-                last = check()
-            except (httpx.HTTPError, KeyError, ValueError) as exc:
-                last = exc
-            else:
-                if last:
-                    return last
-            for proc in watch if watch is not None else []:
-                if not proc.alive():
-                    raise NotReady(f"{proc.name} exited ({proc.popen.returncode}) while waiting for {what}:\n"
-                                   f"{proc.log()[-4000:]}")
-            time.sleep(interval)
-        logs = "\n".join(f"--- {p.name} ---\n{p.log()[-2500:]}" for p in (watch or self.procs))
-        raise NotReady(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})\n{logs}")
+        """Poll `check()` until truthy; NotReady when a process of `watch` exits or at `timeout`, with the
+        logs of `watch` (default: every process of the platform)."""
+        return wait_until(what, check, timeout, watch or [], logs_of=watch or self.procs, interval=interval)

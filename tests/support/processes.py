@@ -177,3 +177,31 @@ def start_router(
         proc.stop()
         raise
     return proc, url
+
+
+class NotReady(RuntimeError):
+    """A condition the processes did not reach in time (the message names it and quotes the logs)."""
+
+
+def wait_until(what: str, check: Callable[[], object], timeout: float, watch: list[Proc],
+               logs_of: list[Proc] | None = None, interval: float = 0.5) -> object:
+    """Poll `check()` until it returns something truthy and return that; NotReady as soon as a process of
+    `watch` exits, or at `timeout`, with the logs of `logs_of` (default: `watch`). HTTP errors and
+    missing keys count as "not yet". Bounded by `timeout`."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        for proc in watch:
+            if not proc.alive():
+                raise NotReady(f"{proc.name} exited ({proc.popen.returncode}) while waiting for {what}:\n"
+                               f"{proc.log()[-4000:]}")
+        time.sleep(interval)
+    logs = "\n".join(f"--- {p.name} ---\n{p.log()[-2500:]}" for p in (logs_of if logs_of is not None else watch))
+    raise NotReady(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})\n{logs}")
