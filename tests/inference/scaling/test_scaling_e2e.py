@@ -187,7 +187,12 @@ def test_decode_load_holds_through_a_burst_and_the_rule_fires(decode_cluster: Cl
     assert first is not None and first <= 2, describe(ticks)
     burst = ticks[first:]
     assert all(t.load is not None and t.load > 0.0 for t in burst), describe(ticks)
-    assert min(t.load or 0.0 for t in burst) > 0.7, describe(ticks)
+    # The first loaded reading may still be the ramp (32 clients connecting over a 2 s cadence: CI
+    # read 0.62 there once); from the first reading over the threshold, at most one round later,
+    # every reading stays over it.
+    full = next((i for i, t in enumerate(burst) if (t.load or 0.0) > 0.7), None)
+    assert full is not None and full <= 1, describe(ticks)
+    assert min(t.load or 0.0 for t in burst[full:]) > 0.7, describe(ticks)
 
     fired = ticks[-1].fired
     assert len(fired) == 1, describe(ticks)
