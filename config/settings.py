@@ -150,6 +150,11 @@ CELERY_TIMEZONE = TIME_ZONE
 
 # Metric samples (charts, scaling) older than this are pruned (inference.actions.samples.prune_metric_samples).
 METRICS_RETENTION_HOURS = env_int("METRICS_RETENTION_HOURS", 72, minimum=1)
+# Per-worker samples (one per worker per scrape) are kept raw this long, then only as per-minute rollups
+# (kept METRICS_RETENTION_HOURS) and per-hour rollups (kept METRICS_ROLLUP_RETENTION_DAYS); see
+# inference.metrics.downsampling. At 1,000 workers a raw hour is 720,000 rows, a rolled-up hour 60,000.
+METRICS_RAW_RETENTION_HOURS = min(env_int("METRICS_RAW_RETENTION_HOURS", 2, minimum=1), METRICS_RETENTION_HOURS)
+METRICS_ROLLUP_RETENTION_DAYS = env_int("METRICS_ROLLUP_RETENTION_DAYS", 30, minimum=1)
 # Stopped and failed Worker rows older than this (since their last change) are deleted
 # (inference.actions.workers.prune_stopped_workers, hourly): every `make down`/`make up` leaves a set behind.
 WORKER_RETENTION_HOURS = env_int("WORKER_RETENTION_HOURS", 24, minimum=1)
@@ -223,14 +228,26 @@ ROUTER_API_KEYS = env_list("ROUTER_API_KEYS")
 ROUTER_REQUIRE_AUTH = env_bool("ROUTER_REQUIRE_AUTH", False)
 # How long a DRF token lookup is trusted (a revoked token keeps working at most this long).
 ROUTER_AUTH_CACHE_S = env_float("ROUTER_AUTH_CACHE_S", 30.0)
+# API keys made in the admin / REST API (inference/gateway/api_keys.py): each router process reloads them
+# in the background when its snapshot is older than ROUTER_KEY_REFRESH_S, and before answering when it is
+# older than ROUTER_KEY_MAX_STALE_S: a revoked key is refused by every router within that bound.
+ROUTER_KEY_REFRESH_S = env_float("ROUTER_KEY_REFRESH_S", 2.0)
+ROUTER_KEY_MAX_STALE_S = env_float("ROUTER_KEY_MAX_STALE_S", 4.0)
+if not 0 < ROUTER_KEY_REFRESH_S <= ROUTER_KEY_MAX_STALE_S:
+    raise ImproperlyConfigured("need 0 < ROUTER_KEY_REFRESH_S <= ROUTER_KEY_MAX_STALE_S")
+# Per-key usage counted by a router is written to the database this long after its first count.
+ROUTER_USAGE_FLUSH_S = env_float("ROUTER_USAGE_FLUSH_S", 10.0)
+# Production refuses to start with an open generation API unless this says it is meant (a private network).
+ROUTER_ALLOW_OPEN_GENERATION = env_bool("ROUTER_ALLOW_OPEN_GENERATION", False)
 # Largest ws/generate message; HTTP bodies are bounded by ROUTER_MAX_BODY_BYTES above.
 ROUTER_MAX_WS_MESSAGE_BYTES = env_int("ROUTER_MAX_WS_MESSAGE_BYTES", ROUTER_MAX_BODY_BYTES, minimum=1024)
 if PLATFORM_PRODUCTION:
     # Fail at startup rather than serve an open API or unauthenticated workers by accident.
-    if not ROUTER_API_KEYS and not ROUTER_REQUIRE_AUTH:
+    if not ROUTER_API_KEYS and not ROUTER_REQUIRE_AUTH and not ROUTER_ALLOW_OPEN_GENERATION:
         raise ImproperlyConfigured(
-            "PLATFORM_PRODUCTION=1 needs ROUTER_API_KEYS (comma separated) or ROUTER_REQUIRE_AUTH=1 "
-            "(DRF tokens only): the generation API must not be open"
+            "PLATFORM_PRODUCTION=1 needs ROUTER_REQUIRE_AUTH=1 (API keys from the admin or POST /api/keys/, "
+            "and DRF tokens) or ROUTER_API_KEYS (comma separated): the generation API must not be open "
+            "(ROUTER_ALLOW_OPEN_GENERATION=1 if it is meant to be)"
         )
     if not PLATFORM_SHARED_SECRET:
         raise ImproperlyConfigured(

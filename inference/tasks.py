@@ -11,11 +11,10 @@ from typing import Any
 
 from celery import Task, shared_task
 
-from inference.actions import samples as sample_actions
 from inference.actions import scale as scale_actions
 from inference.actions import workers as worker_actions
 from inference.controller import heartbeats, reconciler
-from inference.metrics import collector
+from inference.metrics import collector, downsampling
 from inference.models import Deployment
 from inference.scaling import rules as scaling_rules
 
@@ -101,5 +100,7 @@ def prune_workers() -> int:
 
 @shared_task(name="inference.tasks.prune_metrics", ignore_result=True)
 def prune_metrics() -> int:
-    """Delete MetricSamples older than METRICS_RETENTION_HOURS; returns how many."""
-    return sample_actions.prune_metric_samples()
+    """Roll up the closed minutes and hours of per-worker samples, then delete samples and rollups past
+    their retention (inference.metrics.downsampling); returns how many rows were deleted."""
+    downsampling.downsample()
+    return downsampling.prune()

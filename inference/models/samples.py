@@ -112,3 +112,57 @@ class WorkerSample(models.Model):
 
     def __str__(self) -> str:
         return f"{self.deployment.name}/{self.name}@{self.at:%H:%M:%S}"
+
+
+class RollupResolution(models.IntegerChoices):
+    """The bucket width of a WorkerSampleRollup, in seconds."""
+
+    MINUTE = 60, "1 minute"
+    HOUR = 3600, "1 hour"
+
+
+class WorkerSampleRollup(models.Model):
+    """One worker's samples over a minute or an hour, averaged (inference.metrics.downsampling).
+
+    Raw WorkerSamples are kept METRICS_RAW_RETENTION_HOURS; per-minute rollups METRICS_RETENTION_HOURS
+    and per-hour ones METRICS_ROLLUP_RETENTION_DAYS, so a long history costs a row per worker per
+    minute (then hour) instead of one per scrape. The value fields are the WorkerSample fields of the
+    same names (the mean over the bucket; None when no sample in it had one); `load_max` is the
+    bucket's peak load and `samples` how many raw samples the bucket holds.
+    """
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="worker_rollups")
+    worker_id = models.PositiveIntegerField()
+    name = models.CharField(max_length=150)
+    role = models.CharField(max_length=16)
+    url = models.CharField(max_length=300, blank=True)
+    resolution_s = models.PositiveIntegerField(choices=RollupResolution.choices)
+    at = models.DateTimeField(help_text="start of the bucket")
+    samples = models.PositiveIntegerField(default=0)
+    load = models.FloatField(null=True, blank=True)
+    load_max = models.FloatField(null=True, blank=True)
+    queue_depth = models.FloatField(null=True, blank=True)
+    running = models.FloatField(null=True, blank=True)
+    kv_usage = models.FloatField(null=True, blank=True)
+    cpu_utilization = models.FloatField(null=True, blank=True)
+    gpu_utilization = models.FloatField(null=True, blank=True)
+    throughput_tps = models.FloatField(null=True, blank=True)
+    ttft_s = models.FloatField(null=True, blank=True)
+    itl_s = models.FloatField(null=True, blank=True)
+    rss_bytes = models.BigIntegerField(null=True, blank=True)
+    gpu_memory_bytes = models.BigIntegerField(null=True, blank=True)
+    kv_transfer_bytes_per_s = models.FloatField(null=True, blank=True)
+    kv_transfer_s = models.FloatField(null=True, blank=True)
+    prefix_cache_hit_ratio = models.FloatField(null=True, blank=True)
+    requests_per_s = models.FloatField(null=True, blank=True)
+    request_share = models.FloatField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-at"]
+        indexes = [models.Index(fields=["deployment", "resolution_s", "at"])]
+        constraints = [
+            models.UniqueConstraint(fields=["worker_id", "resolution_s", "at"], name="unique_worker_rollup_bucket")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.deployment.name}/{self.name}@{self.at:%Y-%m-%d %H:%M} ({self.resolution_s}s)"
