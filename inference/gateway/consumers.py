@@ -22,7 +22,9 @@ from channels.generic.http import AsyncHttpConsumer
 from django.conf import settings
 
 from inference.gateway import auth
+from inference.gateway.client_link import client_gone_probe
 from inference.gateway.service import RouterService, get_router
+from inference.gateway.tenancy import Tenant, TenantRequest
 from inference.router import RouterError
 from inference.router.events import ErrorEvent, Event
 from inference.router.metrics import CONTENT_TYPE
@@ -163,7 +165,8 @@ class GatewayConsumer(AsyncHttpConsumer):  # type: ignore[misc]
 
     async def error(self, exc: RouterError) -> None:
         """The JSON error answer for a RouterError; 429 and 503 carry Retry-After."""
-        headers = [(b"retry-after", b"1")] if exc.status in (429, 503) else []
+        retry_after = str(getattr(exc, "retry_after_s", 1)).encode()  # a per-key limit says when
+        headers = [(b"retry-after", retry_after)] if exc.status in (429, 503) else []
         await self.json(exc.status, exc.to_dict(), headers)
 
     async def router_or_503(self) -> RouterService | None:
@@ -190,22 +193,23 @@ class GatewayConsumer(AsyncHttpConsumer):  # type: ignore[misc]
         await self.json(405, error.to_dict(), [(b"allow", allowed.encode())])
         return False
 
-    async def authorized(self) -> bool:
-        """401 unless the request carries a valid API key (when auth is on)."""
-        if not auth.auth_required():
-            auth.warn_open_once()
-            return True
+    async def authorized(self) -> Tenant | None:
+        """The caller's tenant; None after answering 401 when auth is on and the key is not valid."""
         header = None
         for name, value in self.scope.get("headers") or []:
             if name == b"authorization":
                 header = value.decode("latin-1")
                 break
         key = auth.bearer_key(header)
-        if key is not None and await auth.is_valid_key(key):
-            return True
+        if not auth.auth_required():
+            auth.warn_open_once()
+            return await auth.open_tenant(key)
+        tenant = await auth.authenticate(key) if key is not None else None
+        if tenant is not None:
+            return tenant
         message = auth.MISSING_KEY if key is None else auth.WRONG_KEY
         await self.json(401, auth.error_body(message), [(b"www-authenticate", b'Bearer realm="generation"')])
-        return False
+        return None
 
 
 class GenerationConsumer(GatewayConsumer):
@@ -216,15 +220,20 @@ class GenerationConsumer(GatewayConsumer):
 
     async def handle(self, body: bytes) -> None:
         """Parse, run and answer one generation request."""
-        if not await self.method_allowed() or not await self.authorized():
+        if not await self.method_allowed():
+            return
+        tenant = await self.authorized()
+        if tenant is None:
             return
         service = get_router()
+        tenancy = TenantRequest.for_service(tenant, service)
         try:
             try:
                 data = orjson.loads(body)
             except orjson.JSONDecodeError as exc:
                 raise RouterError(400, f"request body is not valid JSON: {exc}") from exc
             parsed = PARSERS[self.kind](data)
+            await tenancy.admit(parsed.request, data)  # 403 out of scope, 429 past a limit: never queued
             await service.ready_for_generation()  # the workers' models and slots known, or 503
             if self.kind != "generate":  # the seed's /generate ignores `model`; OpenAI clients rely on it
                 service.check_model(parsed.model)
@@ -233,6 +242,7 @@ class GenerationConsumer(GatewayConsumer):
             if not parsed.stream:
                 async with aclosing(events):
                     result = await collect(events)
+                tenancy.outcome, tenancy.usage = "ok", result.done.usage
                 await self.json(200, final_body(parsed, result, model))
                 service.count(self.kind, "ok")
                 return
@@ -245,7 +255,10 @@ class GenerationConsumer(GatewayConsumer):
             # The per-token loop: one formatting call and one ASGI send per event, straight to the
             # server (no generator or consumer layers in between; measured per streamed token).
             send = self.base_send
+            # Asked after every send: a client gone takes (and credits) no further token.
+            gone = client_gone_probe(send)
             formatter = SseFormatter(parsed, model)
+            watch = tenancy.watch if tenancy.admitted else None  # counts tokens as they stream
             async with aclosing(events):
                 preamble = formatter.preamble()
                 if preamble:
@@ -253,6 +266,8 @@ class GenerationConsumer(GatewayConsumer):
                 event = first
                 while event is not None:  # bounded: the client generator's waits all time out
                     chunk, last = formatter.event(event)
+                    if watch is not None:
+                        await watch(event)
                     if last:
                         if isinstance(event, ErrorEvent):
                             outcome = "failed"
@@ -260,17 +275,27 @@ class GenerationConsumer(GatewayConsumer):
                         await send({"type": "http.response.body", "body": chunk, "more_body": False})
                         break
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    if gone():
+                        # Closing the events (aclosing) aborts the request on both workers now,
+                        # before the next read would credit the decode worker for a dropped event.
+                        outcome = "aborted"
+                        break
                     event = await anext(events, None)
                 else:
                     await self.send_body(SSE_DONE)
             service.count(self.kind, outcome)
+            tenancy.outcome = outcome
         except RouterError as exc:
-            service.count(self.kind, _outcome(exc.status))
+            tenancy.outcome = _outcome(exc.status)
+            service.count(self.kind, tenancy.outcome)
             if not self.responded:
                 await self.error(exc)
         except asyncio.CancelledError:
+            tenancy.outcome = "aborted"
             service.count(self.kind, "aborted")
             raise
+        finally:
+            await tenancy.finish()
 
 
 class GenerateConsumer(GenerationConsumer):
