@@ -282,6 +282,7 @@ class LLMEngine(KVHandover):
         self.scheduler.remove(seq)
         seq.pending_token_ids = []
         seq.pending_text = ""
+        seq.pending_logprobs = []
         self._finish(seq, reason)
         out = seq.take_output()
         out.error = error

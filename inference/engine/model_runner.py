@@ -19,6 +19,7 @@ from .cpu_kernels import load_kernels
 from .cpu_linear import panel_linear_preferred, prepack_linears, prepacked_linear_available
 from .dtypes import dtype_name, resolve_dtype
 from .kv_cache import KVCache
+from .logprobs import attach_prompt, attach_sampled, prefill_rows
 from .memory import (
     AUTO_BATCH_CAP,
     CPU_KV_FRACTION,
@@ -153,6 +154,7 @@ class ModelRunner:
         # params of a sequence never change), and `arange(batch)` (`last_index`).
         self._slots = DecodeSlotCache(self.block_size, self.kv_cache.block_stride)
         self._batch_greedy = False
+        self._batch_logprobs = False
         self._aranges: dict[int, torch.Tensor] = {}
         # Set by a greedy kernel decode step, cleared by every `run`: the next decode step's lengths and
         # input ids (this step's lengths + 1, the tokens it sampled), valid when that step runs the
@@ -222,6 +224,16 @@ class ModelRunner:
         prompts first, by length; in a decode step (one new token each) simply by context length."""
         return sorted(range(len(batch)), key=lambda i: (batch[i].num_cached, batch[i].num_tokens))
 
+    def _any_logprobs(self, seqs: list[Sequence], is_prefill: bool) -> bool:
+        """Whether a sequence of the batch asks for its sampled tokens' log-probabilities (a decode
+        step of an unchanged batch knows from the previous step)."""
+        if is_prefill or not self._slots.same_batch:
+            wants = any(s.params.logprobs is not None for s in seqs)
+            if not is_prefill:
+                self._batch_logprobs = wants
+            return wants
+        return self._batch_logprobs
+
     @torch.inference_mode()
     def run(self, batch: list[Sequence], is_prefill: bool) -> list[int]:
         """Forward `batch` (a prefill of whole prompts, or one decode token each) and sample one token
@@ -239,7 +251,14 @@ class ModelRunner:
                 self._batch_greedy = greedy
         else:
             greedy = self._batch_greedy
+        prompt_rows = prefill_rows([s.num_new_tokens for s in seqs], [s.wants_prompt_logprobs for s in seqs]) \
+            if is_prefill else None
+        if prompt_rows is not None:  # echo: the logits of every prompt row of the sequences that ask
+            meta.last_index = prompt_rows[0].to(meta.last_index.device)
         logits = self.model(input_ids, meta, self.kv_cache)
+        if prompt_rows is not None:
+            attach_prompt(seqs, logits, prompt_rows[1])
+            logits = logits[prompt_rows[1]]
         if greedy:
             ops = self.model.cpu_ops
             ids = row_argmax(logits) if ops is None else ops.argmax_rows(logits)
@@ -249,6 +268,8 @@ class ModelRunner:
         else:
             sampled = sample(logits, [s.params for s in seqs],
                              [s.params.seed_offset + len(s.output_token_ids) for s in seqs], seqs)
+        if self._any_logprobs(seqs, is_prefill):
+            attach_sampled(seqs, logits, sampled, is_prefill)
         if order is None:
             return sampled
         tokens = [0] * len(batch)

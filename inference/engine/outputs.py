@@ -154,7 +154,7 @@ class OutputProcessor:
             stop_ids = seq.stop_ids
             # `n + 1`: the total once `tok` is appended.
             if (stop_ids is None or tok in stop_ids or n + 1 >= seq.token_limit or seq.pending_token_ids
-                    or seq.pending_text or (detok is not None and not detok.plain)):
+                    or seq.pending_text or seq.pending_logprobs or (detok is not None and not detok.plain)):
                 self.append_token(seq, tok)
                 if seq.finish_reason is not None:
                     sch.remove(seq)

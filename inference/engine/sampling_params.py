@@ -37,6 +37,11 @@ class SamplingParams:
     tokens, which were generated), `repetition_penalty` (vLLM's, over prompt and output; 1 = off),
     `logit_bias` (token id -> added to its logit), `min_tokens` (EOS and `stop_token_ids` masked
     until that many tokens were generated, `seed_offset` included).
+
+    Log-probabilities (`logprobs.py`), raw (the log-softmax of the model's logits, before processors,
+    temperature and filters, as vLLM's default): `logprobs` N gives each sampled token's and its N
+    most likely alternatives (None: none); `prompt_logprobs` N the same for every prompt token of a
+    sequence's first prefill (its prefix is then computed, not read from the prefix cache).
     """
 
     max_tokens: int = 16
@@ -54,6 +59,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:

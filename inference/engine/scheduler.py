@@ -212,8 +212,9 @@ class Scheduler:
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks of `seq`'s longest cached prefix; at least its last token is left to compute
-        (its logits give the next token)."""
-        if not self.enable_prefix_caching:
+        (its logits give the next token); none for a sequence that asks for its prompt's
+        log-probabilities (every prompt token's logits must be computed)."""
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return []
         tokens = seq.all_token_ids()
         seq.block_hashes = block_hashes(tokens, self.block_size, seq.block_hashes)

@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass, field
 
 from .detokenizer import IncrementalDetokenizer
+from .logprobs import TokenLogprobs
 from .sampling_params import SamplingParams
 
 
@@ -25,7 +26,9 @@ class RequestOutput:
 
     `new_token_ids` / `new_text` are deltas since the previous output. `block_ids` is set on the
     output of a prefill-only request (the blocks holding its prompt KV). `error` carries the message
-    when `finish_reason == "error"`.
+    when `finish_reason == "error"`. `logprobs` (one per new token) when the request asked for them;
+    `prompt_logprobs` once, on the first output of a request that asked (None for the first prompt
+    token, which nothing predicts).
     """
 
     request_id: str
@@ -37,6 +40,8 @@ class RequestOutput:
     num_output_tokens: int
     block_ids: list[int] | None = None
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(eq=False)
@@ -75,6 +80,11 @@ class Sequence:
     # whichever comes first). `stop_ids` None: not set up, the engine takes its general path.
     stop_ids: frozenset[int] | None = None
     token_limit: int = 0
+    # Log-probabilities of the pending tokens (one each, when the request asks) and of the prompt
+    # (gathered over the chunks of its first prefill, reported with the first output).
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -95,6 +105,12 @@ class Sequence:
     def last_token_id(self) -> int:
         """The newest token (the input of the next decode step)."""
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether this step's prefill must compute the prompt's log-probabilities (asked for, and
+        not computed yet: a preempted sequence recomputing does not report them again)."""
+        return self.params.prompt_logprobs is not None and not self.prompt_logprobs_sent and not self.output_token_ids
 
     def all_token_ids(self) -> list[int]:
         """Prompt followed by the generated tokens."""
@@ -121,4 +137,8 @@ class Sequence:
         )
         self.pending_token_ids = []
         self.pending_text = ""
+        if self.pending_logprobs:
+            out.logprobs, self.pending_logprobs = self.pending_logprobs, []
+        if self.prompt_logprobs is not None and not self.prompt_logprobs_sent:
+            out.prompt_logprobs, self.prompt_logprobs_sent = self.prompt_logprobs, True
         return out

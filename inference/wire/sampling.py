@@ -174,6 +174,16 @@ def _logit_bias(name: str, value: Any) -> dict[int, float]:
     return out
 
 
+# OpenAI allows at most 20 alternatives per position (`top_logprobs`; completions' `logprobs` said 5).
+MAX_LOGPROBS = 20
+
+
+def _logprobs(name: str, value: Any) -> int | None:
+    if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+        raise SamplingError(name, f"must be an integer in [0, {MAX_LOGPROBS}] or null, got {value!r}")
+    return value
+
+
 def _min_tokens(name: str, value: Any) -> int:
     if not _is_int(value) or value < 0:
         raise SamplingError(name, f"must be an integer >= 0, got {value!r}")
@@ -197,6 +207,8 @@ RULES: dict[str, Callable[[str, Any], Any]] = {
     "repetition_penalty": _repetition_penalty,
     "logit_bias": _logit_bias,
     "min_tokens": _min_tokens,
+    "logprobs": _logprobs,
+    "prompt_logprobs": _logprobs,
 }
 
 # The fields that change the logits before sampling (logits processors), with the value that
@@ -224,6 +236,10 @@ class Sampling:
     `presence_penalty` (OpenAI's, over the generated tokens), `repetition_penalty` (vLLM's, over
     prompt and generated tokens; 1 = off), `logit_bias` (token id -> bias added to its logit) and
     `min_tokens` (EOS and stop token ids masked until that many tokens were generated).
+
+    Log-probabilities (raw: the log-softmax of the model's logits before any processor, temperature
+    or filter): `logprobs` None = none, N = each sampled token's plus its N most likely alternatives;
+    `prompt_logprobs` the same for every prompt token (computed by the prefill worker; `echo`).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -241,6 +257,8 @@ class Sampling:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Sampling:
@@ -266,6 +284,9 @@ class Sampling:
             value = getattr(self, name)
             if value != off:
                 out[name] = logit_bias_json(value) if name == "logit_bias" else value
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
     def continued(self, emitted: int) -> Sampling | None:
@@ -275,7 +296,8 @@ class Sampling:
         remaining = self.max_tokens - emitted
         if remaining < 1:
             return None
-        return replace(self, max_tokens=remaining, seed_offset=self.seed_offset + emitted)
+        # The prompt's log-probabilities were reported by the first worker: not again.
+        return replace(self, max_tokens=remaining, seed_offset=self.seed_offset + emitted, prompt_logprobs=None)
 
 
 def logit_bias_json(bias: Mapping[int, float]) -> dict[str, float]:
