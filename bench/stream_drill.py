@@ -117,6 +117,7 @@ def _answer_end_received(response: aiohttp.ClientResponse) -> bool:
 
 
 async def _kill_drill(router: str, victim: Any, streams: int, concurrency: int, max_tokens: int) -> dict[str, Any]:
+    migrations_before = _metric(router, "router_migrations_total")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         reference = {p: (await _stream(session, router, p, max_tokens))["tokens"] for p in PROMPTS}
         started = 0
@@ -145,6 +146,8 @@ async def _kill_drill(router: str, victim: Any, streams: int, concurrency: int, 
         "lost": sum(1 for r in results if r["finish_reason"] is None or r["error"] is not None),
         "equal_to_unbroken": sum(1 for r in results if r["equal"]),
         "unparsable_events": sum(len(r["unparsable"]) for r in results),
+        # Streams the router moved to the other decode worker (the kill's victims), from its /metrics.
+        "migrations": int(_metric(router, "router_migrations_total") - migrations_before),
         "errors": sorted({str(r["error"])[:160] for r in results if r["error"]})[:5],
     }
 
@@ -285,9 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, cpus)  # main() may run inside a longer process (the bench smoke tests)
     if kill is not None:
         print(markdown_table(
-            ["drill", "streams", "completed", "lost", "equal to an unbroken run", "unparsable events"],
+            ["drill", "streams", "completed", "lost", "equal to an unbroken run", "unparsable events", "migrations"],
             [["decode worker SIGKILLed", kill["streams"], kill["completed"], kill["lost"],
-              kill["equal_to_unbroken"], kill["unparsable_events"]]],
+              kill["equal_to_unbroken"], kill["unparsable_events"], kill["migrations"]]],
         ))
     if hangup is not None:
         print(markdown_table(
