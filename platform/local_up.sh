@@ -41,10 +41,16 @@ for _ in $(seq 1 300); do
 done
 [ -n "$ready" ] || fail agent "the deployment did not answer within 300s (see also $RUN/controller.log)"
 
+# The deployment's live charts page is addressed by its id.
+DEPLOYMENT_ID=$($PY manage.py shell -c \
+  "from inference.models import Deployment; print(Deployment.objects.get(name='$DEPLOYMENT').pk)" 2>/dev/null || true)
+
 cat <<TXT
 
 The platform is up.
   router + admin: http://127.0.0.1:$PORT      (admin console: http://127.0.0.1:$PORT/admin/)
+  metrics (live charts of $DEPLOYMENT): http://127.0.0.1:$PORT/admin/inference/deployment/${DEPLOYMENT_ID:-?}/metrics/
+  Prometheus metrics of the router: http://127.0.0.1:$PORT/metrics
 $(sed 's/^/  /' "$RUN/bootstrap.txt")
 Logs in $RUN/ (worker logs under var/logs/). Stop with: make down
 

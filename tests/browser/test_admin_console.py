@@ -224,7 +224,8 @@ def _assert_charts(browser: BrowserSession, payload: dict[str, Any], workers: li
 # Boxes of the page (and the page itself) whose content is wider than the box, with the excess in px.
 OVERFLOW_JS = """() => {
   const wide = [];
-  for (const el of [document.documentElement, ...document.querySelectorAll('.results, .tabular, fieldset.module')]) {
+  const boxes = document.querySelectorAll('.results, .tabular, fieldset.module, .dash-module');
+  for (const el of [document.documentElement, ...boxes]) {
     const excess = el.scrollWidth - el.clientWidth;
     if (excess > 0) wide.push(`${el.tagName.toLowerCase()}.${el.className || el.id}: ${excess}`);
   }

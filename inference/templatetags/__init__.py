@@ -1,0 +1,1 @@
+"""Template tags of the operator's console (the admin home's dashboard)."""
