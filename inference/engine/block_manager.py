@@ -1,27 +1,18 @@
 """Allocation of KV cache blocks, with ref counts and content hashes for prefix caching."""
 from __future__ import annotations
 
-import hashlib
 import heapq
-from array import array
 from collections import OrderedDict
+
+from inference.wire.kv_events import block_hashes
+
+from .kv_events import KVEventLog
+
+__all__ = ["BlockManager", "KVEventLog", "NoFreeBlocks", "block_hashes"]
 
 
 class NoFreeBlocks(RuntimeError):
     """Raised when the block pool cannot satisfy an allocation."""
-
-
-def block_hashes(token_ids: list[int], block_size: int, start: list[bytes] | None = None) -> list[bytes]:
-    """Chained content hashes of the full blocks of `token_ids`: block i's hash covers every token up to
-    the end of block i, so equal hashes mean equal prefixes (hence equal KV). `start`: hashes already
-    known for the first blocks (extended, not recomputed)."""
-    out = list(start or [])
-    prev = out[-1] if out else b""
-    for i in range(len(out), len(token_ids) // block_size):
-        chunk = array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes()
-        prev = hashlib.blake2b(prev + chunk, digest_size=16).digest()
-        out.append(prev)
-    return out
 
 
 class BlockManager:
@@ -43,6 +34,18 @@ class BlockManager:
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
+        # Where registrations and evictions are told (the worker's KV event stream); None: nobody.
+        self.events: KVEventLog | None = None
+
+    def watch(self, events: KVEventLog) -> None:
+        """Tell `events` every hash registered or evicted from now on (snapshots read `held_hashes`)."""
+        events.bind(self.held_hashes)
+        self.events = events
+
+    def held_hashes(self) -> list[bytes]:
+        """Every content hash a block holds now (in use or cached)."""
+        # list() of a dict's keys runs in C without releasing the GIL: safe from another thread.
+        return list(self._block_of)
 
     @property
     def num_free(self) -> int:
@@ -66,7 +69,10 @@ class BlockManager:
         out = [heapq.heappop(self._plain) for _ in range(min(n, len(self._plain)))]
         while len(out) < n:
             block, _ = self._cached.popitem(last=False)
-            del self._block_of[self._hash_of.pop(block)]
+            evicted = self._hash_of.pop(block)
+            del self._block_of[evicted]
+            if self.events is not None:
+                self.events.removed(evicted)
             out.append(block)
         for b in out:
             self._refs[b] = 1
@@ -94,6 +100,8 @@ class BlockManager:
             return
         self._hash_of[block] = content_hash
         self._block_of[content_hash] = block
+        if self.events is not None:
+            self.events.stored(content_hash)
 
     def lookup(self, hashes: list[bytes]) -> list[int]:
         """The cached blocks of the longest prefix of `hashes` (stops at the first miss)."""

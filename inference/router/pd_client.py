@@ -42,6 +42,7 @@ from inference.router.attempt import Attempt
 from inference.router.endpoint import Endpoint
 from inference.router.errors import RouterError
 from inference.router.events import DoneEvent, ErrorEvent, Event, GenerateRequest, TokenEvent, new_request_id
+from inference.router.kv_index import set_prompt
 from inference.router.metrics import RouterMetrics
 from inference.router.pool import WorkerPool
 from inference.router.run import RequestRun
@@ -121,6 +122,8 @@ class DisaggregatedClient:
         timeout passed first. Closing or cancelling the generator closes the decode stream and
         posts `/internal/abort` to both workers.
         """
+        # The caller's task runs the request: its decode choice sees the prompt (a kv-aware policy).
+        set_prompt(req)
         # The stream is the run's own generator, not one around it: every token event passes one
         # generator fewer (measured per streamed token).
         return RequestRun(self, req, arrived if arrived is not None else time.monotonic()).events()

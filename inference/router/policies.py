@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from inference.router.endpoint import Endpoint
+from inference.router.kv_index import CURRENT_PROMPT, KVIndex
 
 # A test an endpoint must pass to be chosen (a free slot, not yet tried by the request).
 Accept = Callable[[Endpoint], bool]
@@ -160,10 +161,80 @@ class PowerOfTwo:
         return second if second.inflight < first.inflight else first
 
 
+# A request in flight on a worker costs as much as computing this many prompt tokens there (default).
+DEFAULT_KV_LOAD_WEIGHT = 64.0
+
+
+class KVAware:
+    """The worker with the least work ahead for this prompt: cost = `token_weight` x (the prompt's
+    tokens the worker would still have to compute, from the KV index) + `load_weight` x (its requests
+    in flight); the cheapest wins, ties at random (as Dynamo's KV router scores, without its tiers).
+
+    The prompt is the one the request being routed set (`kv_index.CURRENT_PROMPT`); without one, or
+    with an index that knows nothing of the candidates (empty, stale, a worker's stream down), every
+    candidate has the whole prompt to compute and the choice is by load alone. A stale entry costs
+    nothing but a recomputation on the worker: the index only ever steers, never fails a request.
+    """
+
+    name = "kv-aware"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+        self.index = KVIndex()
+        self.token_weight = 1.0
+        self.load_weight = DEFAULT_KV_LOAD_WEIGHT
+        # What the choices predicted, for /router/status and /metrics: prompt tokens routed and those
+        # the chosen workers held the KV of.
+        self.prompt_tokens = 0
+        self.predicted_cached_tokens = 0
+
+    def configure(self, index: KVIndex, token_weight: float, load_weight: float) -> None:
+        """Read `index`, with these weights (both >= 0)."""
+        if token_weight < 0 or load_weight < 0:
+            raise ValueError("kv-aware weights must be >= 0")
+        self.index, self.token_weight, self.load_weight = index, token_weight, load_weight
+
+    def choose(self, candidates: Sequence[Endpoint]) -> Endpoint:
+        """The cheapest candidate."""
+        _require(candidates)
+        chosen = self.choose_where(candidates, _any)
+        assert chosen is not None
+        return chosen
+
+    def choose_where(self, endpoints: Sequence[Endpoint], accept: Accept) -> Endpoint | None:
+        """The cheapest accepted endpoint (one pass over all of them)."""
+        prompt = CURRENT_PROMPT.get()
+        index, token_weight, load_weight = self.index, self.token_weight, self.load_weight
+        total = len(prompt.token_ids) if prompt is not None else 0
+        best: list[Endpoint] = []
+        best_cost = 0.0
+        for endpoint in endpoints:
+            if not accept(endpoint):
+                continue
+            cached = index.cached_tokens(endpoint.url, prompt) if prompt is not None else 0
+            cost = token_weight * (total - cached) + load_weight * endpoint.inflight
+            if not best or cost < best_cost:
+                best, best_cost = [endpoint], cost
+            elif cost == best_cost:
+                best.append(endpoint)
+        if not best:
+            return None
+        chosen = best[0] if len(best) == 1 else best[self._rng.randrange(len(best))]
+        if prompt is not None:
+            self.prompt_tokens += total
+            self.predicted_cached_tokens += index.cached_tokens(chosen.url, prompt)
+        return chosen
+
+
+def _any(endpoint: Endpoint) -> bool:
+    return True
+
+
 POLICIES: dict[str, Callable[[], Policy]] = {
     RoundRobin.name: RoundRobin,
     LeastConnections.name: LeastConnections,
     PowerOfTwo.name: PowerOfTwo,
+    KVAware.name: KVAware,
 }
 
 

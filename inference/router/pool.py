@@ -20,7 +20,16 @@ import aiohttp
 
 from inference.router.endpoint import ROLES, Endpoint, rotation_stamp
 from inference.router.health import KEEPALIVE_S, HealthChecker, check_endpoint, new_session
-from inference.router.policies import Accept, Policy, canonical_policy_name, make_policy
+from inference.router.kv_events import KVFeed
+from inference.router.kv_index import KVIndex
+from inference.router.policies import (
+    DEFAULT_KV_LOAD_WEIGHT,
+    Accept,
+    KVAware,
+    Policy,
+    canonical_policy_name,
+    make_policy,
+)
 from inference.router.upstream import UpstreamClient
 
 logger = logging.getLogger(__name__)
@@ -47,16 +56,27 @@ class WorkerPool:
         health_timeout_s: float = 2.0,
         connect_timeout_s: float = 3.0,
         headers: Mapping[str, str] | None = None,
+        kv_token_weight: float = 1.0,
+        kv_load_weight: float = DEFAULT_KV_LOAD_WEIGHT,
     ) -> None:
         if failure_threshold < 1:
             raise ValueError("failure_threshold must be >= 1")
+        if kv_token_weight < 0 or kv_load_weight < 0:
+            raise ValueError("kv-aware weights must be >= 0")
+        self.kv_token_weight = kv_token_weight
+        self.kv_load_weight = kv_load_weight
+        # Where the workers' prefix caches are (kv_index.py), fed by their KV event streams while a
+        # `kv-aware` policy is in use (kv_events.py).
+        self.kv_index = KVIndex()
+        self._kv_feed: KVFeed | None = None
+        self._started = False  # start_health_checks ran: background work follows the policy
         self.policy_name = canonical_policy_name(policy)
         self.failure_threshold = failure_threshold
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.headers: dict[str, str] = dict(headers or {})
-        self._policies: dict[str, Policy] = {role: make_policy(self.policy_name) for role in ROLES}
+        self._policies: dict[str, Policy] = self._make_policies(self.policy_name)
         self._endpoints: dict[str, list[Endpoint]] = {role: [] for role in ROLES}
         # Per role: (the rotation stamp it was built at, the endpoints in rotation); None: rebuild.
         self._rotation: dict[str, tuple[int, list[Endpoint]] | None] = {role: None for role in ROLES}
@@ -105,8 +125,24 @@ class WorkerPool:
         """Switch the load-balancing policy (ValueError on an unknown name; unchanged name: no-op)."""
         name = canonical_policy_name(policy)
         if name != self.policy_name:
-            self._policies = {role: make_policy(name) for role in ROLES}
+            self._policies = self._make_policies(name)
             self.policy_name = name
+            if self._started:
+                self._follow_kv_events()
+
+    def _make_policies(self, name: str) -> dict[str, Policy]:
+        """A policy per role; a `kv-aware` one reads the pool's KV index with the pool's weights."""
+        policies = {role: make_policy(name) for role in ROLES}
+        for policy in policies.values():
+            if isinstance(policy, KVAware):
+                policy.configure(self.kv_index, self.kv_token_weight, self.kv_load_weight)
+        return policies
+
+    def _follow_kv_events(self) -> None:
+        """Subscribe to the workers' KV event streams while the policy reads them (idempotent)."""
+        if self.policy_name == KVAware.name and (self._kv_feed is None or not self._kv_feed.running):
+            self._kv_feed = KVFeed(self, self.kv_index)
+            self._kv_feed.start()
 
     def endpoints(self, role: str) -> list[Endpoint]:
         """The endpoints of `role` (a copy of the list)."""
@@ -219,6 +255,8 @@ class WorkerPool:
         whose request loop is saturated must still see healthy workers answer in time, or it would
         take them out of rotation for its own lateness.
         """
+        self._started = True
+        self._follow_kv_events()
         if self.health_interval_s <= 0:
             return
         if self._checker is None or not self._checker.running:
@@ -270,6 +308,10 @@ class WorkerPool:
         checker, self._checker = self._checker, None
         if checker is not None:
             await asyncio.to_thread(checker.stop)
+        self._started = False
+        feed, self._kv_feed = self._kv_feed, None
+        if feed is not None:
+            await asyncio.to_thread(feed.stop)
         session, self._http = self._http, None
         if session is not None and self._http_loop is asyncio.get_running_loop():
             await session.close()
@@ -291,4 +333,18 @@ class WorkerPool:
             "health_checks_running": self.health_checks_running,
             "prefill": [endpoint.to_dict() for endpoint in self._endpoints["prefill"]],
             "decode": [endpoint.to_dict() for endpoint in self._endpoints["decode"]],
+            **({"kv": self.kv_status()} if self.policy_name == KVAware.name else {}),
         }
+
+    def kv_status(self) -> dict[str, Any]:
+        """The KV index and what the `kv-aware` choices predicted, per role."""
+        predicted: dict[str, Any] = {}
+        for role, policy in self._policies.items():
+            if isinstance(policy, KVAware):
+                predicted[role] = {"prompt_tokens": policy.prompt_tokens,
+                                   "predicted_cached_tokens": policy.predicted_cached_tokens}
+        feed = self._kv_feed
+        return {"index": self.kv_index.status(), "predicted": predicted,
+                "weights": {"token": self.kv_token_weight, "load": self.kv_load_weight},
+                "feed_running": feed is not None and feed.running,
+                "stream_errors": dict(feed.errors) if feed is not None else {}}

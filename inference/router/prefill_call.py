@@ -23,6 +23,7 @@ from inference.router.failures import (
     raise_for_status,
 )
 from inference.router.health import describe_exception
+from inference.router.kv_index import CURRENT_PROMPT, PromptBlocks
 from inference.wire.prefill import PrefillAnswer, PrefillRequest
 from inference.wire.stream import DescriptorLine
 
@@ -50,6 +51,8 @@ async def prefill(est: Establishment, attempt: Attempt, descriptor: DescriptorLi
         descriptor=descriptor.descriptor,  # reused as is by every retry
     ).encode()
     tried: list[Endpoint] = list(est.failed_prefill)
+    # The prompt as the decode worker tokenized it: a `kv-aware` policy finds who holds its prefix.
+    CURRENT_PROMPT.set(PromptBlocks(descriptor.prompt_token_ids))  # this task's own context
     for _ in range(len(pool.endpoints("prefill"))):  # each prefill endpoint at most once
         prefill = pool.choose("prefill", exclude=tried)
         if prefill is None:

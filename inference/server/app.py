@@ -17,6 +17,7 @@ from starlette.routing import Route
 from inference.server import credit
 from inference.server.decode import DecodeWorker
 from inference.server.errors import WorkerError, bad_request
+from inference.server.kv_events import kv_events_handler
 from inference.server.prefill import PrefillWorker
 from inference.server.worker import Worker
 
@@ -196,6 +197,7 @@ def _common_routes(worker: Worker) -> list[Route]:
         Route("/info", info, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/internal/abort", _internal(worker, abort), methods=["POST"]),
+        Route("/internal/kv-events", _internal(worker, kv_events_handler(worker.kv_events)), methods=["GET"]),
     ]
 
 

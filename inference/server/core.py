@@ -17,12 +17,14 @@ import torch
 
 from inference.engine import AsyncEngine, LLMEngine, SamplingParams
 from inference.engine.compile import CompileUnavailable
+from inference.engine.kv_events import KVEventLog
 from inference.engine.memory import KVPoolTooSmall
 from inference.engine.sampling_params import load_sampling_defaults
 from inference.kv_transfer import KVLayout
 from inference.kv_transfer.verbs import VerbsDevice
 from inference.server.args import ServerArgs
 from inference.server.errors import StartupError, WorkerError, bad_request
+from inference.server.kv_events import KVEventSource
 from inference.server.load import LoadSignals
 from inference.server.metrics import WorkerMetrics
 from inference.server.resources import Utilization, pin_cpus, select_device
@@ -87,6 +89,10 @@ class WorkerCore:
         self.signals = LoadSignals()
         self.engine = AsyncEngine(llm, stream_window=args.stream_window)
         self.layout = KVLayout.from_dict(self.engine.kv_layout())
+        # The prefix cache's changes, streamed to routers at /internal/kv-events (KV-aware routing).
+        kv_log = KVEventLog()
+        llm.block_manager.watch(kv_log)
+        self.kv_events = KVEventSource(kv_log, self.role, self.layout.block_size)
         self.started_at = time.time()
         # Tasks that must finish even if the request that started them is cancelled (kept
         # referenced here so that they are not garbage collected while running).

@@ -72,7 +72,7 @@ def test_single_candidate_and_empty() -> None:
 
 
 def test_registry_names_and_aliases() -> None:
-    assert policy_names() == ["least-connections", "power-of-two", "round-robin"]
+    assert policy_names() == ["kv-aware", "least-connections", "power-of-two", "round-robin"]
     assert canonical_policy_name("Least_Connections") == "least-connections"
     assert isinstance(make_policy("power-of-two"), PowerOfTwo)
 

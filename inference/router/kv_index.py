@@ -1,0 +1,125 @@
+"""The router's exact index of where prompt prefixes are cached: per worker, the block hashes it holds.
+
+Fed by each worker's KV event stream (kv_events.py: a snapshot, then stored/removed batches), so it
+is what the workers' prefix caches hold, a few tens of milliseconds late. Every router process
+subscribes to every worker itself, so every process has the same view without sharing anything.
+
+A prompt's blocks are hashed once per block size (`PromptBlocks`) with the engine's own chained
+hash (inference/wire/kv_events.py), and a worker's cached prefix is the run of those hashes from the
+first that it holds. The engine always computes at least a prompt's last token, so a prompt of
+whole blocks is credited one block less, as the engine would reuse it.
+
+Thread safety: the feed thread replaces a worker's entry by one assignment (a snapshot) or updates
+its set in place (a batch); the request loop only looks hashes up (`in`), never iterates a set the
+feed may change.
+"""
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any
+
+from inference.router.events import GenerateRequest
+from inference.wire.kv_events import KVEventBatch, KVSnapshot, block_hashes
+
+
+class PromptBlocks:
+    """A prompt's token ids and their block hashes, computed once per block size."""
+
+    __slots__ = ("token_ids", "_hashes")
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = token_ids
+        self._hashes: dict[int, list[bytes]] = {}
+
+    def hashes(self, block_size: int) -> list[bytes]:
+        """The hashes of the blocks the engine could reuse: full blocks, the last token left out."""
+        cached = self._hashes.get(block_size)
+        if cached is None:
+            usable = max(len(self.token_ids) - 1, 0)
+            cached = block_hashes(self.token_ids[: usable - usable % block_size], block_size)
+            self._hashes[block_size] = cached
+        return cached
+
+
+# The prompt of the request whose worker is being chosen now (set around the choice by the request's
+# own task; a policy reads it). A context variable: every request runs in a task of its own.
+CURRENT_PROMPT: contextvars.ContextVar[PromptBlocks | None] = contextvars.ContextVar("current_prompt", default=None)
+
+
+def set_prompt(req: GenerateRequest) -> None:
+    """Make `req`'s prompt the one the current task's choices see: its token ids when the client sent
+    ids (text is tokenized by the decode worker, after the decode choice: that choice goes by load)."""
+    CURRENT_PROMPT.set(PromptBlocks(req.input_ids) if req.input_ids is not None else None)
+
+
+@dataclass
+class WorkerBlocks:
+    """What one worker's prefix cache holds, as its last snapshot and batches said."""
+
+    role: str
+    block_size: int
+    epoch: str
+    seq: int
+    held: set[bytes] = field(default_factory=set)
+
+
+class KVIndex:
+    """Per worker URL: the block hashes it holds. Read by the `kv-aware` policy."""
+
+    def __init__(self) -> None:
+        self._workers: dict[str, WorkerBlocks] = {}
+        self.snapshots = 0  # snapshots applied (a restart or reconnect of a worker, or a lagging feed)
+        self.batches = 0
+
+    def apply_snapshot(self, url: str, snapshot: KVSnapshot) -> None:
+        """Replace what `url` holds by its snapshot (one assignment)."""
+        self._workers[url] = WorkerBlocks(role=snapshot.role, block_size=snapshot.block_size,
+                                          epoch=snapshot.epoch, seq=snapshot.seq, held=set(snapshot.hashes))
+        self.snapshots += 1
+
+    def apply_batch(self, url: str, batch: KVEventBatch) -> bool:
+        """Apply one batch of changes; False when `url` has no snapshot yet (the batch is ignored)."""
+        worker = self._workers.get(url)
+        if worker is None:
+            return False
+        worker.held.difference_update(batch.removed)
+        worker.held.update(batch.stored)
+        worker.seq = batch.seq
+        self.batches += 1
+        return True
+
+    def drop(self, url: str) -> None:
+        """Forget `url` (its stream ended: the worker died, restarted or left the pool)."""
+        self._workers.pop(url, None)
+
+    def knows(self, url: str) -> bool:
+        """Whether the index has a snapshot of `url`."""
+        return url in self._workers
+
+    def cached_tokens(self, url: str, prompt: PromptBlocks) -> int:
+        """Tokens of `prompt` the worker at `url` holds the KV of (its longest cached prefix); 0 when unknown."""
+        worker = self._workers.get(url)
+        if worker is None:
+            return 0
+        held = worker.held
+        n = 0
+        for h in prompt.hashes(worker.block_size):
+            if h not in held:
+                break
+            n += 1
+        return n * worker.block_size
+
+    def blocks(self, url: str) -> int:
+        """How many blocks the index says `url` holds."""
+        worker = self._workers.get(url)
+        return len(worker.held) if worker is not None else 0
+
+    def status(self) -> dict[str, Any]:
+        """A JSON-safe summary for /router/status: per worker its role, block size, epoch and blocks."""
+        return {
+            "snapshots": self.snapshots,
+            "batches": self.batches,
+            "workers": {url: {"role": w.role, "block_size": w.block_size, "epoch": w.epoch, "seq": w.seq,
+                              "blocks": len(w.held)} for url, w in list(self._workers.items())},
+        }

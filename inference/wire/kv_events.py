@@ -1,0 +1,100 @@
+"""The KV event stream: which prompt prefixes a worker holds, as a router subscribes to them.
+
+`GET /internal/kv-events` on any worker answers an NDJSON stream. Its first line is a snapshot (every
+block hash the worker's prefix cache holds, with the worker's role, block size and an epoch that
+changes when the process restarts); the lines after it are batches of changes (`stored`, `removed`)
+numbered by the worker's event sequence. A batch is coalesced: a hash appears in at most one of its
+two lists, with the state it ended in, so applying a batch is two set operations whatever order the
+changes came in. A subscriber that fell too far behind gets a fresh snapshot instead of a batch.
+
+Both ends compute a block's hash alike (`block_hashes`): block i's hash chains every token up to the
+end of block i, so a router that has the prompt's token ids knows which blocks of it a worker holds.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+
+def block_hashes(token_ids: list[int], block_size: int, start: list[bytes] | None = None) -> list[bytes]:
+    """Chained content hashes of the full blocks of `token_ids`: block i's hash covers every token up to
+    the end of block i, so equal hashes mean equal prefixes (hence equal KV). `start`: hashes already
+    known for the first blocks (extended, not recomputed)."""
+    out = list(start or [])
+    prev = out[-1] if out else b""
+    for i in range(len(out), len(token_ids) // block_size):
+        chunk = array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes()
+        prev = hashlib.blake2b(prev + chunk, digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
+def _hashes(value: Any, name: str) -> list[bytes]:
+    if not isinstance(value, list) or not all(isinstance(h, str) for h in value):
+        raise ValueError(f"'{name}' must be a list of hex strings")
+    try:
+        return [bytes.fromhex(h) for h in value]
+    except ValueError as exc:
+        raise ValueError(f"'{name}' holds a string that is not hex: {exc}") from exc
+
+
+def _int(obj: dict[str, Any], name: str, minimum: int) -> int:
+    value = obj.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"'{name}' must be an integer >= {minimum}")
+    return value
+
+
+@dataclass(slots=True)
+class KVSnapshot:
+    """Everything a worker's prefix cache holds at event sequence `seq` (the stream's first line)."""
+
+    role: str
+    block_size: int
+    epoch: str
+    seq: int
+    hashes: list[bytes] = field(default_factory=list)
+
+    def encode(self) -> bytes:
+        """The NDJSON line, newline included."""
+        return orjson.dumps({"type": "snapshot", "role": self.role, "block_size": self.block_size,
+                             "epoch": self.epoch, "seq": self.seq,
+                             "hashes": [h.hex() for h in self.hashes]}) + b"\n"
+
+
+@dataclass(slots=True)
+class KVEventBatch:
+    """The changes up to event sequence `seq`: hashes now held (`stored`) and no longer held (`removed`)."""
+
+    seq: int
+    stored: list[bytes] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
+
+    def encode(self) -> bytes:
+        """The NDJSON line, newline included."""
+        return orjson.dumps({"type": "events", "seq": self.seq, "stored": [h.hex() for h in self.stored],
+                             "removed": [h.hex() for h in self.removed]}) + b"\n"
+
+
+# A line a quiet stream sends now and then, so that a subscriber tells a quiet worker from a dead link.
+KEEPALIVE_LINE = b'{"type":"keepalive"}\n'
+
+
+def decode_line(obj: dict[str, Any]) -> KVSnapshot | KVEventBatch | None:
+    """One parsed line of the stream: a snapshot, a batch, or None (a keepalive or a newer line type);
+    ValueError for a malformed snapshot or batch."""
+    kind = obj.get("type")
+    if kind == "snapshot":
+        role, epoch = obj.get("role"), obj.get("epoch")
+        if not isinstance(role, str) or not isinstance(epoch, str):
+            raise ValueError("a snapshot needs 'role' and 'epoch' strings")
+        return KVSnapshot(role=role, block_size=_int(obj, "block_size", 1), epoch=epoch,
+                          seq=_int(obj, "seq", 0), hashes=_hashes(obj.get("hashes"), "hashes"))
+    if kind == "events":
+        return KVEventBatch(seq=_int(obj, "seq", 0), stored=_hashes(obj.get("stored"), "stored"),
+                            removed=_hashes(obj.get("removed"), "removed"))
+    return None

@@ -1,0 +1,100 @@
+"""The KV event log (engine side), the router's index and the `kv-aware` policy, without processes."""
+from __future__ import annotations
+
+import random
+
+from inference.engine.block_manager import BlockManager
+from inference.engine.kv_events import KVEventLog
+from inference.router.endpoint import Endpoint
+from inference.router.kv_index import CURRENT_PROMPT, KVIndex, PromptBlocks
+from inference.router.policies import KVAware
+from inference.wire.kv_events import KVEventBatch, KVSnapshot, block_hashes, decode_line
+
+
+def _log_over(manager: BlockManager) -> KVEventLog:
+    log = KVEventLog(capacity=8)
+    manager.watch(log)
+    return log
+
+
+def test_block_manager_tells_stores_and_evictions_and_batches_coalesce() -> None:
+    manager = BlockManager(2)
+    log = _log_over(manager)
+    a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
+    blocks = manager.allocate(2)
+    manager.register(blocks[0], a)
+    manager.register(blocks[1], b)
+    seq, held = log.snapshot()
+    assert seq == 2 and sorted(held) == [a, b]
+    manager.free(blocks)
+    reused = manager.allocate(1)  # evicts the least recently freed cached block: a
+    manager.register(reused[0], c)
+    assert log.since(seq) == (4, [c], [a])
+    assert log.since(0) == (4, [b, c], [a])  # a stored then removed: only its final state
+    assert log.since(4) == (4, [], [])
+
+
+def test_a_reader_behind_the_log_needs_a_snapshot() -> None:
+    manager = BlockManager(1)
+    log = _log_over(manager)
+    for i in range(10):  # 19 changes through one block; the log keeps 8
+        block = manager.allocate(1)
+        manager.register(block[0], bytes([i]) * 16)
+        manager.free(block)
+    assert log.since(0) is None
+    assert log.since(log.seq - 3) is not None
+
+
+def test_snapshot_and_batch_lines_round_trip() -> None:
+    import orjson
+
+    snapshot = KVSnapshot(role="prefill", block_size=8, epoch="e1", seq=3, hashes=[b"\x01" * 16])
+    assert decode_line(orjson.loads(snapshot.encode())) == snapshot
+    batch = KVEventBatch(seq=5, stored=[b"\x02" * 16], removed=[b"\x01" * 16])
+    assert decode_line(orjson.loads(batch.encode())) == batch
+    assert decode_line({"type": "keepalive"}) is None
+
+
+def _index_with(url: str, token_ids: list[int], block_size: int = 4) -> KVIndex:
+    index = KVIndex()
+    index.apply_snapshot(url, KVSnapshot(role="prefill", block_size=block_size, epoch="e", seq=0,
+                                         hashes=block_hashes(token_ids, block_size)))
+    return index
+
+
+def test_cached_tokens_follow_the_engine_rule() -> None:
+    prompt = list(range(3, 19))  # 16 tokens = 4 blocks of 4
+    index = _index_with("http://w:1", prompt)
+    # The engine computes at least the last token: a prompt of whole blocks reuses one block fewer.
+    assert index.cached_tokens("http://w:1", PromptBlocks(prompt)) == 12
+    assert index.cached_tokens("http://w:1", PromptBlocks(prompt + [7, 7])) == 16
+    assert index.cached_tokens("http://w:1", PromptBlocks([99] + prompt)) == 0
+    assert index.cached_tokens("http://other:1", PromptBlocks(prompt)) == 0
+    index.apply_batch("http://w:1", KVEventBatch(seq=1, removed=block_hashes(prompt, 4)[2:3]))
+    assert index.cached_tokens("http://w:1", PromptBlocks(prompt + [7])) == 8  # a hole ends the prefix
+    index.drop("http://w:1")
+    assert not index.knows("http://w:1")
+
+
+def test_kv_aware_prefers_the_holder_until_its_load_outweighs_the_prefix() -> None:
+    holder, other = Endpoint("http://w:1", "prefill"), Endpoint("http://w:2", "prefill")
+    prompt = list(range(3, 203))
+    policy = KVAware(random.Random(1))
+    policy.configure(_index_with(holder.url, prompt), token_weight=1.0, load_weight=64.0)
+    token = CURRENT_PROMPT.set(PromptBlocks(prompt))
+    try:
+        assert all(policy.choose([other, holder]) is holder for _ in range(10))
+        holder.inflight = 4  # 4 x 64 > the 196 cached tokens
+        assert policy.choose([other, holder]) is other
+        assert policy.choose_where([other, holder], lambda e: e is not other) is holder
+        assert policy.predicted_cached_tokens == 11 * 196  # ten and the last choice of the holder
+    finally:
+        CURRENT_PROMPT.reset(token)
+
+
+def test_kv_aware_without_a_prompt_or_index_goes_by_load_with_random_ties() -> None:
+    a, b, c = (Endpoint(f"http://w:{i}", "decode") for i in (1, 2, 3))
+    c.inflight = 1
+    policy = KVAware(random.Random(3))
+    chosen = {policy.choose([a, b, c]).url for _ in range(40)}
+    assert chosen == {a.url, b.url}
