@@ -2,8 +2,10 @@
 
 Auth is on when `settings.ROUTER_API_KEYS` is non-empty or `settings.ROUTER_REQUIRE_AUTH` is set.
 A caller then sends `Authorization: Bearer <key>` (what the OpenAI client does with its `api_key`;
-DRF's `Token <key>` scheme is accepted too), where the key is one of ROUTER_API_KEYS or the DRF
-authtoken of an active user. Anything else gets 401 `{"error": {"message", "type":
+DRF's `Token <key>` scheme is accepted too), where the key is an active API key made in the admin or
+the REST API (`dpk-...`, checked against the process's snapshot, inference/gateway/api_keys.py), one
+of ROUTER_API_KEYS or the DRF authtoken of an active user. Each is a `Tenant`: API keys carry limits
+and a priority class, the others are unlimited and interactive. Anything else gets 401 `{"error": {"message", "type":
 "authentication_error"}}`; a WebSocket is accepted and closed at once with code 4401 (a close code
 is the only thing a browser's WebSocket API shows of a refusal). With auth off the API is open:
 the quick start's default, refused at settings import when PLATFORM_PRODUCTION=1.
@@ -24,6 +26,8 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+
+from inference.gateway.api_keys import ENV_TENANT, OPEN_TENANT, TOKEN_TENANT, Tenant, key_cache
 
 logger = logging.getLogger(__name__)
 
@@ -108,12 +112,33 @@ def _token_is_valid(key: str) -> bool:
     return token is not None and bool(token.user.is_active)
 
 
-async def is_valid_key(key: str | None) -> bool:
-    """Whether `key` opens the generation API: a configured key or an active user's DRF token."""
+async def authenticate(key: str | None) -> Tenant | None:
+    """The tenant `key` stands for: an active API key, a configured key or an active user's DRF
+    token; None when it is none of them."""
     if not key:
-        return False
+        return None
     if _is_configured_key(key, getattr(settings, "ROUTER_API_KEYS", None) or []):
-        return True
+        return ENV_TENANT
+    tenant = await key_cache().lookup(key)
+    if tenant is not None:
+        return tenant
+    return TOKEN_TENANT if await _is_valid_token(key) else None
+
+
+async def open_tenant(key: str | None) -> Tenant:
+    """With auth off: the API key's tenant when the caller sent one (its limits and class apply),
+    else the open tenant."""
+    tenant = await key_cache().lookup(key) if key else None
+    return tenant if tenant is not None else OPEN_TENANT
+
+
+async def is_valid_key(key: str | None) -> bool:
+    """Whether `key` opens the generation API."""
+    return await authenticate(key) is not None
+
+
+async def _is_valid_token(key: str) -> bool:
+    """Whether `key` is an active user's DRF token (cached both ways)."""
     if len(key) != _DRF_TOKEN_LENGTH or not key.isascii() or not key.isalnum():
         return False
     cached = token_cache.get(key)
@@ -148,7 +173,8 @@ def warn_open_once() -> None:
             return
         _open_warned = True
     logger.warning(
-        "the generation API is open: set ROUTER_API_KEYS or ROUTER_REQUIRE_AUTH=1 to require API keys"
+        "the generation API is open: create an API key (admin: API keys, or POST /api/keys/) and set "
+        "ROUTER_REQUIRE_AUTH=1 (or ROUTER_API_KEYS) to require keys"
     )
 
 

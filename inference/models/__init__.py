@@ -4,11 +4,13 @@ Django loads an app's models from `<app>.models`, and callers import them from t
 - deployments: the models served (`Model`), their `Deployment`s and the `RouterEndpoint`s serving them;
 - workers: `Worker` (a prefill or decode process on a node), its role and status;
 - scaling: `ScalingRule`, `ScaleEvent` (every replica change, with its source), `ScaleOverride`;
-- samples: `MetricSample` (per role), `WorkerSample`, `RouterSample`.
+- samples: `MetricSample` (per role), `WorkerSample`, `RouterSample`;
+- api_key: generation `ApiKey`s (limits, `PriorityClass`) and their per-minute `ApiKeyUsage`.
 Tables and migrations are those of the single module this package replaced (app label `inference`).
 """
 from __future__ import annotations
 
+from inference.models.api_key import ApiKey, ApiKeyUsage, PriorityClass
 from inference.models.deployments import (
     Deployment,
     DeploymentStatus,
@@ -40,6 +42,8 @@ from inference.models.workers import (
 __all__ = [
     "ACTIVE_WORKER_STATUSES",
     "ROLES",
+    "ApiKey",
+    "ApiKeyUsage",
     "SLO_ROLES",
     "Comparison",
     "Deployment",
@@ -48,6 +52,7 @@ __all__ = [
     "MetricSample",
     "Model",
     "ModelSource",
+    "PriorityClass",
     "RouterEndpoint",
     "RouterPolicy",
     "RouterSample",

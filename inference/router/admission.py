@@ -3,10 +3,11 @@
 A decode worker runs at most `--batch-size` sequences; more requests sent to it would only wait in
 its queue holding KV blocks, or slow every stream by growing the batch. So the router admits to a
 decode worker at most its batch size plus a little slack (enough to prefill the next requests while
-the batch decodes) and keeps the rest in its own FIFO queue, where waiting costs nothing but a
-future. A request that cannot be admitted within its queue deadline (`ROUTER_QUEUE_TIMEOUT_S`) gets
-429 with Retry-After, as does one that finds the queue full (`max_queue`): overload is answered
-fast, never by a timeout.
+the batch decodes) and keeps the rest in its own queue, where waiting costs nothing but a future.
+The queue serves priority classes in order and tenants (API keys) of a class in turn (fair_queue.py),
+so one tenant's flood waits behind itself, not in front of everybody. A request that cannot be
+admitted within its queue deadline (`ROUTER_QUEUE_TIMEOUT_S`) gets 429 with Retry-After, as does
+one that finds the queue full (`max_queue`): overload is answered fast, never by a timeout.
 
 The capacity follows the deployment: each decode worker's batch size comes from its health answer
 (`batch_size`), scale-outs add slots as their workers join the pool, and a worker that answered 429
@@ -20,12 +21,12 @@ the free ones first (policies.py `choose_where`).
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from collections.abc import Collection
 
 from inference.router.endpoint import Endpoint, slots_for
 from inference.router.errors import RouterError
+from inference.router.fair_queue import FairQueue
 from inference.router.metrics import RouterMetrics
 from inference.router.pool import WorkerPool
 
@@ -37,11 +38,22 @@ FULL_BACKOFF_S = 0.25
 _RECHECK_S = 0.25
 
 
+class _Waiter:
+    """A queued request: its wake-up future (renewed after each wake), tenant and priority class."""
+
+    __slots__ = ("future", "priority", "tenant")
+
+    def __init__(self, future: asyncio.Future[None], tenant: str, priority: int) -> None:
+        self.future = future
+        self.tenant = tenant
+        self.priority = priority
+
+
 class Admission:
-    """Decode slots of a pool, handed out first come, first served.
+    """Decode slots of a pool, handed out by priority class, then in turn between tenants.
 
     Used from one event loop. `acquire` returns a decode endpoint with a slot taken (its `inflight`
-    counts it); `release` gives the slot back and wakes the oldest waiter.
+    counts it); `release` gives the slot back and wakes the waiter whose turn it is.
     """
 
     def __init__(
@@ -58,7 +70,7 @@ class Admission:
         self.queue_timeout_s = queue_timeout_s
         self.max_queue = max_queue
         self.default_batch_size = default_batch_size  # also sets the default slots
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._waiters: FairQueue[_Waiter] = FairQueue()
         self.rejected = 0  # 429s given by admission, for /router/status
         self.metrics: RouterMetrics | None = None  # set by the client that uses this admission
 
@@ -97,8 +109,11 @@ class Admission:
 
     # ---------------------------------------------------------------------------------- slots
 
-    async def acquire(self, deadline: float, exclude: Collection[Endpoint] = ()) -> Endpoint | None:
-        """A decode endpoint with a slot taken for this request, waiting in FIFO order until `deadline`.
+    async def acquire(
+        self, deadline: float, exclude: Collection[Endpoint] = (), *, tenant: str = "", priority: int = 0
+    ) -> Endpoint | None:
+        """A decode endpoint with a slot taken for this request, waiting for its turn until `deadline`
+        (by `priority` class, lower first, then in turn with the other tenants of the class).
 
         Returns None when no decode endpoint is left to try (all in `exclude`). Raises RouterError
         429 when the queue is full or the deadline passes first, 503 when none is configured.
@@ -116,8 +131,9 @@ class Admission:
                 f"router queue is full ({self.max_queue} requests waiting for a decode slot; "
                 "ROUTER_MAX_QUEUE); retry later",
             )
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), tenant, priority)
+        self._waiters.push(waiter, tenant, priority)
+        served = False
         try:
             while True:  # bounded by the deadline
                 remaining = deadline - time.monotonic()
@@ -129,23 +145,24 @@ class Admission:
                         f"({self.capacity()} slots busy, {len(self._waiters)} waiting; "
                         "ROUTER_QUEUE_TIMEOUT_S); retry later",
                     )
-                if self._waiters[0] is waiter:
+                if self._waiters.head() is waiter:
                     chosen = self._take(exclude)
                     if chosen is not None or not self.pool.has_candidate("decode", exclude):
+                        served = chosen is not None
                         return chosen
                 try:
-                    await asyncio.wait_for(asyncio.shield(waiter), timeout=min(remaining, _RECHECK_S))
+                    await asyncio.wait_for(asyncio.shield(waiter.future), timeout=min(remaining, _RECHECK_S))
                 except TimeoutError:
                     pass
-                if waiter.done():
-                    waiter = self._renew(waiter)
+                if waiter.future.done():
+                    waiter.future = asyncio.get_running_loop().create_future()
         finally:
-            self._forget(waiter)
+            self._waiters.remove(waiter, waiter.tenant, waiter.priority, served=served)
             # A slot freed while this waiter was leaving belongs to the next one.
             self._wake_head()
 
     def release(self, endpoint: Endpoint) -> None:
-        """Give `endpoint`'s slot back and let the oldest waiter try."""
+        """Give `endpoint`'s slot back and let the waiter whose turn it is try."""
         endpoint.release()
         self._wake_head()
 
@@ -171,21 +188,7 @@ class Admission:
             chosen.acquire()
         return chosen
 
-    def _renew(self, waiter: asyncio.Future[None]) -> asyncio.Future[None]:
-        """Replace a woken waiter with a fresh future in the same queue position."""
-        fresh: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        for i, queued in enumerate(self._waiters):
-            if queued is waiter:
-                self._waiters[i] = fresh
-                break
-        return fresh
-
-    def _forget(self, waiter: asyncio.Future[None]) -> None:
-        try:
-            self._waiters.remove(waiter)
-        except ValueError:
-            pass
-
     def _wake_head(self) -> None:
-        if self._waiters and not self._waiters[0].done():
-            self._waiters[0].set_result(None)
+        head = self._waiters.head()
+        if head is not None and not head.future.done():
+            head.future.set_result(None)

@@ -99,7 +99,9 @@ class Establishment:
         # used the whole queue timeout.
         until = self.queue_deadline if self.attempts == 0 else max(
             self.queue_deadline, min(self.deadline, waited_from + 1.0))
-        decode = await self.client.admission.acquire(until, exclude=self.tried_decode)
+        decode = await self.client.admission.acquire(
+            until, exclude=self.tried_decode, tenant=self.req.tenant, priority=self.req.priority
+        )
         if decode is not None and self.attempts == 0:
             metrics = self.client.metrics
             metrics.queue_wait.observe(time.monotonic() - waited_from)

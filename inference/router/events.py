@@ -26,6 +26,9 @@ class GenerateRequest:
     messages: list[dict[str, Any]] | None = None
     input_ids: list[int] | None = None
     request_id: str = field(default_factory=new_request_id)
+    # Who sent it (its fair share in the admission queue) and its priority class (0 is served first).
+    tenant: str = ""
+    priority: int = 0
 
     def decode_body(self, request_id: str) -> dict[str, Any]:
         """The JSON body of `POST /internal/decode`."""

@@ -1,0 +1,260 @@
+"""Per-key limits: requests per minute, tokens per minute (prompt + completion), concurrent requests.
+
+Counted in fixed one-minute windows (`<key>:<minute since the epoch>`) so that every router process
+and host agrees on what "this minute" is and the admitted count of a window never passes the limit.
+With REDIS_URL the counters live in Redis and one Lua script checks and counts a request atomically
+(shared by every router process; each window's keys expire after two minutes, a concurrency counter
+an hour after its last change, so a router killed mid-request cannot hold a slot for ever). Without
+Redis (the embedded default) the counters are this process's own: with N router processes a key gets
+up to N times its limits (README says so).
+
+A request past a limit is refused at once (429, Retry-After: the seconds to the next window, or 1 for
+concurrency), never queued. Once a window's request or token budget is spent, the process remembers
+it until the window ends, so a flood past the limit costs no Redis round trip per request. If Redis
+cannot be reached the request is let through (logged): limits are about fairness, not security.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from inference.gateway.api_keys import Tenant
+
+logger = logging.getLogger(__name__)
+
+WINDOW_S = 60
+_WINDOW_TTL_S = 2 * WINDOW_S
+_CONCURRENCY_TTL_S = 3600
+_KEY_PREFIX = "quota"
+
+# Returns 0 (admitted and counted), 1 (requests/min spent), 2 (tokens/min spent), 3 (concurrency full).
+_ADMIT_LUA = """
+local rpm, tpm, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+if conc > 0 and tonumber(redis.call('GET', KEYS[3]) or '0') >= conc then return 3 end
+if tpm > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') >= tpm then return 2 end
+if rpm > 0 then
+  if tonumber(redis.call('GET', KEYS[1]) or '0') >= rpm then return 1 end
+  redis.call('INCR', KEYS[1])
+  redis.call('EXPIRE', KEYS[1], ARGV[4])
+end
+if conc > 0 then
+  redis.call('INCR', KEYS[3])
+  redis.call('EXPIRE', KEYS[3], ARGV[5])
+end
+return 0
+"""
+_RELEASE_LUA = """
+if tonumber(redis.call('GET', KEYS[1]) or '0') > 0 then return redis.call('DECR', KEYS[1]) end
+return 0
+"""
+
+LIMIT_NAMES = {1: "requests_per_minute", 2: "tokens_per_minute", 3: "max_concurrent"}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request is refused: the limit's name and value, and when to retry."""
+
+    limit: str
+    value: int
+    retry_after_s: int
+
+    def message(self, tenant: Tenant) -> str:
+        """The 429 message, naming the limit."""
+        what = {"requests_per_minute": "requests per minute", "tokens_per_minute": "tokens per minute",
+                "max_concurrent": "concurrent requests"}[self.limit]
+        return (f"API key {tenant.label}… is over its limit of {self.value} {what} ({self.limit}); "
+                f"retry after {self.retry_after_s}s")
+
+
+def _window(now: float) -> int:
+    return int(now // WINDOW_S)
+
+
+def _retry_after(code: int, now: float) -> int:
+    if code == 3:
+        return 1
+    return max(1, math.ceil((_window(now) + 1) * WINDOW_S - now))
+
+
+def _refusal(tenant: Tenant, code: int, now: float) -> Refusal:
+    value = {1: tenant.requests_per_minute, 2: tenant.tokens_per_minute, 3: tenant.max_concurrent}[code] or 0
+    return Refusal(LIMIT_NAMES[code], value, _retry_after(code, now))
+
+
+class QuotaCounters(Protocol):
+    """Where the counters are kept (Redis, or this process)."""
+
+    async def admit(self, tenant: Tenant, now: float) -> int:
+        """Check and count one request; 0 or the code of the limit that refuses it."""
+
+    async def release(self, tenant: Tenant) -> None:
+        """One of the tenant's requests ended (its concurrency slot is free)."""
+
+    async def add_tokens(self, tenant: Tenant, tokens: int, now: float) -> None:
+        """Count `tokens` in the current window."""
+
+
+class LocalCounters:
+    """This process's counters (the embedded default: no Redis)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[int, int], int] = {}
+        self.tokens: dict[tuple[int, int], int] = {}
+        self.concurrent: dict[int, int] = {}
+
+    def _prune(self, window: int) -> None:
+        for table in (self.requests, self.tokens):
+            for key in [k for k in table if k[1] < window - 1]:
+                del table[key]
+
+    async def admit(self, tenant: Tenant, now: float) -> int:  # noqa: D102
+        key_id = tenant.key_id or 0
+        window = _window(now)
+        if len(self.requests) + len(self.tokens) > 10_000:
+            self._prune(window)
+        if tenant.max_concurrent and self.concurrent.get(key_id, 0) >= tenant.max_concurrent:
+            return 3
+        if tenant.tokens_per_minute and self.tokens.get((key_id, window), 0) >= tenant.tokens_per_minute:
+            return 2
+        if tenant.requests_per_minute:
+            if self.requests.get((key_id, window), 0) >= tenant.requests_per_minute:
+                return 1
+            self.requests[(key_id, window)] = self.requests.get((key_id, window), 0) + 1
+        if tenant.max_concurrent:
+            self.concurrent[key_id] = self.concurrent.get(key_id, 0) + 1
+        return 0
+
+    async def release(self, tenant: Tenant) -> None:  # noqa: D102
+        key_id = tenant.key_id or 0
+        if self.concurrent.get(key_id, 0) > 0:
+            self.concurrent[key_id] -= 1
+
+    async def add_tokens(self, tenant: Tenant, tokens: int, now: float) -> None:  # noqa: D102
+        key = (tenant.key_id or 0, _window(now))
+        self.tokens[key] = self.tokens.get(key, 0) + tokens
+
+
+class RedisCounters:
+    """Counters in Redis, shared by every router process (one client per event loop)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._clients: dict[int, Any] = {}
+
+    def _client(self) -> Any:
+        import asyncio
+
+        import redis.asyncio as redis_asyncio
+
+        loop_id = id(asyncio.get_running_loop())
+        client = self._clients.get(loop_id)
+        if client is None:
+            redis = redis_asyncio.Redis.from_url(self.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+            client = (redis, redis.register_script(_ADMIT_LUA), redis.register_script(_RELEASE_LUA))
+            self._clients = {loop_id: client}  # a new loop (tests) replaces the old one's client
+        return client
+
+    @staticmethod
+    def _keys(tenant: Tenant, window: int) -> list[str]:
+        base = f"{_KEY_PREFIX}:{tenant.key_id}"
+        return [f"{base}:r:{window}", f"{base}:t:{window}", f"{base}:c"]
+
+    async def admit(self, tenant: Tenant, now: float) -> int:  # noqa: D102
+        _, admit, _ = self._client()
+        args = [tenant.requests_per_minute or 0, tenant.tokens_per_minute or 0, tenant.max_concurrent or 0,
+                _WINDOW_TTL_S, _CONCURRENCY_TTL_S]
+        return int(await admit(keys=self._keys(tenant, _window(now)), args=args))
+
+    async def release(self, tenant: Tenant) -> None:  # noqa: D102
+        if tenant.max_concurrent:
+            await self._client()[2](keys=[f"{_KEY_PREFIX}:{tenant.key_id}:c"])
+
+    async def add_tokens(self, tenant: Tenant, tokens: int, now: float) -> None:  # noqa: D102
+        if not tenant.tokens_per_minute:
+            return
+        key = self._keys(tenant, _window(now))[1]
+        async with self._client()[0].pipeline(transaction=False) as pipe:
+            pipe.incrby(key, tokens)
+            pipe.expire(key, _WINDOW_TTL_S)
+            await pipe.execute()
+
+
+class Quotas:
+    """The limits of every key, enforced with `counters`; spent windows remembered in process."""
+
+    def __init__(self, counters: QuotaCounters) -> None:
+        self.counters = counters
+        # (key id, window) -> refusal code, for request and token budgets spent this window.
+        self._spent: dict[tuple[int, int], int] = {}
+        self._warned_at = 0.0
+
+    def _failed(self, what: str) -> None:
+        now = time.monotonic()
+        if now - self._warned_at > 10.0:  # at most one log line per 10 s while Redis is down
+            self._warned_at = now
+            logger.warning("quota counters unavailable (%s); requests pass unlimited", what, exc_info=True)
+
+    async def admit(self, tenant: Tenant) -> Refusal | None:
+        """Count one request of `tenant`, or say which limit refuses it. Call `release` when it ends
+        (only when admitted)."""
+        if not tenant.limited or tenant.key_id is None:
+            return None
+        now = time.time()
+        window = _window(now)
+        spent = self._spent.get((tenant.key_id, window))
+        if spent is not None:
+            return _refusal(tenant, spent, now)
+        try:
+            code = await self.counters.admit(tenant, now)
+        except Exception:  # noqa: BLE001  Redis down: serve rather than refuse everybody
+            self._failed("admit")
+            return None
+        if code == 0:
+            return None
+        if code in (1, 2):
+            if len(self._spent) > 10_000:
+                self._spent = {k: v for k, v in self._spent.items() if k[1] >= window}
+            self._spent[(tenant.key_id, window)] = code
+        return _refusal(tenant, code, now)
+
+    async def release(self, tenant: Tenant) -> None:
+        """An admitted request of `tenant` ended."""
+        if not tenant.max_concurrent or tenant.key_id is None:
+            return
+        try:
+            await self.counters.release(tenant)
+        except Exception:  # noqa: BLE001
+            self._failed("release")
+
+    async def add_tokens(self, tenant: Tenant, tokens: int) -> None:
+        """Count prompt or completion tokens of `tenant` in the current window."""
+        if not tenant.tokens_per_minute or tenant.key_id is None or tokens <= 0:
+            return
+        try:
+            await self.counters.add_tokens(tenant, tokens, time.time())
+        except Exception:  # noqa: BLE001
+            self._failed("tokens")
+
+
+_quotas: Quotas | None = None
+
+
+def quotas() -> Quotas:
+    """This process's quotas: in Redis when REDIS_URL is set, else per process."""
+    global _quotas
+    if _quotas is None:
+        from django.conf import settings
+
+        url = getattr(settings, "REDIS_URL", None)
+        _quotas = Quotas(RedisCounters(url) if url else LocalCounters())
+    return _quotas
+
+
+def set_quotas(value: Quotas | None) -> None:
+    """Replace (None: rebuild from settings on next use) this process's quotas; for tests."""
+    global _quotas
+    _quotas = value

@@ -1,0 +1,50 @@
+"""Reads of API keys: the routers' snapshot of active keys, and a key's usage per minute."""
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from django.db.models import Sum
+from django.db.models.functions import TruncMinute
+
+from inference.models import ApiKey, ApiKeyUsage
+
+SNAPSHOT_FIELDS = (
+    "id", "prefix", "secret_hash", "priority", "requests_per_minute", "tokens_per_minute",
+    "max_concurrent", "expires_at",
+)
+
+
+def key_scopes() -> dict[int, set[str]]:
+    """The deployment names of every non-revoked key that is limited to some (one query)."""
+    scopes: dict[int, set[str]] = {}
+    through = ApiKey.deployments.through.objects.filter(apikey__revoked_at__isnull=True)
+    for key_id, name in through.values_list("apikey_id", "deployment__name"):
+        scopes.setdefault(key_id, set()).add(name)
+    return scopes
+
+
+def active_key_rows() -> list[tuple[Any, ...]]:
+    """Every non-revoked key as a tuple of SNAPSHOT_FIELDS (expired ones included: the router checks
+    the expiry per request, so a key expires to the second)."""
+    return list(ApiKey.objects.filter(revoked_at__isnull=True).values_list(*SNAPSHOT_FIELDS))
+
+
+def usage_per_minute(key: ApiKey, since: datetime) -> list[dict[str, Any]]:
+    """The key's usage per minute since `since`, all deployments summed, oldest first."""
+    rows = (
+        ApiKeyUsage.objects.filter(api_key=key, minute__gte=since)
+        .annotate(at=TruncMinute("minute"))
+        .values("at")
+        .annotate(
+            requests=Sum("requests"), prompt_tokens=Sum("prompt_tokens"),
+            completion_tokens=Sum("completion_tokens"), errors=Sum("errors"), rejected=Sum("rejected"),
+        )
+        .order_by("at")
+    )
+    return list(rows)
+
+
+def usage_rows(key: ApiKey) -> list[ApiKeyUsage]:
+    """Every usage row of the key (per deployment and minute), newest first: the CSV export."""
+    return list(ApiKeyUsage.objects.filter(api_key=key).order_by("-minute", "deployment"))
