@@ -3,6 +3,7 @@ from django.urls import URLPattern, URLResolver, path
 from rest_framework.routers import DefaultRouter
 
 from inference.api import views
+from inference.api.api_keys import ApiKeyViewSet
 from inference.api.task_status import TaskStatusView
 
 router = DefaultRouter()
@@ -13,6 +14,7 @@ router.register("workers", views.WorkerViewSet, basename="worker")
 router.register("rules", views.ScalingRuleViewSet, basename="scalingrule")
 router.register("events", views.ScaleEventViewSet, basename="scaleevent")
 router.register("overrides", views.ScaleOverrideViewSet, basename="scaleoverride")
+router.register("keys", ApiKeyViewSet, basename="apikey")
 
 urlpatterns: list[URLPattern | URLResolver] = [
     *router.urls,
