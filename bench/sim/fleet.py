@@ -89,14 +89,18 @@ class Fleet:
         self._client: aiohttp.ClientSession | None = None
 
     # ------------------------------------------------------------------ workers
-    async def start_worker(self, role: str) -> SimWorker:
-        """A new worker of `role`, listening on a free port of this fleet's host (after `setup`)."""
+    async def start_worker(self, role: str, port: int = 0) -> SimWorker:
+        """A new worker of `role`, listening on `port` of this fleet's host (0: a free one; after `setup`)."""
         if role not in ("prefill", "decode"):
             raise bad_request(f"role must be prefill or decode, not {role!r}")
         assert self.runner is not None, "setup() first"
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, 0))
+        try:
+            sock.bind((self.host, port))
+        except OSError:
+            sock.close()
+            raise
         port = int(sock.getsockname()[1])
         worker = SimWorker(role, port, self.config, self.deliver_kv, host=self.host)
         site = web.SockSite(self.runner, sock, shutdown_timeout=1.0)

@@ -2,8 +2,9 @@
 
 `collect(now)` (Celery beat runs it every few seconds through inference.tasks.collect_metrics):
 1. scrapes all RUNNING workers (/metrics and /health) and all enabled routers of active deployments
-   (RouterEndpoint, /metrics) concurrently: HTTP only in the threads, each request bounded by
-   METRICS_SCRAPE_TIMEOUT_S; the database is written from the calling thread;
+   (RouterEndpoint, /metrics) concurrently: HTTP only in at most MAX_SCRAPE_THREADS threads sharing
+   one HTTP client, each request bounded by METRICS_SCRAPE_TIMEOUT_S; the database is written from the
+   calling thread, the workers' scrape state and samples in one transaction (bulk UPDATE and INSERT);
 2. stores per worker `last_health` (the /health answer) and `last_metrics`: the raw counters of this
    scrape ({"at", "pid", "counters", "gauges"}), which the next scrape subtracts; per router its
    cumulative series in `RouterEndpoint.last_metrics` likewise;
@@ -33,6 +34,7 @@ zero again. Metrics text is parsed with prometheus_client's parser.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +44,7 @@ from typing import Any
 
 import httpx
 from django.conf import settings
+from django.db import transaction
 from django.utils import timezone
 
 from inference.actions import samples as sample_actions
@@ -67,6 +70,8 @@ from inference.scaling.signals import role_load, worker_load
 logger = logging.getLogger(__name__)
 
 MAX_SCRAPE_THREADS = 16
+# Workers per UPDATE statement when the round's scrape state is written (one CASE per field).
+UPDATE_BATCH = 200
 
 
 # -------------------------------------------------------------------------------------------- scrapes
@@ -92,11 +97,20 @@ class RouterScrape:
     error: str = ""
 
 
-def scrape(worker: Worker, timeout: float) -> Scrape:
+def scrape_client(timeout: float, threads: int) -> httpx.Client:
+    """One HTTP client for a whole round, shared by its threads (httpx.Client is thread-safe): a client
+    per scrape built an SSL context and a pool each time, most of a round's CPU at 1,000 workers."""
+    limits = httpx.Limits(max_connections=threads, max_keepalive_connections=threads)
+    return httpx.Client(timeout=timeout, limits=limits, trust_env=False)
+
+
+def scrape(worker: Worker, timeout: float, client: httpx.Client | None = None) -> Scrape:
     """GET the worker's /metrics and /health (no database access: runs in a thread)."""
     result = Scrape(worker=worker, at=time.time())
     try:
-        with httpx.Client(timeout=timeout) as client:
+        with contextlib.ExitStack() as stack:
+            if client is None:
+                client = stack.enter_context(scrape_client(timeout, 1))
             metrics = client.get(worker.url + "/metrics")
             if metrics.status_code == 200:
                 result.counters, result.gauges = parse_metrics(metrics.text)
@@ -108,11 +122,13 @@ def scrape(worker: Worker, timeout: float) -> Scrape:
     return result
 
 
-def scrape_router(router: RouterEndpoint, timeout: float) -> RouterScrape:
+def scrape_router(router: RouterEndpoint, timeout: float, client: httpx.Client | None = None) -> RouterScrape:
     """GET the router's /metrics (no database access: runs in a thread)."""
     result = RouterScrape(router=router, at=time.time())
     try:
-        with httpx.Client(timeout=timeout) as client:
+        with contextlib.ExitStack() as stack:
+            if client is None:
+                client = stack.enter_context(scrape_client(timeout, 1))
             response = client.get(router.url.rstrip("/") + "/metrics")
         if response.status_code != 200:
             result.error = f"HTTP {response.status_code} from {router.url}/metrics"
@@ -233,9 +249,10 @@ def collect(*, now: datetime | None = None) -> int:
     router_scrapes: list[RouterScrape] = []
     jobs = len(workers) + len(routers)
     if jobs:
-        with ThreadPoolExecutor(max_workers=min(MAX_SCRAPE_THREADS, jobs)) as pool:
-            router_futures = [pool.submit(scrape_router, r, timeout) for r in routers]
-            scrapes = list(pool.map(lambda w: scrape(w, timeout), workers))
+        threads = min(MAX_SCRAPE_THREADS, jobs)
+        with scrape_client(timeout, threads) as client, ThreadPoolExecutor(max_workers=threads) as pool:
+            router_futures = [pool.submit(scrape_router, r, timeout, client) for r in routers]
+            scrapes = list(pool.map(lambda w: scrape(w, timeout, client), workers))
             router_scrapes = [f.result() for f in router_futures]
 
     # Routers first: their selection deltas say what share of requests each worker got.
@@ -259,6 +276,7 @@ def collect(*, now: datetime | None = None) -> int:
 
     per_role: dict[tuple[int, str], list[WorkerReading]] = {}
     samples: list[WorkerSample] = []
+    updates: dict[tuple[str, ...], list[Worker]] = {}  # the fields a scrape refreshed → those workers
     for item in scrapes:
         worker = item.worker
         if item.counters is None and item.health is None:
@@ -273,7 +291,9 @@ def collect(*, now: datetime | None = None) -> int:
         if item.health is not None:
             fields["last_health"] = item.health
             fields["last_seen"] = now
-        Worker.objects.filter(pk=worker.pk).update(**fields)
+        for name, value in fields.items():
+            setattr(worker, name, value)
+        updates.setdefault(tuple(fields), []).append(worker)
         reading = read_worker(item, deltas, dt, worker.deployment.batch_size)
         if worker.deployment_id in sent:
             reading.values["requests_per_s"] = sent[worker.deployment_id].get(worker.url, 0.0)
@@ -283,7 +303,10 @@ def collect(*, now: datetime | None = None) -> int:
             WorkerSample(deployment_id=worker.deployment_id, worker_id=worker.pk, name=worker_name(worker),
                          role=worker.role, url=worker.url, at=now, **reading.values)
         )  # fmt: skip
-    sample_actions.record_worker_samples(samples)
+    with transaction.atomic():  # one commit for the round's rows, not one per worker
+        for names, changed in updates.items():
+            Worker.objects.bulk_update(changed, list(names), batch_size=UPDATE_BATCH)
+        sample_actions.record_worker_samples(samples)
 
     recorded = 0
     for deployment in Deployment.objects.filter(status=DeploymentStatus.ACTIVE):

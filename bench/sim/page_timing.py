@@ -1,0 +1,56 @@
+"""Admin pages and REST list endpoints timed as an operator opens them: Django's test Client, logged in as
+a superuser, against the real database (no test transaction, no cache), p50/p95 over `repeats` requests
+after one unmeasured request each."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.test import Client
+
+from bench.common import percentile
+from inference.models import Deployment
+
+SUPERUSER = "sim-bench-admin"
+
+
+def pages(deployment: Deployment) -> dict[str, str]:
+    """The measured pages by name."""
+    d = deployment.pk
+    return {
+        "admin deployment page": f"/admin/inference/deployment/{d}/change/",
+        "admin workers list": "/admin/inference/worker/",
+        "admin workers of the deployment": f"/admin/inference/worker/?deployment__id__exact={d}",
+        "admin nodes list": "/admin/nodes/node/",
+        "admin worker samples list": "/admin/inference/workersample/",
+        "api workers": f"/api/workers/?deployment={d}",
+        "api nodes": "/api/nodes/",
+        "api deployments": "/api/deployments/",
+        "api events": f"/api/events/?deployment={d}",
+        "api metrics 60 min": f"/api/deployments/{d}/metrics/?minutes=60&role=decode",
+    }
+
+
+def measure(deployment: Deployment, *, repeats: int) -> dict[str, dict[str, Any]]:
+    """Status, bytes and p50/p95 in ms per page (a page that does not answer 200 is reported, not timed)."""
+    user_model = get_user_model()
+    user = user_model.objects.filter(username=SUPERUSER).first()
+    if user is None:
+        user = user_model.objects.create_superuser(SUPERUSER, "sim@example.com", None)
+    client = Client()
+    client.force_login(user)
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        for name, url in pages(deployment).items():
+            first = client.get(url)
+            times = []
+            for _ in range(repeats if first.status_code == 200 else 0):
+                start = time.perf_counter()
+                client.get(url)
+                times.append((time.perf_counter() - start) * 1000)
+            out[name] = {"url": url, "status": first.status_code, "bytes": len(first.content),
+                         "p50_ms": percentile(times, 50), "p95_ms": percentile(times, 95) or 0.0}
+    finally:
+        user.delete()
+    return out
