@@ -31,12 +31,23 @@ start controller $PY manage.py controller
 start agent $PY manage.py agent --name local --address 127.0.0.1
 start router $PY -m inference.launch_router --deployment "$DEPLOYMENT" --listen-port "$PORT"
 
+generates() {  # a one-token generation answers (with the first ROUTER_API_KEYS key when auth is on)
+  local keys=${ROUTER_API_KEYS:-}
+  local key=${keys%%,*}
+  if [ "${ROUTER_REQUIRE_AUTH:-0}" = "1" ] && [ -z "$key" ]; then
+    # Keys live in the database only: no key to try here, so wait for the router's readiness instead.
+    curl -fsS "http://127.0.0.1:$PORT/health" 2>/dev/null | grep -q '"ready":true'
+    return
+  fi
+  curl -fsS -X POST "http://127.0.0.1:$PORT/generate" -H "Content-Type: application/json" \
+       ${key:+-H "Authorization: Bearer $key"} -d '{"prompt": "Hi", "max_tokens": 1}' >/dev/null 2>&1
+}
+
 echo "waiting for the agent to start the demo's prefill and decode workers (loading the model)..."
 ready=""
 for _ in $(seq 1 300); do
   for name in controller agent router; do alive "$name" || fail "$name" "$name exited"; done
-  if curl -fsS -X POST "http://127.0.0.1:$PORT/generate" -H "Content-Type: application/json" \
-       -d '{"prompt": "Hi", "max_tokens": 1}' >/dev/null 2>&1; then ready=1; break; fi
+  if generates; then ready=1; break; fi
   sleep 1
 done
 [ -n "$ready" ] || fail agent "the deployment did not answer within 300s (see also $RUN/controller.log)"
@@ -58,3 +69,15 @@ Try:
   curl -X POST http://127.0.0.1:$PORT/generate -H "Content-Type: application/json" \\
        -d '{"prompt": "解释分布式推理架构的优势：", "max_tokens": 100}'
 TXT
+
+# Open mode said out loud: without ROUTER_REQUIRE_AUTH or ROUTER_API_KEYS anybody who reaches the port generates.
+if [ -z "${ROUTER_API_KEYS:-}" ] && [ "${ROUTER_REQUIRE_AUTH:-0}" != "1" ]; then
+  cat <<TXT
+
+WARNING: the generation API is OPEN: any caller, with or without a key, can generate.
+  Create an API key (with limits and a priority class) in the admin: http://127.0.0.1:$PORT/admin/inference/apikey/add/
+  or with the REST API: curl -X POST http://127.0.0.1:$PORT/api/keys/ -H "Authorization: Token <your DRF token>" \\
+       -H "Content-Type: application/json" -d '{"name": "my-app", "requests_per_minute": 60}'
+  then restart with ROUTER_REQUIRE_AUTH=1 make up, and send: -H "Authorization: Bearer <secret>"
+TXT
+fi
