@@ -188,6 +188,12 @@ ROUTER_FOLLOW_INTERVAL_S = env_float("ROUTER_FOLLOW_INTERVAL_S", 2.0)
 ROUTER_REQUEST_TIMEOUT_S = env_float("ROUTER_REQUEST_TIMEOUT_S", 300.0)
 ROUTER_CONNECT_TIMEOUT_S = env_float("ROUTER_CONNECT_TIMEOUT_S", 3.0)
 ROUTER_HEALTH_INTERVAL_S = env_float("ROUTER_HEALTH_INTERVAL_S", 2.0)
+# The kv-aware policy's cost: token weight x prompt tokens a worker would still compute + load weight x
+# its requests in flight (a request in flight costs as much as computing that many prompt tokens).
+ROUTER_KV_TOKEN_WEIGHT = env_float("ROUTER_KV_TOKEN_WEIGHT", 1.0)
+ROUTER_KV_LOAD_WEIGHT = env_float("ROUTER_KV_LOAD_WEIGHT", 64.0)
+if ROUTER_KV_TOKEN_WEIGHT < 0 or ROUTER_KV_LOAD_WEIGHT < 0:
+    raise ImproperlyConfigured("ROUTER_KV_TOKEN_WEIGHT and ROUTER_KV_LOAD_WEIGHT must be >= 0")
 # Admission (inference/router/admission.py): each decode worker is given its batch slots plus a
 # quarter; further requests wait in a FIFO queue at most ROUTER_QUEUE_TIMEOUT_S seconds, and at most
 # ROUTER_MAX_QUEUE of them, before a 429 with Retry-After.

@@ -103,6 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests that may wait for a decode slot; more are answered 429 at once "
         "(default: ROUTER_MAX_QUEUE or 1024)",
     )
+    parser.add_argument(
+        "--kv-token-weight", type=float, default=None, metavar="W",
+        help="kv-aware policy: cost per prompt token a worker would still compute "
+        "(default: ROUTER_KV_TOKEN_WEIGHT or 1)",
+    )
+    parser.add_argument(
+        "--kv-load-weight", type=float, default=None, metavar="W",
+        help="kv-aware policy: cost per request in flight on a worker, in prompt tokens "
+        "(default: ROUTER_KV_LOAD_WEIGHT or 64)",
+    )
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")
     return parser
 
@@ -121,6 +131,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                          "--decode-endpoint")
     if args.queue_timeout is not None and not 0 < args.queue_timeout <= 3600:
         parser.error("argument --queue-timeout: must be > 0 and <= 3600 seconds")
+    for flag in ("kv_token_weight", "kv_load_weight"):
+        value = getattr(args, flag)
+        if value is not None and not 0 <= value <= 1e9:
+            parser.error(f"argument --{flag.replace('_', '-')}: must be >= 0")
     if args.deployment is None and (not args.prefill_endpoint or not args.decode_endpoint):
         parser.error("--prefill-endpoint and --decode-endpoint are required (or --deployment NAME)")
     return args
@@ -146,6 +160,10 @@ def router_environment(args: argparse.Namespace) -> dict[str, str]:
         env["ROUTER_QUEUE_TIMEOUT_S"] = repr(args.queue_timeout)
     if getattr(args, "max_queue", None) is not None:
         env["ROUTER_MAX_QUEUE"] = str(args.max_queue)
+    if getattr(args, "kv_token_weight", None) is not None:
+        env["ROUTER_KV_TOKEN_WEIGHT"] = repr(args.kv_token_weight)
+    if getattr(args, "kv_load_weight", None) is not None:
+        env["ROUTER_KV_LOAD_WEIGHT"] = repr(args.kv_load_weight)
     return env
 
 

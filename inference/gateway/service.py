@@ -166,6 +166,8 @@ def build_service() -> RouterService:
         connect_timeout_s=connect_timeout,
         # The workers' internal endpoints (inference/server/app.py) check this header.
         headers={"X-Platform-Secret": secret} if secret else None,
+        kv_token_weight=float(settings.ROUTER_KV_TOKEN_WEIGHT),
+        kv_load_weight=float(settings.ROUTER_KV_LOAD_WEIGHT),
     )
     admission = Admission(
         pool,
