@@ -192,6 +192,9 @@ ROUTER_HEALTH_INTERVAL_S = env_float("ROUTER_HEALTH_INTERVAL_S", 2.0)
 # its requests in flight (a request in flight costs as much as computing that many prompt tokens).
 ROUTER_KV_TOKEN_WEIGHT = env_float("ROUTER_KV_TOKEN_WEIGHT", 1.0)
 ROUTER_KV_LOAD_WEIGHT = env_float("ROUTER_KV_LOAD_WEIGHT", 64.0)
+# Per-request disaggregation: a decode worker with at most this many prompt tokens left to compute (its
+# prefix cache holding the rest) prefills the prompt itself, without the hop; 0: always a prefill worker.
+ROUTER_LOCAL_PREFILL_TOKENS = env_int("ROUTER_LOCAL_PREFILL_TOKENS", 0, minimum=0)
 if ROUTER_KV_TOKEN_WEIGHT < 0 or ROUTER_KV_LOAD_WEIGHT < 0:
     raise ImproperlyConfigured("ROUTER_KV_TOKEN_WEIGHT and ROUTER_KV_LOAD_WEIGHT must be >= 0")
 # Admission (inference/router/admission.py): each decode worker is given its batch slots plus a

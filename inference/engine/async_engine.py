@@ -8,6 +8,7 @@ from collections.abc import AsyncGenerator, Callable
 
 import torch
 
+from .block_manager import block_hashes
 from .config import ModelConfig
 from .engine import LLMEngine
 from .sampling_params import SamplingParams
@@ -258,6 +259,17 @@ class AsyncEngine:
         """Blocks of a reserved request that were cached here already (takes the engine lock: call it
         off the event loop, like `reserve`)."""
         return self.engine.reserved_hits(request_id)
+
+    def cached_tokens(self, prompt_token_ids: list[int]) -> int:
+        """Tokens of the prompt whose KV this engine's prefix cache holds now (the blocks a request
+        admitted now would reuse; a moment later the cache may differ). Reads without the engine lock:
+        lookups of a dict the engine thread may change are atomic under the GIL."""
+        engine = self.engine
+        if not engine.scheduler.enable_prefix_caching:
+            return 0
+        size = engine.block_size
+        usable = max(len(prompt_token_ids) - 1, 0) // size * size
+        return len(engine.block_manager.lookup(block_hashes(prompt_token_ids[:usable], size))) * size
 
     def is_live(self, request_id: str) -> bool:
         """Whether the engine holds the request (queued, reserved, running or prefilled)."""

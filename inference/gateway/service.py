@@ -185,6 +185,7 @@ def build_service() -> RouterService:
         max_inflight=max_inflight or None,  # 0: bounded by the deployment's slots and the queue only
         max_migrations=int(settings.ROUTER_MAX_MIGRATIONS),
         stream_credit=int(settings.ROUTER_STREAM_CREDIT),
+        local_prefill_tokens=int(settings.ROUTER_LOCAL_PREFILL_TOKENS),
     )
     deployment = getattr(settings, "ROUTER_DEPLOYMENT", None)
     if deployment:

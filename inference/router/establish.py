@@ -115,6 +115,12 @@ class Establishment:
     async def _try(self, attempt: Attempt) -> TokenLine | DoneLine:
         descriptor = await self._open_decode(attempt)
         self.client.pool.record_success(attempt.decode)
+        if descriptor.descriptor.get("local") is True:
+            # The decode worker held nearly all of the prompt and prefilled it itself (pd_client's
+            # `local_prefill_tokens`): no prefill call, the first token comes on the stream.
+            self.client.metrics.prefill_where.labels("local").inc()
+            return await self._first_output(attempt)
+        self.client.metrics.prefill_where.labels("remote").inc()
         return await self._prefill_and_first_output(attempt, descriptor)
 
     def _go_on_after(self, decode: Endpoint, exc: LeaseExpired | BackendFailure | Busy) -> bool:

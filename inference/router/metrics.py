@@ -91,6 +91,9 @@ class RouterMetrics:
             "router_worker_failures", "Failed calls to each worker", ["role", "url"], registry=r)
         self.retries = Counter(
             "router_retries", "Requests retried on another worker before their first token", registry=r)
+        self.prefill_where = Counter(
+            "router_prefill_where", "Prompts prefilled on the decode worker itself (local) or by a prefill "
+            "worker (remote)", ["where"], registry=r)
         self.migrations = Counter(
             "router_migrations", "Streams moved to another decode worker after their first token", registry=r)
         self.inflight = Gauge("router_inflight", "Generations in flight in this router", registry=r)

@@ -87,6 +87,7 @@ class DisaggregatedClient:
         max_inflight: int | None = None,
         max_migrations: int = 2,
         stream_credit: int = 0,
+        local_prefill_tokens: int = 0,
     ) -> None:
         if max_inflight is not None and max_inflight < 1:
             raise ValueError("max_inflight must be >= 1 (or None for no limit)")
@@ -99,6 +100,11 @@ class DisaggregatedClient:
         self.max_inflight = max_inflight
         self.max_migrations = max_migrations
         self.stream_credit = stream_credit
+        if local_prefill_tokens < 0:
+            raise ValueError("local_prefill_tokens must be >= 0")
+        # Per-request disaggregation: a decode worker that would have at most this many prompt tokens
+        # left to compute (its prefix cache holds the rest) prefills the prompt itself; 0: always remote.
+        self.local_prefill_tokens = local_prefill_tokens
         # Acknowledge every half credit: a router that keeps up never stalls a stream.
         self.ack_every = max(1, stream_credit // 2)
         self.inflight = 0
@@ -144,7 +150,10 @@ class DisaggregatedClient:
 
     def encode_decode_body(self, req: GenerateRequest, request_id: str) -> bytes:
         """The JSON body of `POST /internal/decode` for one attempt at `req`."""
-        return orjson.dumps(req.decode_body(request_id))
+        body = req.decode_body(request_id)
+        if self.local_prefill_tokens:
+            body["local_prefill_max_tokens"] = self.local_prefill_tokens
+        return orjson.dumps(body)
 
     def remaining(self, deadline: float, bound: float | None = None) -> float:
         """Seconds left until `deadline` (at most `bound`), never negative."""

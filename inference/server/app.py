@@ -18,6 +18,7 @@ from inference.server import credit
 from inference.server.decode import DecodeWorker
 from inference.server.errors import WorkerError, bad_request
 from inference.server.kv_events import kv_events_handler
+from inference.server.local_prefill import open_local
 from inference.server.prefill import PrefillWorker
 from inference.server.worker import Worker
 
@@ -213,7 +214,10 @@ def _decode_routes(worker: DecodeWorker) -> list[Route]:
         else:
             body, stream_credit = await _credited_body(request, credit_header)
         server = request.scope.get("server") or ("127.0.0.1", 0)
-        events = await worker.open_decode(body, str(server[0]), stream_credit)
+        # A prompt this worker holds nearly all of, when the router offers it, is prefilled here.
+        events = await open_local(worker, body, stream_credit)
+        if events is None:
+            events = await worker.open_decode(body, str(server[0]), stream_credit)
 
         if stream_credit is not None:
             return credit.CreditedStreamResponse(events, stream_credit, media_type="application/x-ndjson")

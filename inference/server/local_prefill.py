@@ -1,0 +1,112 @@
+"""Per-request disaggregation, the decode worker's side: a prompt it can prefill itself, it does.
+
+The router may add `local_prefill_max_tokens: N` to `POST /internal/decode`. When this worker's
+prefix cache leaves at most N of the prompt's tokens to compute (a follow-up turn whose history it
+holds, a short prompt), the hop to a prefill worker costs more than the work: the worker runs the
+prompt in its own continuous batch (the engine runs colocated anyway) and answers a stream whose
+descriptor says `{"local": true}`, so the router skips the prefill call. Otherwise it reserves
+blocks and waits for the KV as always (decode.py). The lines are the wire's, as in decode_stream.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from inference.server.credit import StreamCredit
+from inference.server.errors import bad_request, overloaded
+from inference.server.requests import parse_sampling, prompt_token_ids
+from inference.wire.stream import descriptor_line, done_line, error_line, token_line
+
+if TYPE_CHECKING:
+    from inference.server.decode import DecodeWorker
+
+# The descriptor of a request prefilled on the decode worker itself: no KV to send.
+LOCAL_DESCRIPTOR: dict[str, Any] = {"local": True}
+# How long a local stream waits for the next engine output (or router credit) before giving up.
+OUTPUT_TIMEOUT_S = 120.0
+
+
+def local_limit(body: dict[str, Any]) -> int | None:
+    """The body's `local_prefill_max_tokens` (None: the router did not offer local prefill); 400 when bad."""
+    value = body.get("local_prefill_max_tokens")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise bad_request("'local_prefill_max_tokens' must be an integer >= 0")
+    return value
+
+
+async def open_local(
+    worker: DecodeWorker, body: dict[str, Any], credit: StreamCredit | None
+) -> AsyncIterator[bytes] | None:
+    """The local stream of a request this worker should prefill itself; None when the remote path it
+    is (no offer, or more uncached tokens than offered). Raises WorkerError (400/429) like open_decode."""
+    limit = local_limit(body)
+    if limit is None:
+        return None
+    ids = prompt_token_ids(body, worker.engine.tokenizer, worker.engine.config.vocab_size)
+    uncached = len(ids) - worker.engine.cached_tokens(ids)
+    if uncached > limit:
+        return None
+    request_id = str(body.get("request_id") or uuid.uuid4().hex)
+    worker.refuse_if_aborted(request_id)
+    params = parse_sampling(body.get("sampling"), worker.args.max_tokens_limit, worker.sampling_defaults)
+    worker.check_prompt_length(len(ids))
+    params = worker.clamp(params, len(ids))
+    if worker.engine.status().waiting >= worker.args.max_queue:
+        worker.metrics.outcome("rejected")
+        raise overloaded(f"decode queue is full ({worker.args.max_queue} waiting); retry later")
+    worker.metrics.prompt_tokens.inc(len(ids))
+    return _lines(worker, request_id, ids, params, credit, time.perf_counter())
+
+
+async def _lines(worker: DecodeWorker, request_id: str, ids: list[int], params: Any, credit: StreamCredit | None,
+                 received_at: float) -> AsyncIterator[bytes]:
+    """Descriptor (local), token lines within the router's credit, done; however it ends, the
+    outcome is counted and an unfinished request aborted."""
+    metrics = worker.metrics
+    outcome, finished, sent, last_at = "aborted", False, 0, None
+    try:
+        yield descriptor_line(LOCAL_DESCRIPTOR, ids, params.to_dict())
+        async for out in worker.engine.generate(request_id, ids, params):
+            if credit is not None and not credit.allows(sent):
+                async with asyncio.timeout(OUTPUT_TIMEOUT_S):
+                    await credit.wait(sent)
+            n = len(out.new_token_ids)
+            if n:
+                now = time.perf_counter()
+                if last_at is None:
+                    metrics.ttft.observe(now - received_at)
+                    worker.signals.observe("ttft", now - received_at)
+                else:
+                    metrics.itl.observe((now - last_at) / n)
+                    worker.signals.observe("itl", (now - last_at) / n)
+                last_at = now
+                sent += n
+                metrics.generation_tokens.inc(n)
+                yield token_line(out.new_token_ids, out.new_text)
+            elif out.new_text:
+                yield token_line([], out.new_text)
+            if out.finished:
+                finished = True
+                if out.finish_reason in ("abort", "error"):
+                    outcome = "aborted" if out.finish_reason == "abort" else "error"
+                    yield error_line(f"request ended: {out.finish_reason}")
+                    return
+                outcome = "ok"
+                metrics.e2e.observe(time.perf_counter() - received_at)
+                yield done_line(str(out.finish_reason), {"prompt_tokens": len(ids), "completion_tokens": sent},
+                                {"local_prefill": True, "decode_s": round(time.perf_counter() - received_at, 6)})
+                return
+        outcome = "error"
+        yield error_line("engine stream ended without finishing")
+    except TimeoutError:
+        outcome = "error"
+        yield error_line(f"no credit from the router for {OUTPUT_TIMEOUT_S:.0f}s")
+    finally:
+        metrics.outcome(outcome)
+        if not finished:
+            await asyncio.shield(worker.in_background(worker.abort(request_id)))
