@@ -1,0 +1,151 @@
+"""Structured output: the grammar a request's tokens must follow, and its matcher state per sequence.
+
+A request's `SamplingParams.grammar` (the wire's form: `{"type": "json_schema", "schema": {...}}`,
+`{"type": "json_object"}`, `{"type": "regex", "pattern": "..."}` or `{"type": "choice", "choices":
+[...]}`; its grammar text: inference/wire/grammar.py) is compiled by llguidance (the grammar library
+chosen by `bench/structured_cost.py`: no per-schema compile step, the smallest install, full JSON
+Schema) into a matcher per sequence. Each
+sampling step the matcher takes the sequence's generated tokens it has not seen yet, then writes the
+bitmask of the tokens allowed next; the sampler sets the others to -inf. Only constrained rows pay,
+and the masks of all of them are computed in one call that releases the GIL (llguidance's executor).
+
+The matcher follows the tokens, never the other way round: a decode worker's fresh matcher takes the
+first token the prefill worker sampled on its first step, and a migrated stream (whose new prompt ends
+with the `seed_offset` tokens already generated) replays those into a fresh matcher, so grammar state
+is never sent across the hop. Once the grammar is complete only EOS is allowed; a matcher in error
+(a token the grammar refuses, which cannot happen under its own mask) also allows only EOS.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from inference.wire.grammar import GrammarError, check_grammar
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from .logits_processors import TokenHistory
+    from .sampling_params import SamplingParams
+    from .tokenizer import Tokenizer
+
+class GrammarState:
+    """One sequence's matcher and how many of its generated tokens it has taken."""
+
+    __slots__ = ("compiler", "consumed", "matcher")
+
+    def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler) -> None:
+        self.matcher = matcher
+        self.compiler = compiler
+        self.consumed = 0
+
+    def catch_up(self, generated: Sequence[int]) -> None:
+        """Feed the matcher the tokens of `generated` it has not taken (one per step; the whole list
+        for a fresh matcher on a decode worker or after a migration)."""
+        if len(generated) > self.consumed:
+            # A refused token puts the matcher in its error state, which `fill` treats as "EOS only".
+            self.matcher.consume_tokens(list(generated[self.consumed:]))
+            self.consumed = len(generated)
+
+
+class GrammarCompiler:
+    """Grammars for one engine's tokenizer: its llguidance tokenizer (built on first use, about a second
+    for a 49k vocabulary), compiled grammar texts by spec, and a mask executor."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = [int(t) for t in eos_token_ids]
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._executor: llguidance.LLExecutor | None = None
+        self._sources: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def _ll(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance
+                import llguidance.hf
+
+                if self._tokenizer is None:
+                    raise GrammarError("structured output needs the model's tokenizer")
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self._tokenizer.hf, n_vocab=self.vocab_size, eos_token=self._eos or None
+                )
+                # One thread: the engine already uses the cores; the call still releases the GIL.
+                self._executor = llguidance.LLExecutor(num_threads=1)
+            return self._ll_tokenizer
+
+    def compile(self, spec: Mapping[str, Any]) -> str:
+        """The checked grammar text of `spec` (cached by spec); GrammarError when invalid. Builds the
+        tokenizer too, so the first constrained request pays that in the caller's thread, before it
+        joins a batch."""
+        key = json.dumps(spec, sort_keys=True)
+        source = self._sources.get(key)
+        if source is None:
+            source = check_grammar(spec)
+            if len(self._sources) > 256:  # bounded: many distinct schemas must not grow memory forever
+                self._sources.clear()
+            self._sources[key] = source
+        self._ll()
+        return source
+
+    def new_state(self, spec: Mapping[str, Any]) -> GrammarState:
+        """A fresh matcher for `spec`; GrammarError when it cannot be built for this tokenizer."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._ll(), self.compile(spec), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return GrammarState(matcher, self)
+
+    def fill_masks(self, states: Sequence[GrammarState]) -> torch.Tensor:
+        """`[len(states), vocab]` bool: the tokens each matcher allows next (EOS only for a matcher
+        that is complete or in error)."""
+        self._ll()
+        assert self._executor is not None
+        words = (self.vocab_size + 31) // 32
+        bits = np.zeros((len(states), words), dtype=np.int32)
+        live = [(s.matcher, i) for i, s in enumerate(states) if not s.matcher.is_error()]
+        if live:
+            self._executor.unsafe_compute_mask_ptr(live, bits.ctypes.data, words * 4, len(states))
+        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]
+        mask = torch.from_numpy(allowed.astype(np.bool_, copy=False))
+        for i, s in enumerate(states):
+            if s.matcher.is_error() or not mask[i].any():
+                mask[i].zero_()
+                mask[i, self._eos] = True
+        return mask
+
+
+def apply_grammars(
+    x: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory]
+) -> None:
+    """Set to -inf, in place, the logits of `x` `[rows, vocab]` that a constrained row's grammar forbids
+    now (rows without a grammar are left alone). The histories of constrained rows carry their
+    `grammar_state` (set by the engine at admission)."""
+    from .logits_processors import generated_ids
+
+    rows = [i for i, p in enumerate(params) if p.grammar is not None]
+    if not rows:
+        return
+    states: list[GrammarState] = []
+    for i in rows:
+        state = getattr(histories[i], "grammar_state", None)
+        if state is None:
+            raise RuntimeError("a constrained request reached the sampler without its grammar state")
+        state.catch_up(generated_ids(histories[i], params[i]))
+        states.append(state)
+    mask = states[0].compiler.fill_masks(states).to(x.device)
+    width = min(mask.shape[1], x.shape[1])
+    index = torch.tensor(rows, device=x.device)
+    sub = x.index_select(0, index)
+    sub[:, :width].masked_fill_(~mask[:, :width], float("-inf"))
+    if x.shape[1] > width:
+        sub[:, width:] = float("-inf")
+    x.index_copy_(0, index, sub)
