@@ -26,6 +26,7 @@ from inference.gateway.client_link import client_gone_probe
 from inference.gateway.service import RouterService, get_router
 from inference.gateway.tenancy import Tenant, TenantRequest
 from inference.router import RouterError
+from inference.router.choices import generate_choices
 from inference.router.events import ErrorEvent, Event
 from inference.router.metrics import CONTENT_TYPE
 from inference.router.protocol import PARSERS, SSE_DONE, Kind, SseFormatter, collect, final_body
@@ -238,7 +239,7 @@ class GenerationConsumer(GatewayConsumer):
             if self.kind != "generate":  # the seed's /generate ignores `model`; OpenAI clients rely on it
                 service.check_model(parsed.model)
             model = parsed.model or service.model_hint() or "unknown"
-            events = service.client.generate(parsed.request, self.arrived)
+            events = generate_choices(service.client, parsed.request, parsed.choices.n, self.arrived)
             if not parsed.stream:
                 async with aclosing(events):
                     result = await collect(events)

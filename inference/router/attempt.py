@@ -29,6 +29,8 @@ class Attempt:
     decode_untouched: bool = False
     # Tokens of this attempt's stream handed to the client (what a credited stream acknowledges).
     relayed: int = 0
+    # Whether the prefill answer's first-token log-probabilities went to the client already.
+    first_logprobs_taken: bool = False
 
     def abort_urls(self) -> list[str]:
         """The workers that may hold something for this attempt."""

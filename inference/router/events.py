@@ -5,6 +5,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from inference.wire.logprobs import Logprob
 from inference.wire.sampling import Sampling
 
 
@@ -44,11 +45,16 @@ class GenerateRequest:
 
 @dataclass(slots=True)
 class TokenEvent:
-    """New output: the text delta and the token ids it came from."""
+    """New output: the text delta and the token ids it came from; when the request asked, the
+    tokens' log-probabilities (one per id; None where no worker reported one) and, on a stream's
+    first event, the prompt's (echo). `index`: the choice it belongs to (n > 1)."""
 
     text: str
     token_ids: list[int]
     type: Literal["token"] = "token"
+    logprobs: list[Logprob | None] | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
+    index: int = 0
 
 
 @dataclass(slots=True)
@@ -66,6 +72,9 @@ class DoneEvent:
     # Times the stream moved to another decode worker after its first token (a worker failed).
     migrations: int = 0
     type: Literal["done"] = "done"
+    index: int = 0
+    # n > 1: the one final event holds every choice's own (usage summed, the prompt counted once).
+    choices: list[DoneEvent] | None = None
 
 
 @dataclass(slots=True)

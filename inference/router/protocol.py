@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import orjson
 
+from inference.router.choices_format import ChoiceFields, ChoicesStream, choices_body, parse_choice_fields
 from inference.router.errors import RouterError
 from inference.router.events import DoneEvent, ErrorEvent, Event, GenerateRequest, TokenEvent
 from inference.wire.sampling import RULES, Sampling, SamplingError
@@ -106,6 +107,8 @@ class ParsedRequest:
     include_usage: bool = False
     model: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    # n, logprobs, echo (choices_format.py; the plain answer when none is used).
+    choices: ChoiceFields = field(default_factory=ChoiceFields)
 
 
 def _require_object(data: Any) -> dict[str, Any]:
@@ -166,16 +169,6 @@ def parse_generate(data: Any) -> ParsedRequest:
 
 def _check_unsupported(data: dict[str, Any]) -> None:
     """Refuse OpenAI options this server cannot honour, instead of silently ignoring them."""
-    n = data.get("n")
-    if n is not None and n != 1:
-        raise bad_request("'n' must be 1: one completion per request is supported")
-    best_of = data.get("best_of")
-    if best_of is not None and best_of != 1:
-        raise bad_request("'best_of' is not supported")
-    if data.get("echo"):
-        raise bad_request("'echo' is not supported")
-    if data.get("logprobs") not in (None, False) or data.get("top_logprobs") is not None:
-        raise bad_request("'logprobs' is not supported")
     if data.get("suffix"):
         raise bad_request("'suffix' is not supported")
     if data.get("tools") or data.get("functions"):
@@ -213,12 +206,14 @@ def parse_completion(data: Any) -> ParsedRequest:
     else:
         raise bad_request("'prompt' must be a non-empty string or list of token ids (one prompt)")
     stream = _get_bool(data, "stream")
+    sampling = parse_sampling(data)
     return ParsedRequest(
         kind="completion",
-        request=GenerateRequest(sampling=parse_sampling(data), prompt=text, input_ids=input_ids),
+        request=GenerateRequest(sampling=sampling, prompt=text, input_ids=input_ids),
         stream=stream,
         include_usage=_stream_options(data, stream),
         model=_get_model(data),
+        choices=parse_choice_fields(data, "completion", sampling, prompt_is_text=text is not None),
     )
 
 
@@ -251,12 +246,14 @@ def parse_chat(data: Any) -> ParsedRequest:
         normalized.append({"role": message["role"], "content": _message_text(message.get("content"), index)})
     field_name = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
     stream = _get_bool(data, "stream")
+    sampling = parse_sampling(data, field_name)
     return ParsedRequest(
         kind="chat",
-        request=GenerateRequest(sampling=parse_sampling(data, field_name), messages=normalized),
+        request=GenerateRequest(sampling=sampling, messages=normalized),
         stream=stream,
         include_usage=_stream_options(data, stream),
         model=_get_model(data),
+        choices=parse_choice_fields(data, "chat", sampling),
     )
 
 
@@ -309,18 +306,21 @@ class Collected:
     text: str
     token_ids: list[int]
     done: DoneEvent
+    events: list[TokenEvent] = field(default_factory=list)  # every token event (n, logprobs, echo)
 
 
 async def collect(events: AsyncIterator[Event]) -> Collected:
     """Run a generation to its end; an error after the first token raises RouterError."""
     parts: list[str] = []
     token_ids: list[int] = []
+    token_events: list[TokenEvent] = []
     async for event in events:
         if isinstance(event, TokenEvent):
             parts.append(event.text)
             token_ids.extend(event.token_ids)
+            token_events.append(event)
         elif isinstance(event, DoneEvent):
-            return Collected("".join(parts), token_ids, event)
+            return Collected("".join(parts), token_ids, event, token_events)
         elif isinstance(event, ErrorEvent):
             raise RouterError(event.status, event.message)
     raise RouterError(502, "the generation ended without a result")
@@ -347,7 +347,10 @@ def final_body(parsed: ParsedRequest, result: Collected, model: str) -> dict[str
     if parsed.kind == "generate":
         return {"text": result.text, "tokens": result.token_ids, **done_fields(done)}
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": done.finish_reason}
-    if parsed.kind == "chat":
+    choices = [choice]
+    if parsed.choices.rich and parsed.kind != "generate":
+        choices = choices_body(parsed.kind, parsed.choices, parsed.request.prompt, result.events, done)
+    elif parsed.kind == "chat":
         choice["message"] = {"role": "assistant", "content": result.text}
     else:
         choice["text"] = result.text
@@ -356,7 +359,7 @@ def final_body(parsed: ParsedRequest, result: Collected, model: str) -> dict[str
         "object": "chat.completion" if parsed.kind == "chat" else "text_completion",
         "created": parsed.created,
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": done.usage,
     }
 
@@ -394,6 +397,10 @@ class SseFormatter:
     def __init__(self, parsed: ParsedRequest, model: str) -> None:
         self.parsed = parsed
         self.model = model
+        self._choices: ChoicesStream | None = None
+        if parsed.kind != "generate" and parsed.choices.rich:
+            self._choices = ChoicesStream(parsed.kind, _head(parsed, model), parsed.choices, parsed.request.prompt,
+                                          parsed.include_usage)
         self._prefix = b""
         self._close_text = b""
         self._suffix = b""
@@ -412,12 +419,16 @@ class SseFormatter:
 
     def preamble(self) -> bytes:
         """What the stream starts with before its first token: the assistant role chunk for chat."""
+        if self._choices is not None:
+            return self._choices.preamble()
         if self.parsed.kind == "chat":
             return sse(_chunk(self.parsed, self.model, {"role": "assistant", "content": ""}, None, None))
         return b""
 
     def event(self, event: Event) -> tuple[bytes, bool]:
         """The bytes for `event`, and whether it ends the stream (see `sse_event`)."""
+        if self._choices is not None:
+            return self._choices.event(event)
         if type(event) is not TokenEvent:
             return sse_event(self.parsed, event, self.model)
         text = line_safe_json(orjson.dumps(event.text))
@@ -452,6 +463,16 @@ def _chunk(
     if parsed.include_usage:
         chunk["usage"] = None
     return chunk
+
+
+def _head(parsed: ParsedRequest, model: str) -> dict[str, Any]:
+    """The fields every chunk of an OpenAI stream repeats."""
+    return {
+        "id": _openai_id(parsed),
+        "object": "chat.completion.chunk" if parsed.kind == "chat" else "text_completion",
+        "created": parsed.created,
+        "model": model,
+    }
 
 
 def _usage_chunk(parsed: ParsedRequest, model: str, usage: dict[str, int]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from inference.router.events import DoneEvent, ErrorEvent, Event, GenerateReques
 from inference.router.failures import TRANSPORT_ERRORS
 from inference.router.health import describe_exception
 from inference.router.migration import resumed_request
+from inference.wire.logprobs import Logprob
 from inference.wire.stream import DecodeLine, DoneLine, ErrorLine, TokenLine
 
 if TYPE_CHECKING:
@@ -49,6 +50,11 @@ class RequestRun:
         self.retries = 0  # attempts that failed before the first token
         self.first_at = arrived
         self.last_at = arrived
+        # Log-probabilities asked for: each token's (the first token of every attempt is the prefill
+        # worker's, from its answer), and the prompt's once (echo), from the first attempt's answer.
+        sampling = req.sampling
+        self.wants_logprobs = sampling.logprobs is not None
+        self.prompt_logprobs_due = sampling.prompt_logprobs is not None
 
     async def establish(self) -> tuple[Attempt, TokenLine | DoneLine]:
         """The first attempt that produced a first token (or done) line."""
@@ -57,6 +63,7 @@ class RequestRun:
         self.first_at = self.last_at = time.monotonic()
         self.retries = establishment.attempts - 1
         self.prompt_ids = list(attempt.prompt_ids)
+        await self.answer_in(attempt)
         metrics = self.client.metrics
         metrics.ttft.observe(self.first_at - self.arrived)
         if self.retries:
@@ -86,16 +93,23 @@ class RequestRun:
                 following: DecodeLine | None = None
                 if type(line) is TokenLine:
                     ids, text = line.token_ids, line.text
+                    positions = self.positions(attempt, line) if self.wants_logprobs else None
                     while (following := stream.ready()) is not None and type(following) is TokenLine:
                         ids = ids + following.token_ids
                         text += following.text
+                        if positions is not None:
+                            positions = positions + self.positions(attempt, following)
                     if ids:
                         now = time.monotonic()
                         if emitted:
                             metrics.itl.observe((now - self.last_at) / len(ids))
                         self.last_at = now
                         emitted.extend(ids)
-                    yield TokenEvent(text=text, token_ids=ids)
+                    if positions is None and not self.prompt_logprobs_due:
+                        yield TokenEvent(text=text, token_ids=ids)
+                    else:
+                        yield TokenEvent(text=text, token_ids=ids, logprobs=positions,
+                                         prompt_logprobs=self.take_prompt_logprobs(attempt))
                     attempt.relayed += len(ids)
                     response = attempt.response
                     if response is not None and attempt.relayed - response.acked >= ack_every:
@@ -124,6 +138,33 @@ class RequestRun:
                 await client.finish(attempt, abort=not finished)
             finally:
                 client.inflight -= 1
+
+    async def answer_in(self, attempt: Attempt) -> None:
+        """With log-probabilities asked for, wait (bounded) for the attempt's prefill answer: the first
+        token's (and the prompt's) come with it, and it may trail the first token by a moment."""
+        if (self.wants_logprobs or self.prompt_logprobs_due) and attempt.pending_answer is not None:
+            await asyncio.wait({attempt.pending_answer}, timeout=PREFILL_ANSWER_WAIT_S)
+
+    @staticmethod
+    def positions(attempt: Attempt, line: TokenLine) -> list[Logprob | None]:
+        """One position per token of `line`: the decode worker's, and in front of them, for the
+        attempt's first token (sampled by the prefill worker, which the decode worker never saw the
+        logits of), the prefill answer's. None for a token no worker reported."""
+        got: list[Logprob | None] = list(line.logprobs or ())
+        missing = len(line.token_ids) - len(got)
+        if missing > 0 and not attempt.first_logprobs_taken:
+            attempt.first_logprobs_taken = True
+            got.insert(0, attempt.prefill_answer.first_logprobs)
+            missing -= 1
+        unknown: list[Logprob | None] = [None] * missing
+        return unknown + got if missing > 0 else got
+
+    def take_prompt_logprobs(self, attempt: Attempt) -> list[Logprob | None] | None:
+        """The prompt's log-probabilities, on the stream's first event only."""
+        if not self.prompt_logprobs_due:
+            return None
+        self.prompt_logprobs_due = False
+        return attempt.prefill_answer.prompt_logprobs
 
     @staticmethod
     def _error_of(attempt: Attempt, line: DecodeLine) -> ErrorEvent | None:
@@ -183,6 +224,7 @@ class RequestRun:
                               status=failure.status)
         client.metrics.migrations.inc()
         self.migrations += 1
+        await self.answer_in(moved[0])
         return moved
 
     async def done_event(self, attempt: Attempt, line: DoneLine) -> DoneEvent:

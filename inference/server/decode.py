@@ -20,6 +20,7 @@ from inference.server.core import WorkerCore
 from inference.server.credit import StreamCredit
 from inference.server.decode_stream import DecodeStream, Event, KVWaiter
 from inference.server.errors import StartupError, bad_request, overloaded
+from inference.server.logprobs import LogprobRenderer
 from inference.server.requests import parse_sampling, prompt_token_ids
 from inference.server.transport import build_receiver
 
@@ -36,6 +37,7 @@ class DecodeWorker(WorkerCore):
         super().__init__(args)
         self._kv_waiters: dict[str, KVWaiter] = {}
         self.receiver = build_receiver(args, self.engine, self.layout, self._on_kv_received, self.rdma_device)
+        self.logprob_texts = LogprobRenderer(self.engine.tokenizer)
 
     def start(self) -> None:
         """Open the KV port."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from inference.engine import RequestOutput
 from inference.kv_transfer import TransferDescriptor, TransferStats
 from inference.server.credit import StreamCredit
+from inference.wire.logprobs import encode_positions
 from inference.wire.stream import descriptor_line, done_line, error_line, token_line
 
 if TYPE_CHECKING:
@@ -140,7 +141,10 @@ class DecodeStream:
         self.last_token_at = now
         self.completion_tokens += n
         metrics.generation_tokens.inc(n)
-        return token_line(out.new_token_ids, out.new_text)
+        logprobs = None
+        if out.logprobs:
+            logprobs = encode_positions(self.worker.logprob_texts.positions(out.logprobs))  # type: ignore[arg-type]
+        return token_line(out.new_token_ids, out.new_text, logprobs)
 
     def _final_line(self, out: RequestOutput) -> Event:
         """The last line of a finished request: `done` with usage and timings, or the error."""

@@ -23,8 +23,10 @@ from inference.server.abortable import AbortableTasks
 from inference.server.args import ServerArgs
 from inference.server.core import WorkerCore
 from inference.server.errors import StartupError, WorkerError, bad_request
+from inference.server.logprobs import LogprobRenderer
 from inference.server.requests import parse_sampling, parse_token_ids
 from inference.server.transport import build_sender
+from inference.wire.logprobs import Logprob
 from inference.wire.prefill import PrefillAnswer
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,9 @@ class PrefillRun:
     first_token: int = 0
     block_ids: tuple[int, ...] = ()
     prefill_s: float = 0.0
+    # When the request asked: the first token's log-probabilities and the prompt's (echo).
+    first_logprobs: Logprob | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 class PrefillWorker(WorkerCore):
@@ -74,6 +79,7 @@ class PrefillWorker(WorkerCore):
         # Prefills in progress by request id, so that /internal/abort can cancel them.
         self._prefill_tasks: AbortableTasks[dict[str, Any]] = AbortableTasks()
         self.fault_prefill_delay_s = fault_prefill_delay_s()
+        self.logprob_texts = LogprobRenderer(self.engine.tokenizer)
         if self.fault_prefill_delay_s:
             logger.warning(
                 "fault injection active: every KV send waits %.1fs first (%s; tests only)",
@@ -163,7 +169,8 @@ class PrefillWorker(WorkerCore):
         self.metrics.kv_transfer_seconds.observe(stats.seconds)
         self.metrics.e2e.observe(time.perf_counter() - run.started)
         self.metrics.outcome("ok")
-        answer = PrefillAnswer(run.first_token, stats.nbytes, round(run.prefill_s, 6), round(stats.seconds, 6))
+        answer = PrefillAnswer(run.first_token, stats.nbytes, round(run.prefill_s, 6), round(stats.seconds, 6),
+                               run.first_logprobs, run.prompt_logprobs)
         return answer.to_json()
 
     def _stage(self, run: PrefillRun) -> str:
@@ -210,6 +217,10 @@ class PrefillWorker(WorkerCore):
             async for out in outputs:
                 if out.new_token_ids:
                     first_token = out.new_token_ids[0]
+                if out.logprobs:
+                    run.first_logprobs = self.logprob_texts.position(out.logprobs[0])
+                if out.prompt_logprobs is not None:
+                    run.prompt_logprobs = self.logprob_texts.prompt(out.prompt_logprobs, run.prompt_token_ids)
                 if out.finished:
                     if out.finish_reason != "prefilled":
                         raise WorkerError(500, f"prefill ended with {out.finish_reason}", "engine_error")

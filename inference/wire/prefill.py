@@ -2,7 +2,8 @@
 
 The router sends the decode worker's descriptor (reused as is by every retry on another prefill
 worker), the prompt's token ids and the parameters the decode worker resolved; the prefill worker
-answers once the decode worker acknowledged the KV, with the first token and its timings.
+answers once the decode worker acknowledged the KV, with the first token and its timings, and,
+when the request asked, the first token's log-probabilities and the prompt's (`wire.logprobs`).
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
+from inference.wire.logprobs import Logprob, LogprobsError, decode_positions, decode_prompt, encode_positions
 
 
 @dataclass(slots=True)
@@ -39,6 +42,8 @@ class PrefillAnswer:
     kv_bytes: int | None = None
     prefill_s: float | None = None
     transfer_s: float | None = None
+    first_logprobs: Logprob | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
 
     @classmethod
     def decode(cls, raw: bytes) -> PrefillAnswer:
@@ -50,14 +55,26 @@ class PrefillAnswer:
         if not isinstance(obj, dict):
             raise ValueError("prefill answer is not a JSON object")
         first, kv_bytes = obj.get("first_token"), obj.get("kv_bytes")
+        try:
+            first_lp = decode_positions(obj["first_logprobs"]) if obj.get("first_logprobs") else None
+            prompt_lp = decode_prompt(obj["prompt_logprobs"]) if obj.get("prompt_logprobs") is not None else None
+        except LogprobsError as exc:
+            raise ValueError(f"prefill answer: {exc}") from None
         return cls(
             first_token=first if isinstance(first, int) and not isinstance(first, bool) else None,
             kv_bytes=kv_bytes if isinstance(kv_bytes, int) and not isinstance(kv_bytes, bool) else None,
             prefill_s=_number(obj.get("prefill_s")),
             transfer_s=_number(obj.get("transfer_s")),
+            first_logprobs=first_lp[0] if first_lp else None,
+            prompt_logprobs=prompt_lp,
         )
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object a prefill worker answers with."""
-        return {"first_token": self.first_token, "kv_bytes": self.kv_bytes, "prefill_s": self.prefill_s,
-                "transfer_s": self.transfer_s}
+        out: dict[str, Any] = {"first_token": self.first_token, "kv_bytes": self.kv_bytes,
+                               "prefill_s": self.prefill_s, "transfer_s": self.transfer_s}
+        if self.first_logprobs is not None:
+            out["first_logprobs"] = [self.first_logprobs.to_json()]
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = encode_positions(self.prompt_logprobs)
+        return out

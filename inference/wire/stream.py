@@ -1,12 +1,14 @@
 """The decode stream: the NDJSON lines a decode worker answers `POST /internal/decode` with.
 
     {"type": "descriptor", "descriptor": {...}, "prompt_token_ids": [...], "sampling": {...}}   first
-    {"type": "token", "token_ids": [...], "text": "..."}                                        per output
+    {"type": "token", "token_ids": [...], "text": "..."[, "logprobs": [...]]}                   per output
     {"type": "done", "finish_reason": "...", "usage": {...}, "timings": {...}}                  last
     {"type": "error", "message": "..."[, "reason": "kv_timeout", "silent_s": ..., ...]}         or last
 
 Workers encode with the `*_line` functions; the router decodes with `decode_line`, which gives a
-typed line (`TokenLine` ... `ErrorLine`) or raises `WireError`; a line type it does not know (a
+typed line (`TokenLine` ... `ErrorLine`) or raises `WireError`; a token line's `logprobs` (only
+when the request asked, one position per token id; `inference.wire.logprobs`) stay raw JSON until
+the router shapes them; a line type it does not know (a
 newer worker's) is `OtherLine`, skipped by the router. A token line is the per-token path: its
 decoding is one orjson parse, two checks and one small object (bench/router_ab.py).
 """
@@ -16,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+from inference.wire.logprobs import Logprob, LogprobsError, decode_positions
 
 
 class WireError(ValueError):
@@ -34,10 +38,13 @@ class DescriptorLine:
 
 @dataclass(slots=True)
 class TokenLine:
-    """New output: token ids and the text they complete (either may be empty)."""
+    """New output: token ids and the text they complete (either may be empty), and the tokens'
+    log-probabilities when the request asked (`wire.logprobs` positions, one per token id; a worker
+    that did not compute one, the decode worker for a prefill-sampled first token, sends none)."""
 
     token_ids: list[int]
     text: str
+    logprobs: list[Logprob] | None = None
 
 
 @dataclass(slots=True)
@@ -97,7 +104,13 @@ def decode_line(raw: bytes) -> DecodeLine:
         ids, text = obj.get("token_ids", []), obj.get("text")
         if not (type(ids) is list and len(ids) == 1 and type(ids[0]) is int):  # the usual line: one token
             ids = _ids(ids)
-        return TokenLine(ids, text if type(text) is str else "")
+        logprobs = obj.get("logprobs")
+        if logprobs is not None:
+            try:
+                logprobs = decode_positions(logprobs)
+            except LogprobsError as exc:
+                raise WireError(str(exc)) from None
+        return TokenLine(ids, text if type(text) is str else "", logprobs)
     if kind == "done":
         return DoneLine(str(obj.get("finish_reason") or "stop"), _object(obj.get("usage")), _object(obj.get("timings")))
     if kind == "error":
@@ -125,9 +138,12 @@ def descriptor_line(descriptor: dict[str, Any], prompt_token_ids: list[int], sam
                   "sampling": sampling})
 
 
-def token_line(token_ids: list[int], text: str) -> bytes:
-    """One output's line."""
-    return b'{"type":"token","token_ids":' + orjson.dumps(token_ids) + b',"text":' + orjson.dumps(text) + b"}\n"
+def token_line(token_ids: list[int], text: str, logprobs: list[Any] | None = None) -> bytes:
+    """One output's line (`logprobs`: the positions' JSON, `wire.logprobs.encode_positions`)."""
+    line = b'{"type":"token","token_ids":' + orjson.dumps(token_ids) + b',"text":' + orjson.dumps(text)
+    if logprobs is not None:
+        line += b',"logprobs":' + orjson.dumps(logprobs)
+    return line + b"}\n"
 
 
 def done_line(finish_reason: str, usage: dict[str, Any], timings: dict[str, Any]) -> bytes:

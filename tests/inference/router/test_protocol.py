@@ -74,8 +74,8 @@ def test_completion_prompt_forms() -> None:
     assert parse_completion({"prompt": [1, 2]}).request.input_ids == [1, 2]
     assert parse_completion({"prompt": [[1, 2]]}).request.input_ids == [1, 2]
     assert "prompt" in bad(parse_completion, {"prompt": ["a", "b"]})
-    assert "'n'" in bad(parse_completion, {"prompt": "a", "n": 2})
-    assert "echo" in bad(parse_completion, {"prompt": "a", "echo": True})
+    assert "'n'" in bad(parse_completion, {"prompt": "a", "n": 17})  # n and echo: test_protocol_logprobs.py
+    assert "echo" in bad(parse_completion, {"prompt": "a", "echo": 1})
     assert "stream_options" in bad(parse_completion, {"prompt": "a", "stream_options": {"include_usage": True}})
     parsed = parse_completion({"prompt": "a", "stream": True, "stream_options": {"include_usage": True},
                                "model": "m", "user": "ignored"})

@@ -1,0 +1,171 @@
+"""logprobs, echo and n > 1 end to end with the official `openai` client: router + prefill + decode
+worker, real processes, on the disaggregated path (the first token and the prompt's log-probabilities
+come from the prefill worker, the rest from the decode worker). Streamed and not; the numbers equal
+the colocated fp32 engine's."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from inference.engine import LLMEngine, SamplingParams
+from inference.engine.logprobs import TokenLogprobs
+from tests.support.processes import start_router, start_worker
+
+pytestmark = pytest.mark.django_db(transaction=False, databases=[])
+CONTEXT = 256
+PROMPT = "Disaggregated inference separates prefill from decode so that"
+TOL = 1e-4
+MODEL = "tiny-llama"  # the checkpoint folder's name, as the workers report it
+CHAT = [{"role": "user", "content": "Say something about prefill and decode."}]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path, log_dir: Path):
+    """One prefill, one decode and a router, all real processes, in fp32."""
+    procs = []
+    try:
+        common = ["--context-length", str(CONTEXT), "--block-size", "8", "--dtype", "float32"]
+        prefill, prefill_url = start_worker("prefill", tiny_model_dir, log_dir, extra=common)
+        procs.append(prefill)
+        decode, decode_url = start_worker("decode", tiny_model_dir, log_dir,
+                                          extra=[*common, "--max-sequence-length", str(CONTEXT)])
+        procs.append(decode)
+        router, router_url = start_router([prefill_url], [decode_url], log_dir)
+        procs.append(router)
+        yield router_url, decode_url
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster: tuple[str, str]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> LLMEngine:
+    """The same checkpoint colocated in this process, fp32."""
+    return LLMEngine(str(tiny_model_dir), block_size=8, max_model_len=CONTEXT)
+
+
+def reference(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[list[int], list[TokenLogprobs],
+                                                                                       list[TokenLogprobs | None]]:
+    """The colocated engine's tokens, their log-probabilities and the prompt's."""
+    engine.add_request("ref", prompt, params)
+    tokens: list[int] = []
+    entries: list[TokenLogprobs] = []
+    prompt_lps: list[TokenLogprobs | None] = []
+    for _ in range(1000):
+        for out in engine.step():
+            tokens += out.new_token_ids
+            entries += out.logprobs or []
+            prompt_lps += out.prompt_logprobs or []
+        if not engine.has_work():
+            return tokens, entries, prompt_lps
+    raise AssertionError("the reference run did not finish")
+
+
+def test_completion_logprobs_and_echo_equal_the_engine_streamed_and_not(client: openai.OpenAI,
+                                                                        engine: LLMEngine) -> None:
+    assert engine.tokenizer is not None
+    prompt = engine.tokenizer.encode(PROMPT)
+    tokens, entries, prompt_lps = reference(engine, prompt, SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=3))
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3,
+                                      echo=True, extra_body={"ignore_eos": True})
+    choice = whole.choices[0]
+    assert choice.text.startswith(PROMPT) and choice.logprobs is not None
+    lp = choice.logprobs
+    assert lp.token_logprobs is not None and lp.top_logprobs is not None and lp.tokens is not None
+    assert len(lp.tokens) == len(prompt) + 8
+    assert lp.token_logprobs[0] is None  # nothing predicts the first prompt token
+    expected = [e.logprob for e in prompt_lps if e is not None] + [e.logprob for e in entries]
+    got = lp.token_logprobs[1:]
+    assert all(abs(g - x) < TOL for g, x in zip(got, expected, strict=True)), (got, expected)
+    # The first generated token's (sampled by the prefill worker) is there, with its top 3.
+    first = lp.top_logprobs[len(prompt)]
+    assert len(first) == 3 and abs(max(first.values()) - entries[0].top[0][1]) < TOL
+    assert "".join(lp.tokens[len(prompt):]) == choice.text[len(PROMPT):]
+    assert whole.usage is not None and whole.usage.completion_tokens == 8
+    assert lp.text_offset is not None and lp.text_offset[len(prompt)] == len(PROMPT)
+    # Streamed: the same tokens and numbers, chunk by chunk, text offsets running on.
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3,
+                                       stream=True, extra_body={"ignore_eos": True})
+    streamed: list[float] = []
+    offsets: list[int] = []
+    text = ""
+    for chunk in stream:
+        part = chunk.choices[0]
+        text += part.text
+        if part.logprobs is not None:
+            streamed += part.logprobs.token_logprobs or []
+            offsets += part.logprobs.text_offset or []
+    assert text == choice.text[len(PROMPT):]
+    assert all(abs(g - e.logprob) < TOL for g, e in zip(streamed, entries, strict=True))
+    assert offsets == [o - len(PROMPT) for o in lp.text_offset[len(prompt):]]
+
+
+def test_chat_logprobs_streamed_and_not(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,  # type: ignore[arg-type]
+                                           logprobs=True, top_logprobs=2)
+    choice = whole.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    content = choice.logprobs.content
+    assert whole.usage is not None and len(content) == whole.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    assert "".join(c.token for c in content) == choice.message.content
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,  # type: ignore[arg-type]
+                                            logprobs=True, top_logprobs=2, stream=True)
+    streamed = [c for chunk in stream for part in chunk.choices if part.logprobs and part.logprobs.content
+                for c in part.logprobs.content]
+    assert [(c.token, round(c.logprob, 4)) for c in streamed] == [(c.token, round(c.logprob, 4)) for c in content]
+
+
+def _decode_hit_ratio(decode_url: str) -> float:
+    text = httpx.get(decode_url + "/metrics", timeout=30).text
+    found = re.search(r"^worker_prefix_cache_hit_ratio(?:\{[^}]*\})? ([0-9.e+-]+)$", text, re.M)
+    assert found, "no worker_prefix_cache_hit_ratio on /metrics"
+    return float(found.group(1))
+
+
+def test_n_choices_share_one_prompt_streamed_and_not(client: openai.OpenAI, cluster: tuple[str, str]) -> None:
+    # A prompt of its own (about 40 tokens: five full blocks of 8), so the prefix cache's figure moves.
+    prompt = "n choices: " + " ".join(f"w{i}" for i in range(20))
+    before = _decode_hit_ratio(cluster[1])
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, seed=5, n=3,
+                                      logprobs=1, extra_body={"ignore_eos": True})
+    after = _decode_hit_ratio(cluster[1])
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert all(c.logprobs is not None and len(c.logprobs.tokens or []) == 6 for c in whole.choices)
+    single = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, seed=5,
+                                       extra_body={"ignore_eos": True})
+    assert whole.usage is not None and single.usage is not None
+    # The prompt counts once; the completions of all choices add up.
+    assert whole.usage.prompt_tokens == single.usage.prompt_tokens
+    assert whole.usage.completion_tokens == 18
+    # Choice 0 is the request itself (seed 5), as a single run of it; the others are seeded 6 and 7.
+    assert whole.choices[0].text == single.choices[0].text
+    # Choices 1 and 2 found the prompt's full blocks in the decode worker's prefix cache.
+    print(f"decode prefix cache hit ratio {before:.3f} -> {after:.3f}")
+    assert after > before
+    # Streamed chat: each choice's chunks carry its index, and each one finishes.
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=1.0,  # type: ignore[arg-type]
+                                            n=2, stream=True, stream_options={"include_usage": True})
+    texts: dict[int, str] = {}
+    finished: dict[int, str] = {}
+    usage: Any = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for part in chunk.choices:
+            texts[part.index] = texts.get(part.index, "") + (part.delta.content or "")
+            if part.finish_reason:
+                finished[part.index] = part.finish_reason
+    assert set(texts) == {0, 1} and set(finished) == {0, 1}
+    assert usage is not None and usage.completion_tokens <= 10
