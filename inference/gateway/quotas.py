@@ -46,8 +46,15 @@ if conc > 0 then
 end
 return 0
 """
-_RELEASE_LUA = """
-if tonumber(redis.call('GET', KEYS[1]) or '0') > 0 then return redis.call('DECR', KEYS[1]) end
+# A request's end in one round trip: its last tokens counted (ARGV[1] > 0) and its concurrency slot
+# freed (ARGV[3] == '1').
+_FINISH_LUA = """
+local tokens = tonumber(ARGV[1])
+if tokens > 0 then
+  redis.call('INCRBY', KEYS[1], tokens)
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+end
+if ARGV[3] == '1' and tonumber(redis.call('GET', KEYS[2]) or '0') > 0 then redis.call('DECR', KEYS[2]) end
 return 0
 """
 
@@ -91,8 +98,8 @@ class QuotaCounters(Protocol):
     async def admit(self, tenant: Tenant, now: float) -> int:
         """Check and count one request; 0 or the code of the limit that refuses it."""
 
-    async def release(self, tenant: Tenant) -> None:
-        """One of the tenant's requests ended (its concurrency slot is free)."""
+    async def finish(self, tenant: Tenant, tokens: int, now: float) -> None:
+        """One of the tenant's requests ended: count its last `tokens`, free its concurrency slot."""
 
     async def add_tokens(self, tenant: Tenant, tokens: int, now: float) -> None:
         """Count `tokens` in the current window."""
@@ -128,9 +135,11 @@ class LocalCounters:
             self.concurrent[key_id] = self.concurrent.get(key_id, 0) + 1
         return 0
 
-    async def release(self, tenant: Tenant) -> None:  # noqa: D102
+    async def finish(self, tenant: Tenant, tokens: int, now: float) -> None:  # noqa: D102
         key_id = tenant.key_id or 0
-        if self.concurrent.get(key_id, 0) > 0:
+        if tokens > 0 and tenant.tokens_per_minute:
+            await self.add_tokens(tenant, tokens, now)
+        if tenant.max_concurrent and self.concurrent.get(key_id, 0) > 0:
             self.concurrent[key_id] -= 1
 
     async def add_tokens(self, tenant: Tenant, tokens: int, now: float) -> None:  # noqa: D102
@@ -154,7 +163,7 @@ class RedisCounters:
         client = self._clients.get(loop_id)
         if client is None:
             redis = redis_asyncio.Redis.from_url(self.url, socket_timeout=1.0, socket_connect_timeout=1.0)
-            client = (redis, redis.register_script(_ADMIT_LUA), redis.register_script(_RELEASE_LUA))
+            client = (redis, redis.register_script(_ADMIT_LUA), redis.register_script(_FINISH_LUA))
             self._clients = {loop_id: client}  # a new loop (tests) replaces the old one's client
         return client
 
@@ -169,9 +178,13 @@ class RedisCounters:
                 _WINDOW_TTL_S, _CONCURRENCY_TTL_S]
         return int(await admit(keys=self._keys(tenant, _window(now)), args=args))
 
-    async def release(self, tenant: Tenant) -> None:  # noqa: D102
-        if tenant.max_concurrent:
-            await self._client()[2](keys=[f"{_KEY_PREFIX}:{tenant.key_id}:c"])
+    async def finish(self, tenant: Tenant, tokens: int, now: float) -> None:  # noqa: D102
+        counted = tokens if tenant.tokens_per_minute else 0
+        if counted <= 0 and not tenant.max_concurrent:
+            return
+        _, token_key, concurrency_key = self._keys(tenant, _window(now))
+        await self._client()[2](keys=[token_key, concurrency_key],
+                                args=[counted, _WINDOW_TTL_S, int(bool(tenant.max_concurrent))])
 
     async def add_tokens(self, tenant: Tenant, tokens: int, now: float) -> None:  # noqa: D102
         if not tenant.tokens_per_minute:
@@ -199,7 +212,7 @@ class Quotas:
             logger.warning("quota counters unavailable (%s); requests pass unlimited", what, exc_info=True)
 
     async def admit(self, tenant: Tenant) -> Refusal | None:
-        """Count one request of `tenant`, or say which limit refuses it. Call `release` when it ends
+        """Count one request of `tenant`, or say which limit refuses it. Call `finish` when it ends
         (only when admitted)."""
         if not tenant.limited or tenant.key_id is None:
             return None
@@ -221,14 +234,14 @@ class Quotas:
             self._spent[(tenant.key_id, window)] = code
         return _refusal(tenant, code, now)
 
-    async def release(self, tenant: Tenant) -> None:
-        """An admitted request of `tenant` ended."""
-        if not tenant.max_concurrent or tenant.key_id is None:
+    async def finish(self, tenant: Tenant, tokens: int) -> None:
+        """An admitted request of `tenant` ended: its last `tokens` counted, its concurrency slot freed."""
+        if tenant.key_id is None or not (tenant.max_concurrent or (tenant.tokens_per_minute and tokens > 0)):
             return
         try:
-            await self.counters.release(tenant)
+            await self.counters.finish(tenant, tokens, time.time())
         except Exception:  # noqa: BLE001
-            self._failed("release")
+            self._failed("finish")
 
     async def add_tokens(self, tenant: Tenant, tokens: int) -> None:
         """Count prompt or completion tokens of `tenant` in the current window."""

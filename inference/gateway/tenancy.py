@@ -132,8 +132,7 @@ class TenantRequest:
             return
         unsent = prompt + max(0, completion - self.completion_tokens) + self._unsent_tokens
         self._unsent_tokens = 0
-        await self.quotas.add_tokens(self.tenant, unsent)
-        await self.quotas.release(self.tenant)
+        await self.quotas.finish(self.tenant, unsent)  # one round trip: last tokens, concurrency freed
         self.record(requests=1, prompt_tokens=prompt, completion_tokens=completion,
                     errors=int(outcome == "failed"), rejected=int(outcome == "rejected"))
 

@@ -74,9 +74,9 @@ def test_concurrency_frees_on_release_and_tokens_per_minute(quotas: Quotas) -> N
         assert await quotas.admit(key) is None and await quotas.admit(key) is None
         third = await quotas.admit(key)
         assert third is not None and third.limit == "max_concurrent" and third.retry_after_s == 1
-        await quotas.release(key)
+        await quotas.finish(key, 0)
         assert await quotas.admit(key) is None
-        await quotas.release(key)
+        await quotas.finish(key, 0)
         await quotas.add_tokens(key, 100)
         spent = await quotas.admit(key)
         assert spent is not None and spent.limit == "tokens_per_minute"
