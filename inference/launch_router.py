@@ -204,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = {
         "bind": [f"{host}:{args.listen_port}"],
         "workers": args.workers,
-        "worker_class": "uvicorn_worker.UvicornWorker",
+        "worker_class": "inference.gateway.http_protocol.RouterUvicornWorker",
         "loglevel": args.log_level,
     }
     logging.getLogger(__name__).info(

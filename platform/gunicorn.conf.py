@@ -29,7 +29,9 @@ def _bind() -> str:
 
 
 wsgi_app = "config.asgi:application"
-worker_class = "uvicorn_worker.UvicornWorker"
+# uvicorn with the router's HTTP protocol: GET /health answered in one pass of the event loop, not
+# behind the generation traffic's tasks (inference/gateway/http_protocol.py).
+worker_class = "inference.gateway.http_protocol.RouterUvicornWorker"
 bind = [_bind()]
 workers = _env_int("ROUTER_WORKERS", 1)
 # Uvicorn workers heartbeat from their event loop, so long streams do not trip this timeout; it
@@ -40,7 +42,10 @@ timeout = _env_int("ROUTER_WORKER_TIMEOUT_S", 120)
 # SIGHUP (graceful reload) starts new workers on the same socket first; the old ones finish what
 # they accepted, bounded by `timeout` above. Signal the master only: SIGHUP kills a worker outright.
 graceful_timeout = _env_int("ROUTER_GRACEFUL_TIMEOUT_S", 30)
-keepalive = _env_int("ROUTER_KEEPALIVE_S", 5)
+# Idle keep-alive connections are closed after this long: longer than clients' own idle expiry
+# (httpx 5 s, aiohttp 15 s, load balancers 60 s), so that a client never sends its next request on
+# a connection the router is closing at that moment.
+keepalive = _env_int("ROUTER_KEEPALIVE_S", 75)
 loglevel = os.environ.get("ROUTER_LOG_LEVEL", "info")
 errorlog = "-"
 accesslog = "-" if os.environ.get("ROUTER_ACCESS_LOG", "") in ("1", "true", "yes", "on") else None

@@ -1,0 +1,108 @@
+"""The router's HTTP/1.1 connections: uvicorn's httptools protocol, with GET /health answered in it.
+
+**`GET /health` answered in the protocol.** Through ASGI a probe costs an ASGI task, Channels'
+routing, the consumer's receive loop and a handler task: several passes of an event loop that
+at c400 also relays thousands of token events a second, so the probe waited behind them (the
+issue measured p90 94 ms and one answer after 4 s). Here a whole `GET /health HTTP/1.1` request
+that arrives between two requests of its connection is answered from the pool's state in the
+same callback that read it: one pass of the loop, no task. The pool's state comes from the
+health-check thread, so nothing here waits on a worker. Anything else (another method, a query,
+a body, pipelined requests, a router whose workers were never checked yet) goes the usual way.
+
+The keep-alive timeout itself (ROUTER_KEEPALIVE_S, platform/gunicorn.conf.py) is longer than the
+idle expiry of common clients (httpx 5 s, aiohttp 15 s) and load balancers (60 s), so that a client
+never reuses a connection the router is closing at the same moment.
+
+Used by the router's gunicorn worker class, `RouterUvicornWorker`.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn_worker import UvicornWorker
+
+logger = logging.getLogger(__name__)
+
+_HEALTH_REQUEST = b"GET /health HTTP/1.1\r\n"
+_HEAD_END = b"\r\n\r\n"
+# A probe with a body (odd, but legal) goes the usual way: its body must be read before the next request.
+_BODY_HEADERS = (b"\r\ncontent-length:", b"\r\ntransfer-encoding:")
+
+
+def health_report() -> dict[str, Any] | None:
+    """The body of GET /health from the router's state; None when it cannot be answered without
+    waiting (the router cannot be built, or an endpoint has not been checked yet)."""
+    from inference.gateway.service import get_router  # Django settings: only once serving
+    from inference.router import RouterError
+
+    try:
+        service = get_router()
+    except RouterError:
+        return None
+    pool = service.pool
+    if any(endpoint.last_health_at is None for endpoint in pool.all_endpoints()):
+        return None  # the ASGI path checks them first, so that `ready` is never a default
+
+    def brief(role: str) -> list[dict[str, Any]]:
+        return [
+            {"url": e.url, "healthy": e.healthy, "inflight": e.inflight, "last_error": e.last_error}
+            for e in pool.endpoints(role)
+        ]
+
+    admission = service.client.admission
+    return {
+        "status": "healthy",
+        "ready": pool.ready(),
+        "policy": pool.policy_name,
+        "inflight": service.client.inflight,
+        "queued": admission.queued,
+        "decode_slots": admission.capacity(),
+        "prefill": brief("prefill"),
+        "decode": brief("decode"),
+    }
+
+
+class RouterHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, answering GET /health itself."""
+
+    def data_received(self, data: bytes) -> None:
+        """A lone `GET /health` between requests is answered here; everything else as uvicorn does."""
+        if (data.startswith(_HEALTH_REQUEST) and data.endswith(_HEAD_END) and data.count(_HEAD_END) == 1
+                and (self.cycle is None or self.cycle.response_complete) and not self.pipeline
+                and not any(name in data.lower() for name in _BODY_HEADERS) and self._answer_health(data)):
+            return
+        super().data_received(data)
+
+    def _answer_health(self, request: bytes) -> bool:
+        try:
+            report = health_report()
+        except Exception:  # noqa: BLE001  the ASGI path answers (and logs) whatever went wrong here
+            logger.debug("fast /health failed; answering through ASGI", exc_info=True)
+            return False
+        if report is None:
+            return False
+        self._unset_keepalive_if_required()
+        close = b"\r\nconnection: close\r\n" in request.lower()
+        body = orjson.dumps(report)
+        head = [b"HTTP/1.1 200 OK\r\n"]
+        head += [b"%s: %s\r\n" % (name, value) for name, value in self.server_state.default_headers]
+        head.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body))
+        if close:
+            head.append(b"connection: close\r\n")
+        self.transport.write(b"".join(head) + b"\r\n" + body)
+        self.server_state.total_requests += 1
+        if close:
+            self.transport.close()
+        else:
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
+        return True
+
+
+class RouterUvicornWorker(UvicornWorker):  # type: ignore[misc]
+    """The router's gunicorn worker: uvicorn with `RouterHttpProtocol`."""
+
+    CONFIG_KWARGS: dict[str, Any] = {"loop": "auto", "http": "inference.gateway.http_protocol:RouterHttpProtocol"}
