@@ -10,6 +10,9 @@ from django.db import models
 from django.db.models import QuerySet
 from django.forms.models import BaseInlineFormSet
 from django.http import HttpRequest
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from inference.admin.display import (
@@ -26,31 +29,72 @@ from inference.models import (
     ScalingRule,
     Worker,
 )
+from inference.selectors import rules as rule_selectors
 
 RECENT_EVENTS = 20
 
 
+class ReadOnlyFormSet(BaseInlineFormSet):
+    """A read-only inline: a submitted page binds no forms, so rows that appeared after the page was rendered
+    (autoscaling events, a rule added meanwhile) cannot disturb the deployment's save."""
+
+    def initial_form_count(self) -> int:
+        """No existing forms on a submitted page: the inline is read-only."""
+        return 0 if self.is_bound else int(super().initial_form_count())
+
+    def total_form_count(self) -> int:
+        """No forms at all on a submitted page: the inline is read-only."""
+        return 0 if self.is_bound else int(super().total_form_count())
+
+
 class ScalingRuleInline(admin.TabularInline):
-    """The deployment's scaling rules, editable in place (validated by ScalingRule.clean)."""
+    """The deployment's scaling rules in words (signal, units, state now), each linking to its own page, where
+    the form of its kind edits it (inference.admin.rule_forms): one table of every kind's fields showed a
+    schedule rule's meaningless step and a threshold rule's empty window times."""
 
     model = ScalingRule
+    formset = ReadOnlyFormSet
     extra = 0
-    fields = [
-        "name",
-        "kind",
-        "role",
-        "enabled",
-        "comparison",
-        "threshold",
-        "duration_s",
-        "cooldown_s",
-        "step",
-        "start_time",
-        "end_time",
-        "target_replicas",
-        "last_triggered_at",
-    ]
-    readonly_fields = ["last_triggered_at"]
+    can_delete = False
+    verbose_name_plural = "scaling rules (open a rule to edit it)"
+    fields = ["rule_name", "kind_name", "enabled", "condition", "state_now", "last_fired"]
+    readonly_fields = fields
+
+    @admin.display(description="name")
+    def rule_name(self, rule: ScalingRule) -> SafeString:
+        """The rule's name, linking to its page (the form of its kind)."""
+        url = reverse("admin:inference_scalingrule_change", args=[rule.pk])
+        return format_html('<a href="{}" class="rule-link">{}</a>', url, rule.name)
+
+    @admin.display(description="kind")
+    def kind_name(self, rule: ScalingRule) -> str:
+        """The kind in a few words."""
+        return rule_selectors.kind_label(rule)
+
+    @admin.display(description="rule")
+    def condition(self, rule: ScalingRule) -> str:
+        """The rule in words, naming its signal and units."""
+        return rule_selectors.describe(rule)
+
+    @admin.display(description="state now")
+    def state_now(self, rule: ScalingRule) -> str:
+        """Active now / inactive, breaching / ok / no reading, disabled."""
+        return rule_selectors.state(rule)
+
+    @admin.display(description="last fired")
+    def last_fired(self, rule: ScalingRule) -> str:
+        """When the rule last changed the replicas, to the second."""
+        if rule.last_triggered_at is None:
+            return "never"
+        return f"{timezone.localtime(rule.last_triggered_at):%Y-%m-%d %H:%M:%S}"
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Rules are added on their own page, with the form of their kind (links below the table)."""
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Edited on their own page."""
+        return False
 
 
 class RouterEndpointInline(admin.TabularInline):
@@ -64,21 +108,12 @@ class RouterEndpointInline(admin.TabularInline):
     formfield_overrides = {models.URLField: {"assume_scheme": "http"}}  # routers are plain http here
 
 
-class RecentEventsFormSet(BaseInlineFormSet):
-    """The newest events only; a submitted page binds no forms, so events that arrived after the
-    page was rendered (autoscaling runs meanwhile) cannot disturb the deployment's save."""
+class RecentEventsFormSet(ReadOnlyFormSet):
+    """The newest events only, read-only."""
 
     def get_queryset(self) -> QuerySet:
         """The newest RECENT_EVENTS events of the deployment."""
         return super().get_queryset().order_by("-created_at", "-id")[:RECENT_EVENTS]
-
-    def initial_form_count(self) -> int:
-        """No existing forms on a submitted page: the inline is read-only."""
-        return 0 if self.is_bound else int(super().initial_form_count())
-
-    def total_form_count(self) -> int:
-        """No forms at all on a submitted page: the inline is read-only."""
-        return 0 if self.is_bound else int(super().total_form_count())
 
 
 class ScaleEventInline(admin.TabularInline):

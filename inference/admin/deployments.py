@@ -18,9 +18,8 @@ from django.utils.safestring import SafeString
 
 from inference import jobs
 from inference.actions import deployments as deployment_actions
-from inference.actions import rules as rule_actions
 from inference.actions import scale as scale_actions
-from inference.admin import scale_controls
+from inference.admin import rule_forms, scale_controls
 from inference.admin.deployment_inlines import (
     DeploymentWorkerInline,
     RouterEndpointInline,
@@ -29,7 +28,6 @@ from inference.admin.deployment_inlines import (
 )
 from inference.models import (
     Deployment,
-    ScalingRule,
     WorkerRole,
     WorkerStatus,
 )
@@ -165,19 +163,6 @@ class DeploymentAdmin(admin.ModelAdmin):
                 request, f"{event.role}: {event.from_replicas} → {event.to_replicas} ({event.reason})", messages.INFO
             )
 
-    def save_formset(self, request: HttpRequest, form: Any, formset: Any, change: bool) -> None:
-        """Rules go through rule_actions.save_rule (a changed condition restarts the breach timer)."""
-        if formset.model is not ScalingRule:
-            super().save_formset(request, form, formset, change)
-            return
-        rules = formset.save(commit=False)
-        for rule in formset.deleted_objects:
-            rule.delete()
-        changed = {id(f.instance): f.changed_data for f in formset.forms}
-        for rule in rules:
-            rule_actions.save_rule(rule, changed_fields=changed.get(id(rule)))
-        formset.save_m2m()
-
     def has_delete_permission(self, request: HttpRequest, obj: Deployment | None = None) -> bool:
         """A deployment with live workers cannot be deleted (stop it first)."""
         if obj is not None and deployment_actions.live_worker_count(obj):
@@ -275,6 +260,7 @@ class DeploymentAdmin(admin.ModelAdmin):
         context = dict(extra_context or {})
         if deployment is not None and self.has_change_permission(request, deployment):
             context["scale_panels"] = scale_controls.role_panels(deployment)
+        context["rule_kinds"] = [(kind, title) for kind, title, _ in rule_forms.ADD_CHOICES]
         return super().change_view(request, object_id, form_url, extra_context=context)
 
     def _viewable(self, request: HttpRequest, object_id: str) -> Deployment:

@@ -2,14 +2,18 @@
 """
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from django.contrib import admin
 from django.http import HttpRequest
+from django.template.response import TemplateResponse
 from django.utils import timezone
+from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
 from inference.actions import rules as rule_actions
+from inference.admin import rule_forms
 from inference.admin.display import (
     ReadOnlyAdmin,
     event_outcome,
@@ -20,37 +24,117 @@ from inference.models import (
     ScaleOverride,
     ScalingRule,
 )
+from inference.selectors import rules as rule_selectors
+
+WINDOW_ROWS = 30  # readings shown on a rule's page (a rule keeps those of its window, one per evaluation)
 
 
 @admin.register(ScalingRule)
 class ScalingRuleAdmin(admin.ModelAdmin):
-    """Scaling rules of all deployments."""
+    """Scaling rules of all deployments: one form per kind (inference.admin.rule_forms) with only its fields, the
+    rule in words naming its signal, and its internal state (window of readings, breach timer) read-only."""
 
-    list_display = ["name", "deployment", "kind", "role", "enabled", "condition", "last_triggered_at"]
+    list_display = ["name", "deployment", "kind_name", "enabled", "condition", "state_now", "last_triggered"]
     list_filter = ["kind", "role", "enabled", "deployment"]
     list_select_related = ["deployment"]
     search_fields = ["name", "deployment__name"]
-    readonly_fields = ["breach_started_at", "last_triggered_at"]
+    readonly_fields = ["condition", "state_now", "breach_started", "last_triggered", "window"]
 
-    @admin.display(description="condition")
+    def _form_class(self, request: HttpRequest, obj: ScalingRule | None) -> type[rule_forms.RuleForm] | None:
+        return rule_forms.form_for(obj.kind if obj is not None else request.GET.get("kind"))
+
+    def get_form(self, request: HttpRequest, obj: ScalingRule | None = None, change: bool = False,
+                 **kwargs: Any) -> Any:
+        """The form of the rule's kind (on the add page: of `?kind=`)."""
+        form = self._form_class(request, obj) or rule_forms.ThresholdRuleForm
+        kwargs["form"] = form
+        kwargs["fields"] = [*form.Meta.fields, *form.declared_fields]
+        return super().get_form(request, obj, change=change, **kwargs)
+
+    def get_fieldsets(self, request: HttpRequest, obj: ScalingRule | None = None) -> Any:
+        """The kind's fields; on an existing rule, its state below them (read-only)."""
+        form = self._form_class(request, obj) or rule_forms.ThresholdRuleForm
+        fields = list(form.Meta.fields)
+        if "target_ms" in form.declared_fields:
+            fields.insert(fields.index("kind") + 1, "target_ms")
+        fieldsets: list[tuple[str | None, dict[str, Any]]] = [(None, {"fields": fields})]
+        if obj is not None:
+            state = ["condition", "state_now", "last_triggered"]
+            if obj.kind != "schedule":
+                state[2:2] = ["breach_started", "window"]
+            fieldsets.append(("State (kept by the scaling loop, read-only)", {"fields": state}))
+        return fieldsets
+
+    def add_view(self, request: HttpRequest, form_url: str = "", extra_context: dict[str, Any] | None = None) -> Any:
+        """Without a known `?kind=`: a page choosing the kind first (each kind has its own form)."""
+        if rule_forms.form_for(request.GET.get("kind")) is None:
+            query = request.GET.copy()
+            choices = []
+            for kind, title, help_text in rule_forms.ADD_CHOICES:
+                query["kind"] = kind
+                choices.append({"url": f"?{query.urlencode()}", "title": title, "help": help_text})
+            context = {
+                **self.admin_site.each_context(request), "opts": self.opts, "title": "Add a scaling rule",
+                "choices": choices,
+            }  # fmt: skip
+            return TemplateResponse(request, "admin/inference/scalingrule/choose_kind.html", context)
+        return super().add_view(request, form_url, extra_context)
+
+    @admin.display(description="kind", ordering="kind")
+    def kind_name(self, rule: ScalingRule) -> str:
+        """The kind in a few words."""
+        return rule_selectors.kind_label(rule)
+
+    @admin.display(description="rule")
     def condition(self, rule: ScalingRule) -> str:
-        """The rule in words."""
-        if rule.kind == "threshold":
-            return (
-                f"load {rule.comparison} {rule.threshold} over {rule.duration_s}s → {rule.step:+d} "
-                f"(cooldown {rule.cooldown_s}s)"
-            )
-        if rule.kind in ("ttft_slo", "itl_slo"):
-            what, unit = ("TTFT", "s") if rule.kind == "ttft_slo" else ("ITL", "ms")
-            return (
-                f"{what} p90 ≤ {rule.threshold:g}{unit}, else {rule.step:+d} {rule.role} after {rule.duration_s}s "
-                f"(cooldown {rule.cooldown_s}s)"
-            )
-        return f"{rule.start_time}–{rule.end_time} → {rule.target_replicas} replicas"
+        """The rule in words, naming the signal it reads and its units."""
+        return rule_selectors.describe(rule)
+
+    @admin.display(description="state now")
+    def state_now(self, rule: ScalingRule) -> SafeString:
+        """Active now / inactive (schedule), breaching / ok / no reading (windowed), disabled."""
+        state = rule_selectors.state(rule)
+        return format_html('<span class="rule-state rule-{}">{}</span>', state.replace(" ", "-"), state)
+
+    @admin.display(description="breaching since")
+    def breach_started(self, rule: ScalingRule) -> str:
+        """The first breaching reading of a window that breaches but is not full yet."""
+        return _to_second(rule.breach_started_at) or "not breaching"
+
+    @admin.display(description="last fired", ordering="last_triggered_at")
+    def last_triggered(self, rule: ScalingRule) -> str:
+        """When the rule last changed the replicas."""
+        return _to_second(rule.last_triggered_at) or "never"
+
+    @admin.display(description="window of readings")
+    def window(self, rule: ScalingRule) -> SafeString | str:
+        """The readings the rule judges (newest first), each in its unit and marked when it breaches."""
+        readings = rule_selectors.readings(rule)[::-1][:WINDOW_ROWS]
+        if not readings:
+            return "no reading yet (the window restarts after any replica change, and while a schedule holds the role)"
+        rows = format_html_join(
+            "", '<tr class="{}"><td>{}</td><td>{}</td><td>{}</td></tr>',
+            ((("breaching" if r.breaching else ""), _to_second(r.at), r.text,
+              "breaches" if r.breaching else ("no worker reported" if r.value is None else "")) for r in readings),
+        )  # fmt: skip
+        head = format_html(
+            "<tr><th>time</th><th>{}</th><th></th></tr>", rule_selectors.signal_name(rule)
+        )
+        return format_html('<table class="json-table rule-window">{}{}</table>', head, rows)
 
     def save_model(self, request: HttpRequest, obj: ScalingRule, form: Any, change: bool) -> None:
         """Save through rule_actions.save_rule (a changed condition restarts the breach timer)."""
-        rule_actions.save_rule(obj, changed_fields=form.changed_data if change else None)
+        changed = list(form.changed_data)
+        if "target_ms" in changed:
+            changed.append("threshold")
+        rule_actions.save_rule(obj, changed_fields=changed if change else None)
+
+
+def _to_second(moment: datetime | None) -> str:
+    """A time in the platform's zone to the second ("" for None)."""
+    if moment is None:
+        return ""
+    return f"{timezone.localtime(moment):%Y-%m-%d %H:%M:%S}"
 
 
 @admin.register(ScaleOverride)

@@ -12,6 +12,10 @@ from django.utils import timezone
 from inference.models import SLO_ROLES, Comparison, RuleKind, ScalingRule
 from inference.selectors import schedules
 
+# Short names of the kinds (the model's choice labels predate the console's one unit for latencies).
+KIND_LABELS: dict[str, str] = {
+    "threshold": "Threshold", "ttft_slo": "SLO: TTFT p90", "itl_slo": "SLO: ITL p90", "schedule": "Schedule",
+}
 # What each windowed kind compares, as inference.scaling.signals computes it.
 SIGNALS: dict[str, str] = {
     "threshold": "load",
@@ -41,6 +45,11 @@ def shown(kind: str, value: float | None) -> str:
         return f"{number:.2f}"
     text = f"{number:.0f}" if abs(number) >= 10 or number == int(number) else f"{number:.2g}"
     return f"{text} ms"
+
+
+def kind_label(rule: ScalingRule) -> str:
+    """The rule's kind in a few words ("SLO: TTFT p90")."""
+    return KIND_LABELS.get(rule.kind, rule.kind)
 
 
 def seconds_text(seconds: int) -> str:
