@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from inference.engine import LLMEngine, SamplingParams
 from inference.engine.logprobs import TokenLogprobs
@@ -21,7 +22,7 @@ CONTEXT = 256
 PROMPT = "Disaggregated inference separates prefill from decode so that"
 TOL = 1e-4
 MODEL = "tiny-llama"  # the checkpoint folder's name, as the workers report it
-CHAT = [{"role": "user", "content": "Say something about prefill and decode."}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say something about prefill and decode."}]
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +113,7 @@ def test_completion_logprobs_and_echo_equal_the_engine_streamed_and_not(client: 
 
 
 def test_chat_logprobs_streamed_and_not(client: openai.OpenAI) -> None:
-    whole = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,  # type: ignore[arg-type]
+    whole = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
                                            logprobs=True, top_logprobs=2)
     choice = whole.choices[0]
     assert choice.logprobs is not None and choice.logprobs.content is not None
@@ -121,7 +122,7 @@ def test_chat_logprobs_streamed_and_not(client: openai.OpenAI) -> None:
     assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
     assert all(c.bytes == list(c.token.encode()) for c in content)
     assert "".join(c.token for c in content) == choice.message.content
-    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,  # type: ignore[arg-type]
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
                                             logprobs=True, top_logprobs=2, stream=True)
     streamed = [c for chunk in stream for part in chunk.choices if part.logprobs and part.logprobs.content
                 for c in part.logprobs.content]
@@ -156,7 +157,7 @@ def test_n_choices_share_one_prompt_streamed_and_not(client: openai.OpenAI, clus
     print(f"decode prefix cache hit ratio {before:.3f} -> {after:.3f}")
     assert after > before
     # Streamed chat: each choice's chunks carry its index, and each one finishes.
-    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=1.0,  # type: ignore[arg-type]
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=1.0,
                                             n=2, stream=True, stream_options={"include_usage": True})
     texts: dict[int, str] = {}
     finished: dict[int, str] = {}
