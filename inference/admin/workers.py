@@ -7,8 +7,12 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.views.main import ChangeList
-from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse
+from django.core.exceptions import PermissionDenied
+from django.db.models import Case, IntegerField, QuerySet, When
+from django.forms.models import BaseInlineFormSet
+from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
+from django.shortcuts import get_object_or_404
+from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
@@ -66,11 +70,33 @@ class WorkerStateFilter(admin.SimpleListFilter):
         return queryset.exclude(status=WorkerStatus.STOPPED)
 
 
+# Live workers an inline shows: the deployment page rendered every one (2.4 s and 131 queries at 100
+# workers on the loaded 2-core machine, growing with the count; bench/sim/control_plane.py); the worker
+# list pages through them all.
+LIVE_WORKERS_SHOWN = 50
+
+
+class FirstLiveWorkersFormSet(BaseInlineFormSet):
+    """The first LIVE_WORKERS_SHOWN live workers, those not serving (unhealthy, starting) first."""
+
+    def get_queryset(self) -> QuerySet:
+        """The live workers to show, capped; evaluated once (each form indexes it: a fresh slice would
+        query again per form)."""
+        if not hasattr(self, "_first_live"):
+            serving_last = Case(When(status=WorkerStatus.RUNNING, then=1), default=0, output_field=IntegerField())
+            first = super().get_queryset().order_by(serving_last, "role", "id")[:LIVE_WORKERS_SHOWN]
+            len(first)  # fills its result cache
+            self._first_live = first
+        return self._first_live
+
+
 class LiveWorkerInline(admin.TabularInline):
     """Live workers of a node or a deployment, read-only: the controller places them and the agents
-    report their fields; stopped ones accumulate over time and are listed on the worker page."""
+    report their fields; stopped ones accumulate over time and are listed on the worker page. At most
+    LIVE_WORKERS_SHOWN of them (the worker list, filtered by deployment or node, has them all)."""
 
     model = Worker
+    formset = FirstLiveWorkersFormSet
     extra = 0
     can_delete = False
     show_change_link = True
@@ -86,7 +112,9 @@ class LiveWorkerInline(admin.TabularInline):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet:
         """Only live workers."""
-        return super().get_queryset(request).filter(status__in=ACTIVE_WORKER_STATUSES).select_related(*self.related)
+        # Each row also shows the worker's name (its deployment's and node's names): joined, not a query each.
+        live = super().get_queryset(request).filter(status__in=ACTIVE_WORKER_STATUSES)
+        return live.select_related("deployment", "node", *self.related)
 
 
 class WorkerInline(LiveWorkerInline):
@@ -114,6 +142,7 @@ class WorkerAdmin(admin.ModelAdmin):
     """Worker processes: deployment, node, role, URL, status, pid, restarts, health, last error."""
 
     change_list_template = "admin/inference/worker/change_list.html"
+    change_form_template = "admin/inference/worker/change_form.html"
 
     class Media:
         css = {"all": [LIST_CSS]}
@@ -162,6 +191,45 @@ class WorkerAdmin(admin.ModelAdmin):
         if obj is not None:
             return False
         return bool(super().has_change_permission(request, obj))
+
+    def get_urls(self) -> list[URLPattern]:
+        """Adds <id>/restart/ (the worker page's Restart button) before the defaults."""
+        restart = path(
+            "<path:object_id>/restart/", self.admin_site.admin_view(self.restart_view), name="inference_worker_restart"
+        )
+        return [restart, *super().get_urls()]
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        """The (read-only) worker page with a Restart button while the worker is live and a link to its charts."""
+        worker = Worker.objects.filter(pk=object_id).first()
+        context = dict(extra_context or {})
+        if worker is not None:
+            context["can_restart"] = self.has_change_permission(request) and worker.status in ACTIVE_WORKER_STATUSES
+            context["charts_url"] = (
+                reverse("admin:inference_deployment_metrics", args=[worker.deployment_id]) + "?split=worker"
+            )
+        return super().change_view(request, object_id, form_url, extra_context=context)
+
+    def restart_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """POST: queue the restart of one worker for its node's agent (worker_actions.restart_worker), say so,
+        record it in the worker's history, and go back to its page."""
+        worker = get_object_or_404(Worker.objects.select_related("deployment", "node"), pk=object_id)
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        if not self.has_change_permission(request):
+            raise PermissionDenied
+        try:
+            worker_actions.restart_worker(worker)
+        except ValueError as exc:  # no longer live, or its node's agent is gone
+            self.message_user(request, f"Not restarted: {exc}.", messages.ERROR)
+        else:
+            message = f"Restart of worker #{worker.pk} queued for the agent on {worker.node.name}"
+            self.log_change(request, worker, message)
+            self.message_user(request, f"{message}: it stops the process and starts it again (restarts + 1).",
+                              messages.SUCCESS)
+        return HttpResponseRedirect(reverse("admin:inference_worker_change", args=[worker.pk]))
 
     @admin.display(description="last health")
     def health_table(self, worker: Worker) -> SafeString | str:

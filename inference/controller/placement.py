@@ -101,8 +101,16 @@ def node_roles(node: Node) -> set[str] | None:
     return {str(r) for r in roles}
 
 
-def _live_workers(node: Node) -> list[Worker]:
-    return list(Worker.objects.filter(node=node, status__in=recovery.LIVE_WORKER_STATUSES))
+# What placement reads of a live worker (not its health and metrics blobs, kilobytes each).
+_PLACEMENT_FIELDS = ("id", "node_id", "deployment_id", "role", "port", "kv_port", "cpu_ids", "gpu_ids", "status")
+
+
+def _live_workers_by_node() -> dict[int, list[Worker]]:
+    """Every live worker by node id, in one query: a query per node cost 100 per placement at 100 nodes."""
+    by_node: dict[int, list[Worker]] = {}
+    for worker in Worker.objects.filter(status__in=recovery.LIVE_WORKER_STATUSES).only(*_PLACEMENT_FIELDS):
+        by_node.setdefault(worker.node_id, []).append(worker)
+    return by_node
 
 
 def free_ports(node: Node, live: Sequence[Worker], count: int, *, avoid: Iterable[int] = ()) -> list[int] | None:
@@ -208,12 +216,13 @@ def plan_placement_explained(deployment: Deployment, role: str, *, now: datetime
     failed = recently_failed_nodes(deployment, role, now)
     plan = PlacementPlan(placement=None)
     candidates: list[tuple[tuple[Any, ...], Placement]] = []
-    for node in Node.objects.order_by("name"):
+    live_by_node = _live_workers_by_node()
+    for node in Node.objects.order_by("name").defer("last_metrics"):
         why = _refusal(node, deployment, role, now=now, failed=failed)
         if why is not None:
             plan.refusals.append((node.name, why))
             continue
-        live = _live_workers(node)
+        live = live_by_node.get(node.pk, [])
         port_count = 2 if role == WorkerRole.DECODE else 1
         ports = free_ports(node, live, port_count)
         if ports is None:
