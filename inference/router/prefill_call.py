@@ -52,7 +52,9 @@ async def prefill(est: Establishment, attempt: Attempt, descriptor: DescriptorLi
     ).encode()
     tried: list[Endpoint] = list(est.failed_prefill)
     # The prompt as the decode worker tokenized it: a `kv-aware` policy finds who holds its prefix.
-    CURRENT_PROMPT.set(PromptBlocks(descriptor.prompt_token_ids))  # this task's own context
+    current = CURRENT_PROMPT.get()  # the client's ids, when it sent ids: hashed already, reused if equal
+    if current is None or current.token_ids != descriptor.prompt_token_ids:
+        CURRENT_PROMPT.set(PromptBlocks(descriptor.prompt_token_ids))  # this task's own context
     for _ in range(len(pool.endpoints("prefill"))):  # each prefill endpoint at most once
         prefill = pool.choose("prefill", exclude=tried)
         if prefill is None:

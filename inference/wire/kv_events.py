@@ -26,9 +26,16 @@ def block_hashes(token_ids: list[int], block_size: int, start: list[bytes] | Non
     known for the first blocks (extended, not recomputed)."""
     out = list(start or [])
     prev = out[-1] if out else b""
-    for i in range(len(out), len(token_ids) // block_size):
-        chunk = array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes()
-        prev = hashlib.blake2b(prev + chunk, digest_size=16).digest()
+    first, end = len(out), len(token_ids) // block_size
+    if end <= first:
+        return out
+    # One conversion of the blocks to hash, sliced per block (a conversion per block cost as much as
+    # the hashing: the router hashes every prompt it routes).
+    raw = array("q", token_ids[first * block_size : end * block_size]).tobytes()
+    step = block_size * 8
+    blake2b = hashlib.blake2b
+    for offset in range(0, len(raw), step):
+        prev = blake2b(prev + raw[offset : offset + step], digest_size=16).digest()
         out.append(prev)
     return out
 
