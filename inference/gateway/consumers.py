@@ -227,7 +227,7 @@ class GenerationConsumer(GatewayConsumer):
         if tenant is None:
             return
         service = get_router()
-        tenancy = TenantRequest.for_service(tenant, service)
+        tenancy = TenantRequest.for_service(tenant, service, self.arrived)
         try:
             try:
                 data = orjson.loads(body)

@@ -15,13 +15,15 @@ cannot be reached the request is let through (logged): limits are about fairness
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from inference.gateway.api_keys import Tenant
+from inference.gateway.redis_batch import ScriptBatcher
 
 logger = logging.getLogger(__name__)
 
@@ -148,24 +150,23 @@ class LocalCounters:
 
 
 class RedisCounters:
-    """Counters in Redis, shared by every router process (one client per event loop)."""
+    """Counters in Redis, shared by every router process: script calls batched per loop turn
+    (redis_batch.py), one client per event loop."""
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self._clients: dict[int, Any] = {}
+        self._batchers: dict[int, ScriptBatcher] = {}
 
-    def _client(self) -> Any:
-        import asyncio
-
+    def _batcher(self) -> ScriptBatcher:
         import redis.asyncio as redis_asyncio
 
         loop_id = id(asyncio.get_running_loop())
-        client = self._clients.get(loop_id)
-        if client is None:
-            redis = redis_asyncio.Redis.from_url(self.url, socket_timeout=1.0, socket_connect_timeout=1.0)
-            client = (redis, redis.register_script(_ADMIT_LUA), redis.register_script(_FINISH_LUA))
-            self._clients = {loop_id: client}  # a new loop (tests) replaces the old one's client
-        return client
+        batcher = self._batchers.get(loop_id)
+        if batcher is None:
+            client = redis_asyncio.Redis.from_url(self.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+            batcher = ScriptBatcher(client)
+            self._batchers = {loop_id: batcher}  # a new loop (tests) replaces the old one's client
+        return batcher
 
     @staticmethod
     def _keys(tenant: Tenant, window: int) -> list[str]:
@@ -173,27 +174,23 @@ class RedisCounters:
         return [f"{base}:r:{window}", f"{base}:t:{window}", f"{base}:c"]
 
     async def admit(self, tenant: Tenant, now: float) -> int:  # noqa: D102
-        _, admit, _ = self._client()
         args = [tenant.requests_per_minute or 0, tenant.tokens_per_minute or 0, tenant.max_concurrent or 0,
                 _WINDOW_TTL_S, _CONCURRENCY_TTL_S]
-        return int(await admit(keys=self._keys(tenant, _window(now)), args=args))
+        return int(await self._batcher().call(_ADMIT_LUA, self._keys(tenant, _window(now)), args))
 
     async def finish(self, tenant: Tenant, tokens: int, now: float) -> None:  # noqa: D102
         counted = tokens if tenant.tokens_per_minute else 0
         if counted <= 0 and not tenant.max_concurrent:
             return
         _, token_key, concurrency_key = self._keys(tenant, _window(now))
-        await self._client()[2](keys=[token_key, concurrency_key],
-                                args=[counted, _WINDOW_TTL_S, int(bool(tenant.max_concurrent))])
+        await self._batcher().call(_FINISH_LUA, [token_key, concurrency_key],
+                                   [counted, _WINDOW_TTL_S, int(bool(tenant.max_concurrent))])
 
     async def add_tokens(self, tenant: Tenant, tokens: int, now: float) -> None:  # noqa: D102
-        if not tenant.tokens_per_minute:
+        if not tenant.tokens_per_minute or tokens <= 0:
             return
-        key = self._keys(tenant, _window(now))[1]
-        async with self._client()[0].pipeline(transaction=False) as pipe:
-            pipe.incrby(key, tokens)
-            pipe.expire(key, _WINDOW_TTL_S)
-            await pipe.execute()
+        _, token_key, concurrency_key = self._keys(tenant, _window(now))
+        await self._batcher().call(_FINISH_LUA, [token_key, concurrency_key], [tokens, _WINDOW_TTL_S, 0])
 
 
 class Quotas:

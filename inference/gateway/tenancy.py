@@ -18,6 +18,7 @@ from inference.gateway.quotas import Quotas, quotas
 from inference.metrics.usage import UsageRecorder, usage_recorder
 from inference.router import RouterError
 from inference.router.events import DoneEvent, Event, GenerateRequest, TokenEvent
+from inference.router.metrics import LoopHistogram
 
 if TYPE_CHECKING:
     from inference.gateway.service import RouterService
@@ -27,6 +28,8 @@ __all__ = ["ClassMetrics", "Tenant", "TenantRequest", "class_metrics", "key_clas
 # Completion tokens are sent to the shared token counters in batches of this many (and at the end).
 FLUSH_TOKENS = 32
 PRIORITY_RANK = {"interactive": 0, "batch": 1}
+# The router's time to refuse a request past a per-key limit (target: under 10 ms).
+_REFUSAL_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 
 class ClassMetrics:
@@ -39,6 +42,9 @@ class ClassMetrics:
                               ["key_class", "kind"], registry=registry)
         self.limited = Counter("router_key_class_limited", "Requests refused by a per-key limit (429)",
                                ["key_class", "limit"], registry=registry)
+        self.refusal = LoopHistogram("router_key_limit_refusal_seconds",
+                                     "Router time from a request's arrival to its refusal by a per-key limit",
+                                     _REFUSAL_BUCKETS, registry)
 
 
 _metrics: dict[int, ClassMetrics] = {}
@@ -61,8 +67,9 @@ class TenantRequest:
     """The tenant side of one generation."""
 
     def __init__(self, tenant: Tenant, *, deployment: str | None, quotas: Quotas, usage: UsageRecorder,
-                 metrics: ClassMetrics) -> None:
+                 metrics: ClassMetrics, arrived: float | None = None) -> None:
         self.tenant = tenant
+        self.arrived = time.monotonic() if arrived is None else arrived
         self.deployment = deployment or ""
         self.quotas = quotas
         self.usage_recorder = usage
@@ -78,10 +85,11 @@ class TenantRequest:
         self.usage: dict[str, int] | None = None
 
     @classmethod
-    def for_service(cls, tenant: Tenant, service: RouterService) -> TenantRequest:
-        """The tenant side of a request to `service` (this process's quotas, usage and series)."""
+    def for_service(cls, tenant: Tenant, service: RouterService, arrived: float | None = None) -> TenantRequest:
+        """The tenant side of a request to `service` (this process's quotas, usage and series) that
+        arrived at monotonic time `arrived`."""
         return cls(tenant, deployment=service.deployment, quotas=quotas(), usage=usage_recorder(),
-                   metrics=class_metrics(service.metrics.registry))
+                   metrics=class_metrics(service.metrics.registry), arrived=arrived)
 
     async def admit(self, request: GenerateRequest, body: Any = None) -> None:
         """Check scope and limits (RouterError 403/429) and give `request` its class and fairness key;
@@ -95,6 +103,7 @@ class TenantRequest:
         refusal = await self.quotas.admit(tenant)
         if refusal is not None:
             self.metrics.limited.labels(self.label, refusal.limit).inc()
+            self.metrics.refusal.observe(time.monotonic() - self.arrived)
             self.record(rejected=1)
             error = RouterError(429, refusal.message(tenant), code=refusal.limit)
             error.retry_after_s = refusal.retry_after_s  # type: ignore[attr-defined]

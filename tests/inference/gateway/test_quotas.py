@@ -179,3 +179,32 @@ def test_production_refuses_an_open_generation_api_unless_allowed() -> None:
     refused = _settings_import({})
     assert refused.returncode != 0 and "ROUTER_ALLOW_OPEN_GENERATION" in refused.stderr
     assert _settings_import({"ROUTER_ALLOW_OPEN_GENERATION": "1"}).returncode == 0
+
+
+def test_script_calls_of_one_loop_turn_share_a_pipeline_and_survive_a_script_flush() -> None:
+    from inference.gateway.redis_batch import ScriptBatcher
+
+    async def run() -> None:
+        import redis.asyncio as redis_asyncio
+
+        client = redis_asyncio.Redis.from_url(REDIS_URL)
+        batcher = ScriptBatcher(client)
+        # A script this Redis never saw (SCRIPT FLUSH would touch every db): NOSCRIPT, loaded, sent again once.
+        script = f"-- {time.time_ns()}\nreturn tonumber(ARGV[1]) * 2"
+        sent: list[int] = []
+        original = client.pipeline
+
+        def counting_pipeline(*args: object, **kwargs: object) -> object:
+            sent.append(1)
+            return original(*args, **kwargs)
+
+        client.pipeline = counting_pipeline  # type: ignore[method-assign]
+        replies = await asyncio.gather(*(batcher.call(script, [], [i]) for i in range(10)))
+        assert replies == [2 * i for i in range(10)]
+        assert len(sent) == 2  # one pipeline for the ten calls, one more after NOSCRIPT
+        with pytest.raises(redis.exceptions.ResponseError):
+            await batcher.call("return redis.call('INCR')", [], [])  # a script error reaches its caller only
+        assert await batcher.call(script, [], [21]) == 42
+        await client.aclose()
+
+    asyncio.run(run())

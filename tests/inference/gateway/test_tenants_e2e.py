@@ -99,6 +99,11 @@ def test_requests_per_minute_hold_across_two_routers(routers: list[str], stand_i
     error = refused.json()["error"]
     assert "requests_per_minute" in error["message"] and error["code"] == "requests_per_minute"
     assert created.key.prefix in error["message"]
+    # Prometheus: per key class, never per key.
+    metrics = httpx.get(f"{routers[0]}/metrics", timeout=10).text
+    assert 'router_key_class_limited_total{key_class="interactive",limit="requests_per_minute"}' in metrics
+    assert 'router_key_class_requests_total{key_class="interactive",outcome="ok"}' in metrics
+    assert created.key.prefix not in metrics
 
 
 def test_a_revoked_key_is_refused_by_every_router_within_5s(routers: list[str], stand_ins: Cluster) -> None:
