@@ -36,6 +36,7 @@ class RouterPolicy(models.TextChoices):
     ROUND_ROBIN = "round-robin", "Round robin"
     LEAST_CONNECTIONS = "least-connections", "Least connections"
     POWER_OF_TWO = "power-of-two", "Power of two choices"
+    KV_AWARE = "kv-aware", "KV-aware (cached prefix + load)"
 
 
 class KVTransport(models.TextChoices):
