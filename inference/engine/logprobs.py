@@ -4,8 +4,8 @@ They are raw: the log-softmax of the model's logits (fp32) before any logits pro
 temperature or top-k/top-p/min-p filter, as vLLM's default (`raw_logprobs`) and what
 evaluation harnesses compare against the model itself. A step computes them only for the rows
 whose request asks (`SamplingParams.logprobs`, `prompt_logprobs`): one log-softmax over those rows
-and one `topk` for the widest request among them, then one `tolist` each, so the per-row Python
-only slices lists.
+and one top-k for the widest request among them (`row_topk`), then one `tolist` each, so the
+per-row Python only slices lists.
 """
 from __future__ import annotations
 
@@ -28,6 +28,28 @@ class TokenLogprobs:
     top: list[tuple[int, float]]
 
 
+# Top-k in two steps: the maximum of each chunk of this many values (one vectorized pass), then the
+# exact top-k among the values of the k chunks with the largest maxima (the k largest values lie in
+# at most k chunks, and those chunks' maxima are among the k largest chunk maxima).
+_TOPK_CHUNK = 64
+
+
+def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values of each row of `x` `[rows, vocab]` and their indices, largest first (as
+    `torch.topk`, whose CPU kernel is slow on long rows: SmolLM2's [32, 49152] fp32 logits took 2.2 ms
+    against 0.3 ms for the chunked form, single thread on the AVX2 EPYC)."""
+    rows, vocab = x.shape
+    c = _TOPK_CHUNK
+    if vocab % c or k * c >= vocab:
+        values, indices = torch.topk(x, k, dim=-1)
+        return values, indices
+    chunk_max = x.view(rows, vocab // c, c).amax(-1)
+    chunks = torch.topk(chunk_max, k, dim=-1).indices
+    cols = (chunks[:, :, None] * c + torch.arange(c, device=x.device)).view(rows, k * c)
+    values, picked = torch.topk(x.gather(1, cols), k, dim=-1)
+    return values, cols.gather(1, picked)
+
+
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
     """Row i's log-probability of `token_ids[i]` and its `num_top[i]` most likely tokens.
 
@@ -41,9 +63,9 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int
     widest = min(max(num_top), logp.shape[-1])
     if widest <= 0:
         return [TokenLogprobs(t, lp, []) for t, lp in zip(token_ids, chosen, strict=True)]
-    top = torch.topk(logp, widest, dim=-1)
-    top_ids: list[list[int]] = top.indices.tolist()
-    top_lps: list[list[float]] = top.values.tolist()
+    values, indices = row_topk(logp, widest)
+    top_ids: list[list[int]] = indices.tolist()
+    top_lps: list[list[float]] = values.tolist()
     return [
         TokenLogprobs(t, lp, list(zip(ti[:k], tv[:k], strict=True)))
         for t, lp, ti, tv, k in zip(token_ids, chosen, top_ids, top_lps, num_top, strict=True)

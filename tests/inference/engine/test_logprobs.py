@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from inference.engine import LLMEngine, SamplingParams
-from inference.engine.logprobs import TokenLogprobs, prefill_rows, token_logprobs
+from inference.engine.logprobs import TokenLogprobs, prefill_rows, row_topk, token_logprobs
 
 from .conftest import TinyModel
 from .helpers import drain, prefill_into
@@ -46,6 +46,18 @@ def test_token_logprobs_rows_ask_different_widths() -> None:
         assert abs(entry.logprob - float(ref[i, tok])) < 1e-6
         assert entry.top == [(int(t), pytest.approx(float(v), abs=1e-6))
                              for v, t in zip(*torch.topk(ref[i], len(entry.top)), strict=True)]
+
+
+@pytest.mark.parametrize(("vocab", "k"), [(49152, 5), (512, 20), (500, 3), (128, 2)])
+def test_row_topk_equals_torch_topk(vocab: int, k: int) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(7, vocab, generator=g)
+    x[0, :] = 0.0  # all tied: any k of them, values equal
+    x[1, 64:70] = 50.0  # the top values crowded into one chunk
+    values, indices = row_topk(x, k)
+    ref = torch.topk(x, k, dim=-1)
+    assert torch.equal(values, ref.values)
+    assert torch.equal(x.gather(1, indices), ref.values)  # each index holds its value
 
 
 def test_prefill_rows_only_when_asked() -> None:
