@@ -23,6 +23,7 @@ from django.conf import settings
 
 from inference.gateway import auth
 from inference.gateway.client_link import client_gone_probe
+from inference.gateway.http_protocol import health_body
 from inference.gateway.service import RouterService, get_router
 from inference.gateway.tenancy import Tenant, TenantRequest
 from inference.router import RouterError
@@ -374,7 +375,8 @@ class HealthConsumer(GatewayConsumer):
     """GET /health: the router is up; `ready` says whether a prefill and a decode worker are in rotation.
 
     Open without an API key (load balancers call it). It reads state only: the checks themselves
-    run in their own thread, so a busy router answers this at once.
+    run in their own thread. Once every worker was checked, the router's HTTP protocol answers
+    a plain probe before it reaches this consumer (inference/gateway/http_protocol.py).
     """
 
     async def handle(self, body: bytes) -> None:
@@ -387,24 +389,7 @@ class HealthConsumer(GatewayConsumer):
             # Right after start (or an endpoint change) nothing was checked yet: check now, so that
             # `ready` is never the optimistic default. Bounded by the health-check timeouts.
             await pool.check_all()
-
-        def brief(role: str) -> list[dict[str, Any]]:
-            return [
-                {"url": e.url, "healthy": e.healthy, "inflight": e.inflight, "last_error": e.last_error}
-                for e in pool.endpoints(role)
-            ]
-
-        admission = service.client.admission
-        await self.json(200, {
-            "status": "healthy",
-            "ready": pool.ready(),
-            "policy": pool.policy_name,
-            "inflight": service.client.inflight,
-            "queued": admission.queued,
-            "decode_slots": admission.capacity(),
-            "prefill": brief("prefill"),
-            "decode": brief("decode"),
-        })
+        await self.json(200, health_body(service))
 
 
 class StatusConsumer(GatewayConsumer):

@@ -18,11 +18,14 @@ Used by the router's gunicorn worker class, `RouterUvicornWorker`.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn_worker import UvicornWorker
+
+if TYPE_CHECKING:
+    from inference.gateway.service import RouterService
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +45,14 @@ def health_report() -> dict[str, Any] | None:
         service = get_router()
     except RouterError:
         return None
-    pool = service.pool
-    if any(endpoint.last_health_at is None for endpoint in pool.all_endpoints()):
+    if any(endpoint.last_health_at is None for endpoint in service.pool.all_endpoints()):
         return None  # the ASGI path checks them first, so that `ready` is never a default
+    return health_body(service)
+
+
+def health_body(service: RouterService) -> dict[str, Any]:
+    """GET /health's answer: the router is up; `ready` and each worker's health as last checked."""
+    pool = service.pool
 
     def brief(role: str) -> list[dict[str, Any]]:
         return [
