@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
+from itertools import chain
 from typing import Any
 
 from django.conf import settings
@@ -21,6 +22,7 @@ from inference.models import (
     WorkerSample,
     validate_role,
 )
+from inference.models.samples import WorkerSampleRollup
 from inference.selectors.charts import CHARTS, ROUTER_FIELDS, SERIES_FIELDS, WORKER_FIELDS
 
 # Router fields that add up over several routers of a deployment (the others: the worst router's).
@@ -150,11 +152,17 @@ def deployment_metric_series(
     worker_fields = list(WORKER_FIELDS)
     per_worker: dict[int, list[tuple[Any, ...]]] = {}
     names: dict[int, tuple[str, str, str]] = {}
-    worker_rows = (
-        WorkerSample.objects.filter(deployment=deployment, role__in=roles, at__gte=start)
-        .order_by("at", "worker_id")
-        .values_list("worker_id", "name", "role", "url", "at", *worker_fields)
-    )
+    raw = WorkerSample.objects.filter(deployment=deployment, role__in=roles, at__gte=start)
+    # Raw samples are kept METRICS_RAW_RETENTION_HOURS: before the oldest one, the minute rollups
+    # (inference.metrics.downsampling) carry each worker's series.
+    oldest_raw = raw.order_by("at").values_list("at", flat=True).first() or now
+    columns = ("worker_id", "name", "role", "url", "at", *worker_fields)
+    rolled_up = (
+        WorkerSampleRollup.objects.filter(deployment=deployment, role__in=roles, resolution_s=60, at__gte=start,
+                                          at__lt=oldest_raw)
+        .order_by("at", "worker_id").values_list(*columns)
+    )  # fmt: skip
+    worker_rows = chain(rolled_up, raw.order_by("at", "worker_id").values_list(*columns))
     for worker_id, name, worker_role, url, *values in worker_rows:
         per_worker.setdefault(worker_id, []).append(tuple(values))
         names[worker_id] = (name, worker_role, url)  # the newest name wins

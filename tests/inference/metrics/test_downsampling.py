@@ -71,3 +71,27 @@ def test_prune_keeps_raw_short_and_rollups_long(settings: Any) -> None:
     kept = sorted((r.resolution_s, now - r.at) for r in WorkerSampleRollup.objects.all())
     assert kept == [(60, timedelta(hours=71)), (3600, timedelta(days=29))]
     assert not MetricSample.objects.exists()
+
+
+@pytest.mark.django_db
+def test_worker_series_reads_rollups_before_the_raw_samples() -> None:
+    from django.utils import timezone
+
+    from inference.selectors.metrics import deployment_metric_series
+
+    deployment = make_deployment()
+    now = timezone.now()
+    # Raw samples of the last 2 hours (one every 5 minutes, load 0.5), minute rollups (load 0.25) before.
+    WorkerSample.objects.bulk_create(
+        [_sample(deployment.pk, 1, now - timedelta(minutes=m), load=0.5) for m in range(0, 120, 5)]
+    )
+    WorkerSampleRollup.objects.bulk_create([
+        WorkerSampleRollup(deployment=deployment, worker_id=1, name="decode #1", role="decode", resolution_s=60,
+                           at=now - timedelta(minutes=m), samples=12, load=0.25)
+        for m in range(120, 360, 10)
+    ])  # fmt: skip
+    series = deployment_metric_series(deployment, timedelta(hours=6), "decode", max_points=10_000)
+    (worker,) = series["workers"]
+    loads = worker["load"]
+    assert len(loads) == 24 + 24 and loads[:24] == [0.25] * 24 and loads[24:] == [0.5] * 24
+    assert worker["t"] == sorted(worker["t"])
