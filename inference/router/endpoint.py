@@ -95,6 +95,9 @@ class Endpoint:
     # Requests admitted at once as the last health answer's batch size gives them (`slots_for`); 0
     # while no answer reported one (admission then uses its default). Set with `last_health`.
     slots: int = field(default=0, init=False)
+    # Prompt tokens the prefills this router has in flight here still compute, as the kv-aware policy
+    # predicted them (its measure of a prefill worker's queue; 0 under other policies).
+    pending_tokens: int = field(default=0, init=False)
     _healthy: bool = field(default=True, init=False, repr=False)
     _last_health: dict[str, Any] | None = field(default=None, init=False, repr=False)
     _batch_size: int | None = field(default=None, init=False, repr=False)
@@ -191,6 +194,7 @@ class Endpoint:
             "role": self.role,
             "healthy": self.healthy,
             "inflight": self.inflight,
+            "pending_tokens": self.pending_tokens,
             "consecutive_failures": self.consecutive_failures,
             "last_error": self.last_error,
             "last_health": self.last_health,

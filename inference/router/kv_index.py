@@ -46,6 +46,10 @@ class PromptBlocks:
 # own task; a policy reads it). A context variable: every request runs in a task of its own.
 CURRENT_PROMPT: contextvars.ContextVar[PromptBlocks | None] = contextvars.ContextVar("current_prompt", default=None)
 
+# What the last kv-aware choice of the current task predicted the chosen worker still computes
+# (prefill_call counts it in the worker's `pending_tokens` while the prefill runs).
+PREDICTED_UNCACHED: contextvars.ContextVar[int] = contextvars.ContextVar("predicted_uncached", default=0)
+
 
 def set_prompt(req: GenerateRequest) -> None:
     """Make `req`'s prompt the one the current task's choices see: its token ids when the client sent

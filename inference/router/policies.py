@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from inference.router.endpoint import Endpoint
-from inference.router.kv_index import CURRENT_PROMPT, KVIndex
+from inference.router.kv_index import CURRENT_PROMPT, PREDICTED_UNCACHED, KVIndex
 
 # A test an endpoint must pass to be chosen (a free slot, not yet tried by the request).
 Accept = Callable[[Endpoint], bool]
@@ -167,8 +167,10 @@ DEFAULT_KV_LOAD_WEIGHT = 64.0
 
 class KVAware:
     """The worker with the least work ahead for this prompt: cost = `token_weight` x (the prompt's
-    tokens the worker would still have to compute, from the KV index) + `load_weight` x (its requests
-    in flight); the cheapest wins, ties at random (as Dynamo's KV router scores, without its tiers).
+    tokens the worker would still have to compute, from the KV index, + the tokens its prefills in
+    flight still compute, `Endpoint.pending_tokens`) + `load_weight` x (its requests in flight); the
+    cheapest wins, ties at random (as Dynamo's KV router scores: prefill blocks, cached ones credited,
+    plus the worker's active load).
 
     The prompt is the one the request being routed set (`kv_index.CURRENT_PROMPT`); without one, or
     with an index that knows nothing of the candidates (empty, stale, a worker's stream down), every
@@ -212,7 +214,7 @@ class KVAware:
             if not accept(endpoint):
                 continue
             cached = index.cached_tokens(endpoint.url, prompt) if prompt is not None else 0
-            cost = token_weight * (total - cached) + load_weight * endpoint.inflight
+            cost = token_weight * (total - cached + endpoint.pending_tokens) + load_weight * endpoint.inflight
             if not best or cost < best_cost:
                 best, best_cost = [endpoint], cost
             elif cost == best_cost:
@@ -221,8 +223,10 @@ class KVAware:
             return None
         chosen = best[0] if len(best) == 1 else best[self._rng.randrange(len(best))]
         if prompt is not None:
+            cached = index.cached_tokens(chosen.url, prompt)
             self.prompt_tokens += total
-            self.predicted_cached_tokens += index.cached_tokens(chosen.url, prompt)
+            self.predicted_cached_tokens += cached
+            PREDICTED_UNCACHED.set(total - cached)
         return chosen
 
 

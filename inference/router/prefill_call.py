@@ -23,7 +23,7 @@ from inference.router.failures import (
     raise_for_status,
 )
 from inference.router.health import describe_exception
-from inference.router.kv_index import CURRENT_PROMPT, PromptBlocks
+from inference.router.kv_index import CURRENT_PROMPT, PREDICTED_UNCACHED, PromptBlocks
 from inference.wire.prefill import PrefillAnswer, PrefillRequest
 from inference.wire.stream import DescriptorLine
 
@@ -56,6 +56,7 @@ async def prefill(est: Establishment, attempt: Attempt, descriptor: DescriptorLi
     if current is None or current.token_ids != descriptor.prompt_token_ids:
         CURRENT_PROMPT.set(PromptBlocks(descriptor.prompt_token_ids))  # this task's own context
     for _ in range(len(pool.endpoints("prefill"))):  # each prefill endpoint at most once
+        PREDICTED_UNCACHED.set(0)
         prefill = pool.choose("prefill", exclude=tried)
         if prefill is None:
             break
@@ -72,6 +73,9 @@ async def _prefill_on(est: Establishment, prefill: Endpoint, attempt: Attempt, b
     attempt.prefill = prefill
     client.metrics.selections.labels("prefill", prefill.url).inc()
     prefill.acquire()
+    # The tokens a kv-aware choice predicted this prefill computes count in the worker's queue meanwhile.
+    pending = PREDICTED_UNCACHED.get()
+    prefill.pending_tokens += pending
     try:
         attempt.prefill_answer = await _post_prefill(est, prefill, body)
     except DecodePeerFailure:
@@ -97,6 +101,7 @@ async def _prefill_on(est: Establishment, prefill: Endpoint, attempt: Attempt, b
         raise
     finally:
         prefill.release()
+        prefill.pending_tokens -= pending
     pool.record_success(prefill)
     return True
 

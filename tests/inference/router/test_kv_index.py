@@ -6,7 +6,7 @@ import random
 from inference.engine.block_manager import BlockManager
 from inference.engine.kv_events import KVEventLog
 from inference.router.endpoint import Endpoint
-from inference.router.kv_index import CURRENT_PROMPT, KVIndex, PromptBlocks
+from inference.router.kv_index import CURRENT_PROMPT, PREDICTED_UNCACHED, KVIndex, PromptBlocks
 from inference.router.policies import KVAware
 from inference.wire.kv_events import KVEventBatch, KVSnapshot, block_hashes, decode_line
 
@@ -88,6 +88,10 @@ def test_kv_aware_prefers_the_holder_until_its_load_outweighs_the_prefix() -> No
         assert policy.choose([other, holder]) is other
         assert policy.choose_where([other, holder], lambda e: e is not other) is holder
         assert policy.predicted_cached_tokens == 11 * 196  # ten and the last choice of the holder
+        holder.inflight = 0
+        holder.pending_tokens = 197  # its prefills in flight compute more than the prefix saves
+        assert policy.choose([other, holder]) is other
+        assert PREDICTED_UNCACHED.get() == 200  # what the chosen one computes (prefill_call counts it)
     finally:
         CURRENT_PROMPT.reset(token)
 
