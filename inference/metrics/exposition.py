@@ -54,17 +54,31 @@ QUANTILES = (("p50", 0.5), ("p90", 0.9))
 
 
 def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, float]]:
-    """(counters, gauges) from a worker's Prometheus text; samples of one name are summed over labels."""
+    """(counters, gauges) from a worker's Prometheus text; samples of one name are summed over labels.
+
+    Only the lines of the wanted samples are read (`name{labels} value [timestamp]`: the value follows
+    the name or the labels' last brace): the collector parses one text per worker per round, and
+    prometheus_client's full parser took 1.9 ms of CPU for a worker's 143 lines, most of a round's CPU
+    at 1,000 workers (tests check both parsers agree on a real worker's text). ValueError on a wanted
+    sample whose value is not a number.
+    """
     counters: dict[str, float] = {}
     gauges: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in COUNTERS:
-                key = COUNTERS[sample.name]
-                counters[key] = counters.get(key, 0.0) + float(sample.value)
-            elif sample.name in GAUGES:
-                key = GAUGES[sample.name]
-                gauges[key] = gauges.get(key, 0.0) + float(sample.value)
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        brace, space = line.find("{"), line.find(" ")
+        end = brace if brace != -1 and (space == -1 or brace < space) else space
+        name = line[:end] if end != -1 else line
+        target = counters if name in COUNTERS else gauges if name in GAUGES else None
+        if target is None:
+            continue
+        rest = line[line.rindex("}") + 1 :] if end == brace else line[end:]
+        fields = rest.split()
+        if not fields:
+            raise ValueError(f"no value in metrics line {line!r}")
+        key = COUNTERS.get(name) or GAUGES[name]
+        target[key] = target.get(key, 0.0) + float(fields[0])
     return counters, gauges
 
 
