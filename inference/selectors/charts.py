@@ -60,9 +60,17 @@ def _chart(chart_id: str, title: str, unit: str, source: str, fields: Sequence[s
     return {"id": chart_id, "title": title, "unit": unit, "source": source, "fields": list(fields), **extra}
 
 
+# What the CPU chart measures: a worker reports how busy the cores it is pinned to are (psutil, per core),
+# whatever runs on them, so an idle worker whose cores other processes use reads busy.
+CPU_NOTE = (
+    "busy share of the cores each worker is pinned to, counting every process on them (not the worker's own "
+    "CPU time): an idle worker reads high when its cores are shared"
+)
+
 # The charts of the metrics page, in order. `source`: "router" (one line per field of the router's
 # series), "role" (one line per role, or per worker when the page's toggle says so and the chart has
-# `per_worker`), "worker" (one line per worker, always).
+# `per_worker`), "worker" (one line per worker, always). `needs_gpu`: a chart that only GPU workers fill, which
+# the page replaces by "no GPU" when no worker reported a value; `note`: what the chart measures, under its title.
 CHARTS: list[dict[str, Any]] = [
     _chart("router_overhead", "Router overhead (dispatch latency)", "s", "router",
            ["dispatch_p50_s", "dispatch_p90_s"]),
@@ -78,10 +86,12 @@ CHARTS: list[dict[str, Any]] = [
     _chart("throughput", "Throughput", "tokens/s", "role", ["throughput_tps"], per_worker=True),
     _chart("queue_depth", "Queue depth (workers)", "requests", "role", ["queue_depth"], per_worker=True),
     _chart("kv_usage", "KV cache usage", "ratio", "role", ["kv_usage"], per_worker=True),
-    _chart("cpu_utilization", "CPU utilisation", "ratio", "role", ["cpu_utilization"], per_worker=True),
-    _chart("gpu_utilization", "GPU utilisation", "ratio", "role", ["gpu_utilization"], per_worker=True),
+    _chart("cpu_utilization", "CPU utilisation of the pinned cores", "ratio", "role", ["cpu_utilization"],
+           per_worker=True, note=CPU_NOTE),
+    _chart("gpu_utilization", "GPU utilisation", "ratio", "role", ["gpu_utilization"], per_worker=True,
+           needs_gpu=True),
     _chart("rss", "Resident memory (RSS)", "bytes", "role", ["rss_bytes"], per_worker=True),
-    _chart("gpu_memory", "GPU memory", "bytes", "role", ["gpu_memory_bytes"], per_worker=True),
+    _chart("gpu_memory", "GPU memory", "bytes", "role", ["gpu_memory_bytes"], per_worker=True, needs_gpu=True),
     _chart("kv_transfer", "KV transfer", "bytes/s", "role", ["kv_transfer_bytes_per_s"], per_worker=True),
     _chart("kv_transfer_time", "KV transfer time (mean)", "s", "role", ["kv_transfer_s"], per_worker=True),
     _chart("prefix_cache", "Prefix-cache hit rate", "ratio", "role", ["prefix_cache_hit_ratio"], per_worker=True),

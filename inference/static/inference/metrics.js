@@ -211,12 +211,28 @@
     };
   }
 
+  /* The y axis as wide as its longest label (a fixed 64 px cut "1.4 MiB/s" to ".4 MiB/s"): uPlot asks on
+   * each layout cycle with the labels it formatted (none on the first). */
+  var MIN_AXIS_PX = 40;
+  function axisSize(u, values, axisIdx, cycleNum) {
+    var axis = u.axes[axisIdx];
+    if (cycleNum > 1) { return axis._size; }  // settled: keep the size (uPlot re-asks until stable)
+    var size = axis.ticks.size + axis.gap;
+    var longest = (values || []).reduce(function (a, v) { return v && v.length > a.length ? v : a; }, "");
+    if (longest) {
+      u.ctx.font = axis.font[0];
+      size += u.ctx.measureText(longest).width / (window.devicePixelRatio || 1);
+    }
+    return Math.ceil(Math.max(size, MIN_AXIS_PX)) + 4;
+  }
+
   function Chart(figure, registry) {
     this.figure = figure;
     this.id = figure.getAttribute("data-chart");
     this.unit = figure.getAttribute("data-unit");
     this.holder = figure.querySelector(".metrics-plot");
     this.empty = figure.querySelector(".metrics-empty");
+    this.noGpu = figure.querySelector(".metrics-no-gpu");  // GPU charts: said instead of an empty chart
     this.registry = registry;
     this.plot = null;
     this.key = null;
@@ -257,7 +273,7 @@
             var span = (u.scales.x.max - u.scales.x.min) * 1000;
             return splits.map(function (v) { return formatTime(v * 1000, span); });
           } },
-        { stroke: "currentColor", grid: { stroke: "rgba(128,128,128,0.2)" }, size: 64,
+        { stroke: "currentColor", grid: { stroke: "rgba(128,128,128,0.2)" }, size: axisSize,
           values: function (u, splits) { return splits.map(function (v) { return formatValue(v, unit); }); } },
       ],
       series: [{ value: function (u, v) { return v === null ? "–" : formatTime(v * 1000, 0); } }].concat(
@@ -285,7 +301,12 @@
       this.key = key;
     }
     this.registry[this.id] = this.plot;
-    this.empty.hidden = hasValues(data);
+    var filled = hasValues(data);
+    var noGpu = Boolean(this.noGpu) && !filled;
+    if (this.noGpu) { this.noGpu.hidden = !noGpu; }
+    this.holder.hidden = noGpu;
+    this.figure.classList.toggle("metrics-chart-no-gpu", noGpu);
+    this.empty.hidden = filled || noGpu;
   };
 
   Chart.prototype.resize = function () {
