@@ -14,6 +14,7 @@ import torch
 
 from .block_manager import BlockManager, NoFreeBlocks
 from .config import ModelConfig
+from .grammar import GrammarCompiler
 from .handover import KVHandover
 from .kv_cache import KVCache
 from .memory import DEFAULT_GPU_MEMORY_UTILIZATION
@@ -133,6 +134,9 @@ class LLMEngine(KVHandover):
             self.scheduler, self._finish, eos_token_ids=eos_token_ids(self.config, self.tokenizer),
             max_model_len=self.max_model_len, tokenizer=self.tokenizer,
         )
+        # Structured output: grammars compiled for this tokenizer (its tables built on first use).
+        self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size,
+                                        sorted(eos_token_ids(self.config, self.tokenizer)))
 
     def _init_request_state(self) -> None:
         """No request yet: the lock, the live sequences and the counters."""
@@ -222,6 +226,8 @@ class LLMEngine(KVHandover):
             raise ValueError(f"request {request_id!r} already exists")
         self._arrival += 1
         seq = Sequence(request_id, prompt, params, self._arrival, prefill_only=prefill_only)
+        if params.grammar is not None:
+            seq.grammar_state = self.grammars.new_state(params.grammar)
         self.outputs.prepare(seq)
         return seq
 
@@ -237,6 +243,8 @@ class LLMEngine(KVHandover):
             raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+        if params.grammar is not None:
+            self.grammars.compile(params.grammar)  # GrammarError (a ValueError) naming the problem
         if len(prompt) > self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt)} tokens, more than the context length {self.max_model_len}"

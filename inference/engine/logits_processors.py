@@ -1,5 +1,5 @@
-"""Logits processors, vectorized over the rows that use them: min_tokens, logit_bias, and the
-repetition, frequency and presence penalties.
+"""Logits processors, vectorized over the rows that use them: min_tokens, logit_bias, the
+repetition, frequency and presence penalties, and structured output's token masks (`grammar.py`).
 
 Order (vLLM's): the stop tokens of a row short of `min_tokens` are masked (-inf), `logit_bias` is
 added, then the repetition penalty (a logit of a token seen in prompt or output is divided by it when
@@ -19,6 +19,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from .grammar import apply_grammars
 from .sampling_params import SamplingParams
 
 
@@ -127,6 +128,9 @@ def process(
         # occurrence (index_add_ accumulates): no [rows, vocab] count tensor.
         flat[index] = flat[index] - presence
         flat.index_add_(0, index, -frequency)
+    if any(p.grammar is not None for p in params):
+        # Structured output last: whatever the other processors did, a forbidden token stays -inf.
+        apply_grammars(x, params, histories)
     return x
 
 

@@ -36,7 +36,8 @@ class SamplingParams:
     over the generated tokens: the output, and after a migration the prompt's last `seed_offset`
     tokens, which were generated), `repetition_penalty` (vLLM's, over prompt and output; 1 = off),
     `logit_bias` (token id -> added to its logit), `min_tokens` (EOS and `stop_token_ids` masked
-    until that many tokens were generated, `seed_offset` included).
+    until that many tokens were generated, `seed_offset` included), and `grammar` (structured output,
+    the wire's spec: the tokens follow it, masked by `grammar.py`).
 
     Log-probabilities (`logprobs.py`), raw (the log-softmax of the model's logits, before processors,
     temperature and filters, as vLLM's default): `logprobs` N gives each sampled token's and its N
@@ -59,6 +60,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    grammar: dict[str, Any] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
 
@@ -69,10 +71,10 @@ class SamplingParams:
 
     @property
     def has_processors(self) -> bool:
-        """Whether a logits processor (penalty, bias, min_tokens) changes this request's logits."""
+        """Whether a logits processor (penalty, bias, min_tokens, grammar) changes this request's logits."""
         return bool(
             self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
-            or self.logit_bias or self.min_tokens
+            or self.logit_bias or self.min_tokens or self.grammar is not None
         )
 
     def validate(self) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from .detokenizer import IncrementalDetokenizer
 from .logprobs import TokenLogprobs
@@ -80,6 +81,8 @@ class Sequence:
     # whichever comes first). `stop_ids` None: not set up, the engine takes its general path.
     stop_ids: frozenset[int] | None = None
     token_limit: int = 0
+    # Structured output: the matcher of the request's grammar (grammar.GrammarState; None without one).
+    grammar_state: Any = None
     # Log-probabilities of the pending tokens (one each, when the request asks) and of the prompt
     # (gathered over the chunks of its first prefill, reported with the first output).
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)

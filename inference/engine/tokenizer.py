@@ -6,6 +6,8 @@ import json
 import os
 from typing import Any
 
+from .chat_tools import template_renders_tools, with_tool_prompt
+
 # Any of these files means the checkpoint folder ships a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -94,17 +96,22 @@ class Tokenizer:
         return bool(getattr(self.hf, "chat_template", None))
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Render chat messages with the model's template and tokenize them.
+        """Render chat messages (and `tools`, OpenAI function tools) with the model's template and
+        tokenize them. A template that does not render tools gets them in the Hermes/Qwen tool prompt
+        (`chat_tools.with_tool_prompt`).
 
         Rendered to text first, then encoded without extra special tokens: the template already holds
         them, and transformers versions differ in what `tokenize=True` returns.
         """
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template")
+        if tools and not template_renders_tools(str(self.hf.chat_template)):
+            messages, tools = with_tool_prompt(messages, tools), None
         text = self.hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
         )
         return self.encode(str(text), add_special_tokens=False)
 

@@ -26,6 +26,8 @@ class GenerateRequest:
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     input_ids: list[int] | None = None
+    # Chat tools (OpenAI function tools, checked): the decode worker renders them with the chat template.
+    tools: list[dict[str, Any]] | None = None
     request_id: str = field(default_factory=new_request_id)
     # Who sent it (its fair share in the admission queue) and its priority class (0 is served first).
     tenant: str = ""
@@ -38,6 +40,8 @@ class GenerateRequest:
             body["input_ids"] = self.input_ids
         elif self.messages is not None:
             body["messages"] = self.messages
+            if self.tools:
+                body["tools"] = self.tools
         else:
             body["prompt"] = self.prompt
         return body

@@ -17,6 +17,8 @@ import orjson
 from inference.router.choices_format import ChoiceFields, ChoicesStream, choices_body, parse_choice_fields
 from inference.router.errors import RouterError
 from inference.router.events import DoneEvent, ErrorEvent, Event, GenerateRequest, TokenEvent
+from inference.router.response_format import parse_grammar
+from inference.router.tool_calls import ToolCallStream, ToolChoice, message, parse_tools
 from inference.wire.sampling import RULES, Sampling, SamplingError
 
 Kind = Literal["generate", "completion", "chat"]
@@ -30,6 +32,7 @@ _GENERATE_FIELDS = {
     "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
     "stop_token_ids", "ignore_eos", "model", "input_ids",
     "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+    "response_format", "guided_json", "guided_regex", "guided_choice",
 }
 
 
@@ -80,6 +83,7 @@ def parse_sampling(data: dict[str, Any], max_tokens_field: str = "max_tokens") -
     except SamplingError as exc:
         raise bad_request(exc.quoted()) from None
     sampling = Sampling(**values)
+    sampling.grammar = parse_grammar(data)  # structured output: response_format / guided_* (400 if invalid)
     if sampling.min_tokens > sampling.max_tokens:
         raise bad_request(f"'min_tokens' must be at most '{max_tokens_field}' ({sampling.max_tokens}), "
                           f"got {sampling.min_tokens}")
@@ -109,6 +113,8 @@ class ParsedRequest:
     created: int = field(default_factory=lambda: int(time.time()))
     # n, logprobs, echo (choices_format.py; the plain answer when none is used).
     choices: ChoiceFields = field(default_factory=ChoiceFields)
+    # Chat with tools: how the answer's text becomes tool calls (inference/router/tool_calls.py).
+    tools: ToolChoice | None = None
 
 
 def _require_object(data: Any) -> dict[str, Any]:
@@ -171,11 +177,6 @@ def _check_unsupported(data: dict[str, Any]) -> None:
     """Refuse OpenAI options this server cannot honour, instead of silently ignoring them."""
     if data.get("suffix"):
         raise bad_request("'suffix' is not supported")
-    if data.get("tools") or data.get("functions"):
-        raise bad_request("'tools' are not supported")
-    response_format = data.get("response_format")
-    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
-        raise bad_request("'response_format' other than text is not supported")
 
 
 def _stream_options(data: dict[str, Any], stream: bool) -> bool:
@@ -240,21 +241,61 @@ def parse_chat(data: Any) -> ParsedRequest:
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list of {role, content} objects")
     normalized: list[dict[str, Any]] = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+    for index, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise bad_request(f"messages[{index}] must be an object with a string 'role'")
-        normalized.append({"role": message["role"], "content": _message_text(message.get("content"), index)})
+        normalized.append({"role": msg["role"], "content": _message_text(msg.get("content"), index),
+                           **tool_fields(msg, index)})
     field_name = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
     stream = _get_bool(data, "stream")
     sampling = parse_sampling(data, field_name)
+    tools = parse_tools(data)
+    if tools is not None and tools.grammar() is not None:
+        if sampling.grammar is not None:
+            raise bad_request("'response_format' cannot be combined with a 'tool_choice' of required or a function")
+        sampling.grammar = tools.grammar()  # valid arguments guaranteed
+    choices = parse_choice_fields(data, "chat", sampling)
+    if tools is not None and choices.rich:
+        raise bad_request("'n' > 1 and 'logprobs' are not supported together with 'tools'")
     return ParsedRequest(
         kind="chat",
-        request=GenerateRequest(sampling=sampling, messages=normalized),
+        request=GenerateRequest(sampling=sampling, messages=normalized,
+                                tools=tools.tools if tools is not None else None),
         stream=stream,
         include_usage=_stream_options(data, stream),
         model=_get_model(data),
-        choices=parse_choice_fields(data, "chat", sampling),
+        tools=tools,
+        choices=choices,
     )
+
+
+def tool_fields(msg: dict[str, Any], index: int) -> dict[str, Any]:
+    """The tool-calling fields of a chat message, for the chat template: an assistant's `tool_calls`
+    (arguments as objects, as templates expect), a tool answer's `tool_call_id` and `name`."""
+    out: dict[str, Any] = {}
+    for key in ("tool_call_id", "name"):
+        if isinstance(msg.get(key), str):
+            out[key] = msg[key]
+    calls = msg.get("tool_calls")
+    if calls is None:
+        return out
+    if not isinstance(calls, list):
+        raise bad_request(f"messages[{index}].tool_calls must be a list")
+    rendered = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(f"messages[{index}].tool_calls entries need a function with a 'name'")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = orjson.loads(arguments) if arguments else {}
+            except orjson.JSONDecodeError:
+                raise bad_request(f"messages[{index}].tool_calls arguments must be JSON") from None
+        rendered.append({"id": call.get("id"), "type": "function",
+                         "function": {"name": function["name"], "arguments": arguments}})
+    out["tool_calls"] = rendered
+    return out
 
 
 PARSERS = {"generate": parse_generate, "completion": parse_completion, "chat": parse_chat}
@@ -350,6 +391,10 @@ def final_body(parsed: ParsedRequest, result: Collected, model: str) -> dict[str
     choices = [choice]
     if parsed.choices.rich and parsed.kind != "generate":
         choices = choices_body(parsed.kind, parsed.choices, parsed.request.prompt, result.events, done)
+    elif parsed.kind == "chat" and parsed.tools is not None:
+        choice["message"], called = message(parsed.tools, result.text)
+        if called and done.finish_reason == "stop":
+            choice["finish_reason"] = "tool_calls"
     elif parsed.kind == "chat":
         choice["message"] = {"role": "assistant", "content": result.text}
     else:
@@ -397,6 +442,7 @@ class SseFormatter:
     def __init__(self, parsed: ParsedRequest, model: str) -> None:
         self.parsed = parsed
         self.model = model
+        self._tools = ToolCallStream(parsed.tools) if parsed.tools is not None and parsed.kind == "chat" else None
         self._choices: ChoicesStream | None = None
         if parsed.kind != "generate" and parsed.choices.rich:
             self._choices = ChoicesStream(parsed.kind, _head(parsed, model), parsed.choices, parsed.request.prompt,
@@ -429,6 +475,8 @@ class SseFormatter:
         """The bytes for `event`, and whether it ends the stream (see `sse_event`)."""
         if self._choices is not None:
             return self._choices.event(event)
+        if self._tools is not None:
+            return self._tool_event(event)
         if type(event) is not TokenEvent:
             return sse_event(self.parsed, event, self.model)
         text = line_safe_json(orjson.dumps(event.text))
@@ -436,6 +484,22 @@ class SseFormatter:
         if self.parsed.kind == "generate":
             return b'data: {"text":' + text + b',"token_ids":' + ids + b"}\n\n", False
         return self._prefix + text + self._close_text + b',"token_ids":' + ids + self._suffix, False
+
+
+    def _tool_event(self, event: Event) -> tuple[bytes, bool]:
+        """A chat stream with tools: text becomes content and `tool_calls` deltas (`ToolCallStream`)."""
+        assert self._tools is not None
+        if isinstance(event, TokenEvent):
+            deltas = self._tools.feed(event.text)
+            return b"".join(sse(_chunk(self.parsed, self.model, d, None, None)) for d in deltas), False
+        if isinstance(event, DoneEvent):
+            out = b"".join(sse(_chunk(self.parsed, self.model, d, None, None)) for d in self._tools.finish())
+            reason = "tool_calls" if self._tools.called and event.finish_reason == "stop" else event.finish_reason
+            out += sse(_chunk(self.parsed, self.model, {}, reason, None))
+            if self.parsed.include_usage:
+                out += sse(_usage_chunk(self.parsed, self.model, event.usage))
+            return out + SSE_DONE, True
+        return sse_event(self.parsed, event, self.model)
 
 
 def _chunk(

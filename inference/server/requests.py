@@ -53,8 +53,11 @@ def prompt_token_ids(body: dict[str, Any], tokenizer: Tokenizer | None, vocab_si
                 raise bad_request("each message needs a string 'role' and a 'content'")
         if tokenizer is None:
             raise bad_request("this model has no tokenizer: send 'input_ids'")
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise bad_request("'tools' must be a list of function tools")
         try:
-            return tokenizer.apply_chat_template(messages)
+            return tokenizer.apply_chat_template(messages, tools=tools or None)
         except Exception as exc:  # noqa: BLE001  template errors come in many types
             raise bad_request(f"cannot apply the chat template: {exc}") from exc
     prompt = body.get("prompt")

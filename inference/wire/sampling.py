@@ -184,6 +184,28 @@ def _logprobs(name: str, value: Any) -> int | None:
     return value
 
 
+# Structured output: the grammar kinds a request may name (the router builds them from `response_format`,
+# `guided_regex`, `guided_choice` and tool choices; the engine compiles them: inference/engine/grammar.py).
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice")
+
+
+def _grammar(name: str, value: Any) -> dict[str, Any] | None:
+    """The shape of a grammar spec; whether the schema or regex compiles is the grammar library's call."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, Mapping) else None
+    if kind not in GRAMMAR_KINDS:
+        raise SamplingError(name, f"must be an object whose 'type' is one of {', '.join(GRAMMAR_KINDS)}")
+    if kind == "json_schema" and not isinstance(value.get("schema"), Mapping):
+        raise SamplingError(name, "of type json_schema needs a 'schema' object")
+    if kind == "regex" and not (isinstance(value.get("pattern"), str) and value["pattern"]):
+        raise SamplingError(name, "of type regex needs a non-empty 'pattern' string")
+    choices = value.get("choices")
+    if kind == "choice" and not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
+        raise SamplingError(name, "of type choice needs a non-empty list of strings 'choices'")
+    return dict(value)
+
+
 def _min_tokens(name: str, value: Any) -> int:
     if not _is_int(value) or value < 0:
         raise SamplingError(name, f"must be an integer >= 0, got {value!r}")
@@ -207,6 +229,7 @@ RULES: dict[str, Callable[[str, Any], Any]] = {
     "repetition_penalty": _repetition_penalty,
     "logit_bias": _logit_bias,
     "min_tokens": _min_tokens,
+    "grammar": _grammar,
     "logprobs": _logprobs,
     "prompt_logprobs": _logprobs,
 }
@@ -215,6 +238,7 @@ RULES: dict[str, Callable[[str, Any], Any]] = {
 # leaves them off; `to_json` sends them only when set.
 PROCESSOR_DEFAULTS: dict[str, Any] = {
     "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {}, "min_tokens": 0,
+    "grammar": None,
 }
 
 
@@ -235,7 +259,9 @@ class Sampling:
     Logits processors (applied by the engine's sampler on both workers): `frequency_penalty` and
     `presence_penalty` (OpenAI's, over the generated tokens), `repetition_penalty` (vLLM's, over
     prompt and generated tokens; 1 = off), `logit_bias` (token id -> bias added to its logit) and
-    `min_tokens` (EOS and stop token ids masked until that many tokens were generated).
+    `min_tokens` (EOS and stop token ids masked until that many tokens were generated), and
+    `grammar` (structured output: the tokens must follow a JSON schema, any JSON object, a regex or
+    one of a list of strings; `GRAMMAR_KINDS`).
 
     Log-probabilities (raw: the log-softmax of the model's logits before any processor, temperature
     or filter): `logprobs` None = none, N = each sampled token's plus its N most likely alternatives;
@@ -257,6 +283,7 @@ class Sampling:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    grammar: dict[str, Any] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
 
