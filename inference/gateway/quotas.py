@@ -33,8 +33,18 @@ _CONCURRENCY_TTL_S = 3600
 _KEY_PREFIX = "quota"
 
 # Returns 0 (admitted and counted), 1 (requests/min spent), 2 (tokens/min spent), 3 (concurrency full).
+# First applies what this process owes for the key: tokens (ARGV[6]) and ended requests (ARGV[7]).
 _ADMIT_LUA = """
 local rpm, tpm, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local owed_tokens, owed_ends = tonumber(ARGV[6]), tonumber(ARGV[7])
+if owed_tokens > 0 then
+  redis.call('INCRBY', KEYS[2], owed_tokens)
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
+end
+if owed_ends > 0 then
+  local held = tonumber(redis.call('GET', KEYS[3]) or '0')
+  if held > 0 then redis.call('DECRBY', KEYS[3], math.min(held, owed_ends)) end
+end
 if conc > 0 and tonumber(redis.call('GET', KEYS[3]) or '0') >= conc then return 3 end
 if tpm > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') >= tpm then return 2 end
 if rpm > 0 then
@@ -48,17 +58,23 @@ if conc > 0 then
 end
 return 0
 """
-# A request's end in one round trip: its last tokens counted (ARGV[1] > 0) and its concurrency slot
-# freed (ARGV[3] == '1').
-_FINISH_LUA = """
-local tokens = tonumber(ARGV[1])
+# What a process owes for a key, paid without an admission: tokens (ARGV[1]) counted, ended requests
+# (ARGV[3]) taken off the concurrency counter.
+_SETTLE_LUA = """
+local tokens, ends = tonumber(ARGV[1]), tonumber(ARGV[3])
 if tokens > 0 then
   redis.call('INCRBY', KEYS[1], tokens)
   redis.call('EXPIRE', KEYS[1], ARGV[2])
 end
-if ARGV[3] == '1' and tonumber(redis.call('GET', KEYS[2]) or '0') > 0 then redis.call('DECR', KEYS[2]) end
+if ends > 0 then
+  local held = tonumber(redis.call('GET', KEYS[2]) or '0')
+  if held > 0 then redis.call('DECRBY', KEYS[2], math.min(held, ends)) end
+end
 return 0
 """
+# How long a request's end (its concurrency slot, its last tokens) may wait to ride along with the key's
+# next admission in this process before it is sent on its own.
+SETTLE_AFTER_S = 0.1
 
 LIMIT_NAMES = {1: "requests_per_minute", 2: "tokens_per_minute", 3: "max_concurrent"}
 
@@ -150,12 +166,22 @@ class LocalCounters:
 
 
 class RedisCounters:
-    """Counters in Redis, shared by every router process: script calls batched per loop turn
-    (redis_batch.py), one client per event loop."""
+    """Counters in Redis, shared by every router process: one client per event loop, script calls
+    batched per loop turn (redis_batch.py).
+
+    A request's end costs no round trip of its own: its tokens and its concurrency slot are owed and
+    paid by the key's next admission in this process (the admit script applies them first), or by a
+    settle call at most SETTLE_AFTER_S later. So one Redis call per request; another process sees an
+    ended request's slot free at most that much later.
+    """
 
     def __init__(self, url: str) -> None:
         self.url = url
         self._batchers: dict[int, ScriptBatcher] = {}
+        self._owed: dict[int, tuple[Tenant, int, int]] = {}  # key id -> (tenant, tokens, ended requests)
+        self._settle_scheduled = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._warned_at = 0.0
 
     def _batcher(self) -> ScriptBatcher:
         import redis.asyncio as redis_asyncio
@@ -174,23 +200,56 @@ class RedisCounters:
         return [f"{base}:r:{window}", f"{base}:t:{window}", f"{base}:c"]
 
     async def admit(self, tenant: Tenant, now: float) -> int:  # noqa: D102
+        key_id = tenant.key_id or 0
+        _, tokens, ends = self._owed.pop(key_id, (tenant, 0, 0))
         args = [tenant.requests_per_minute or 0, tenant.tokens_per_minute or 0, tenant.max_concurrent or 0,
-                _WINDOW_TTL_S, _CONCURRENCY_TTL_S]
-        return int(await self._batcher().call(_ADMIT_LUA, self._keys(tenant, _window(now)), args))
+                _WINDOW_TTL_S, _CONCURRENCY_TTL_S, tokens, ends]
+        try:
+            return int(await self._batcher().call(_ADMIT_LUA, self._keys(tenant, _window(now)), args))
+        except BaseException:
+            self._owe(tenant, tokens, ends)  # not applied: still owed
+            raise
 
     async def finish(self, tenant: Tenant, tokens: int, now: float) -> None:  # noqa: D102
-        counted = tokens if tenant.tokens_per_minute else 0
-        if counted <= 0 and not tenant.max_concurrent:
-            return
-        _, token_key, concurrency_key = self._keys(tenant, _window(now))
-        await self._batcher().call(_FINISH_LUA, [token_key, concurrency_key],
-                                   [counted, _WINDOW_TTL_S, int(bool(tenant.max_concurrent))])
+        self._owe(tenant, tokens if tenant.tokens_per_minute else 0, 1 if tenant.max_concurrent else 0)
 
     async def add_tokens(self, tenant: Tenant, tokens: int, now: float) -> None:  # noqa: D102
-        if not tenant.tokens_per_minute or tokens <= 0:
+        if tenant.tokens_per_minute and tokens > 0:
+            self._owe(tenant, tokens, 0)
+
+    def _owe(self, tenant: Tenant, tokens: int, ends: int) -> None:
+        if tokens <= 0 and ends <= 0:
             return
-        _, token_key, concurrency_key = self._keys(tenant, _window(now))
-        await self._batcher().call(_FINISH_LUA, [token_key, concurrency_key], [tokens, _WINDOW_TTL_S, 0])
+        key_id = tenant.key_id or 0
+        _, owed_tokens, owed_ends = self._owed.get(key_id, (tenant, 0, 0))
+        self._owed[key_id] = (tenant, owed_tokens + tokens, owed_ends + ends)
+        if not self._settle_scheduled:
+            self._settle_scheduled = True
+            asyncio.get_running_loop().call_later(SETTLE_AFTER_S, self._start_settle)
+
+    def _start_settle(self) -> None:
+        self._settle_scheduled = False
+        owed, self._owed = self._owed, {}
+        if owed:
+            task = asyncio.get_running_loop().create_task(self.settle(owed))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def settle(self, owed: dict[int, tuple[Tenant, int, int]]) -> None:
+        """Pay what is owed for each key (one pipeline); on failure it stays owed (logged)."""
+        now = time.time()
+        calls = []
+        for tenant, tokens, ends in owed.values():
+            _, token_key, concurrency_key = self._keys(tenant, _window(now))
+            calls.append(self._batcher().call(_SETTLE_LUA, [token_key, concurrency_key], [tokens, _WINDOW_TTL_S, ends]))
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        failed = [entry for entry, result in zip(owed.values(), results, strict=True) if isinstance(result, Exception)]
+        if failed:
+            if time.monotonic() - self._warned_at > 10.0:  # at most a line per 10 s while Redis is down
+                self._warned_at = time.monotonic()
+                logger.warning("quota settle failed for %d key(s); kept for the next one", len(failed))
+            for tenant, tokens, ends in failed:
+                self._owe(tenant, tokens, ends)
 
 
 class Quotas:

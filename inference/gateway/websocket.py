@@ -3,7 +3,8 @@
 The client sends the /generate JSON; the server answers `{"type": "token", "text", "token_ids"}`
 messages and one final `{"type": "done", ...}` (or `{"type": "error", ...}`). A socket runs one
 generation at a time and may send the next request after the final message. Closing the socket
-cancels the generation, which aborts it on both workers.
+cancels the generation, which aborts it on both workers. Each generation counts against the API
+key's limits like an HTTP one (inference/gateway/tenancy.py): past one, an error message with status 429.
 """
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from typing import Any
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
+from inference.gateway import auth
+from inference.gateway.api_keys import Tenant
 from inference.gateway.service import get_router
+from inference.gateway.tenancy import TenantRequest
 from inference.router import DoneEvent, ErrorEvent, RouterError, TokenEvent
 from inference.router.protocol import ParsedRequest, done_fields, parse_generate
 
@@ -32,8 +36,13 @@ class GenerateSocketConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
     channel_layer_alias = "inference-router-none"
 
     async def connect(self) -> None:
-        """Accept the socket."""
+        """Accept the socket (its key was checked by WebSocketAuthMiddleware; here it names the tenant)."""
         self._task: asyncio.Task[None] | None = None
+        header = next((bytes(v).decode("latin-1") for k, v in self.scope.get("headers") or []
+                       if k.lower() == b"authorization"), None)
+        key = auth.bearer_key(header)
+        tenant = await auth.authenticate(key) if auth.auth_required() and key else None
+        self._tenant: Tenant = tenant or await auth.open_tenant(key)
         await self.accept()
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any) -> None:
@@ -65,29 +74,42 @@ class GenerateSocketConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
         except RouterError as exc:
             await self._send_error(exc)
             return
-        self._task = asyncio.create_task(self._run(parsed))
+        self._task = asyncio.create_task(self._run(parsed, content))
 
-    async def _run(self, parsed: ParsedRequest) -> None:
+    async def _run(self, parsed: ParsedRequest, content: Any) -> None:
         parts: list[str] = []
+        tenancy: TenantRequest | None = None
         try:
             service = get_router()
+            tenancy = TenantRequest.for_service(self._tenant, service)
+            await tenancy.admit(parsed.request, content)  # 403 out of scope, 429 past a limit
             await service.ready_for_generation()  # the workers' models and slots known, or an error
             events = service.client.generate(parsed.request)
+            tenancy.outcome = "ok"
             async with aclosing(events):
                 async for event in events:
+                    await tenancy.watch(event)
                     if isinstance(event, TokenEvent):
                         parts.append(event.text)
                         await self.send_json({"type": "token", "text": event.text, "token_ids": event.token_ids})
                     elif isinstance(event, DoneEvent):
                         await self.send_json({"type": "done", "text": "".join(parts), **done_fields(event)})
                     elif isinstance(event, ErrorEvent):
+                        tenancy.outcome = "failed"
                         await self._send_error(RouterError(event.status, event.message))
         except RouterError as exc:
+            if tenancy is not None:
+                tenancy.outcome = "rejected" if exc.status == 429 else "client_error" if exc.status < 500 else "failed"
             await self._send_error(exc)
         except asyncio.CancelledError:
+            if tenancy is not None:
+                tenancy.outcome = "aborted"
             raise
         except Exception as exc:  # noqa: BLE001  a send to a socket that just closed, mostly
             logger.info("ws/generate ended: %s", exc)
+        finally:
+            if tenancy is not None:
+                await tenancy.finish()
 
     async def _send_error(self, exc: RouterError) -> None:
         with contextlib.suppress(Exception):  # the socket may be gone already

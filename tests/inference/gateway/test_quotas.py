@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import redis
@@ -18,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from inference.actions import api_keys as key_actions
 from inference.gateway.api_keys import KeyCache, Tenant
-from inference.gateway.quotas import LocalCounters, Quotas, RedisCounters
+from inference.gateway.quotas import SETTLE_AFTER_S, LocalCounters, Quotas, RedisCounters
 from inference.gateway.tenancy import ClassMetrics, TenantRequest
 from inference.metrics.usage import UsageRecorder
 from inference.models import ApiKeyUsage
@@ -82,6 +83,26 @@ def test_concurrency_frees_on_release_and_tokens_per_minute(quotas: Quotas) -> N
         assert spent is not None and spent.limit == "tokens_per_minute"
 
     asyncio.run(run())
+
+
+def test_an_ended_request_is_settled_in_redis_without_a_next_admission() -> None:
+    counters = RedisCounters(REDIS_URL)
+    quotas = Quotas(counters)
+    key = tenant(max_concurrent=5, tokens_per_minute=10**6)
+    client = redis.Redis.from_url(REDIS_URL)
+
+    async def run() -> None:
+        assert await quotas.admit(key) is None
+        assert client.get(f"quota:{key.key_id}:c") == b"1"
+        await quotas.finish(key, 7)  # owed: rides with the next admission, or is settled shortly
+        await asyncio.sleep(3 * SETTLE_AFTER_S)
+        assert client.get(f"quota:{key.key_id}:c") == b"0"
+        window = int(time.time() // 60)
+        tokens = client.get(f"quota:{key.key_id}:t:{window}") or client.get(f"quota:{key.key_id}:t:{window - 1}")
+        assert tokens == b"7"
+
+    asyncio.run(run())
+    client.delete(f"quota:{key.key_id}:c")
 
 
 def test_unlimited_callers_never_touch_the_counters() -> None:
@@ -194,11 +215,11 @@ def test_script_calls_of_one_loop_turn_share_a_pipeline_and_survive_a_script_flu
         sent: list[int] = []
         original = client.pipeline
 
-        def counting_pipeline(*args: object, **kwargs: object) -> object:
+        def counting_pipeline(*args: Any, **kwargs: Any) -> Any:
             sent.append(1)
             return original(*args, **kwargs)
 
-        client.pipeline = counting_pipeline  # type: ignore[method-assign]
+        setattr(client, "pipeline", counting_pipeline)  # noqa: B010  count the round trips
         replies = await asyncio.gather(*(batcher.call(script, [], [i]) for i in range(10)))
         assert replies == [2 * i for i in range(10)]
         assert len(sent) == 2  # one pipeline for the ten calls, one more after NOSCRIPT

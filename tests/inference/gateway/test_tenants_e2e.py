@@ -4,11 +4,13 @@ Redis (db 3 of the test machine's, or REDIS_URL) and the test database.
 - a requests-per-minute limit holds across both routers: exactly the limit admitted, the rest 429 with
   Retry-After and a message naming the limit;
 - a revoked key is refused by both routers within 5 s;
-- usage (requests, tokens, the OpenAI `user`) reaches the database.
+- usage (requests, tokens, the OpenAI `user`) reaches the database;
+- ws/generate generations count against the key's limits too.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -20,6 +22,7 @@ import pytest
 import redis
 from django.contrib.auth import get_user_model
 from django.db import connection
+from websockets.sync.client import connect as ws_connect
 
 from inference.actions import api_keys as key_actions
 from inference.models import ApiKeyUsage
@@ -138,3 +141,20 @@ def test_usage_reaches_the_database(routers: list[str], stand_ins: Cluster) -> N
     assert sum(r.completion_tokens for r in rows) > 0 and sum(r.prompt_tokens for r in rows) > 0
     assert all(r.users == ["alice"] for r in rows)
     assert all(r.minute <= datetime.now(tz=UTC) for r in rows)
+
+
+def test_websocket_generations_count_against_the_key(routers: list[str], stand_ins: Cluster) -> None:
+    created = key_actions.create_key(name="socket", owner=_owner(), requests_per_minute=1)
+    _start_of_a_minute_with_room(10)
+    ws_url = routers[1].replace("http://", "ws://") + "/ws/generate"
+    headers = {"Authorization": f"Bearer {created.secret}"}
+    with ws_connect(ws_url, open_timeout=10, close_timeout=2, additional_headers=headers) as ws:
+        ws.send(json.dumps({"prompt": "hi", "max_tokens": 2}))
+        last = json.loads(ws.recv(timeout=10))
+        while last["type"] == "token":  # bounded by the recv timeout and max_tokens
+            last = json.loads(ws.recv(timeout=10))
+        assert last["type"] == "done"
+        ws.send(json.dumps({"prompt": "again", "max_tokens": 2}))
+        refused = json.loads(ws.recv(timeout=10))
+        assert refused["type"] == "error" and refused["status"] == 429
+        assert "requests_per_minute" in refused["message"]
