@@ -256,7 +256,7 @@ def test_openai_chat(router: str, fresh: Cluster) -> None:
     bodies = [body for stand_in in fresh.decode for body in stand_in.requests]
     assert all(body["messages"] == messages and "prompt" not in body for body in bodies) and len(bodies) == 2
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="stub-model", messages=messages, n=2)
+        client.chat.completions.create(model="stub-model", messages=messages, n=17)  # n is at most 16
 
 
 def test_websocket_generate(router: str, fresh: Cluster) -> None:
