@@ -35,7 +35,7 @@ from bench.common import base_parser, fmt, log, markdown_table, note_shared_mach
 MODULE = "bench.sim.control_plane"
 FULL_SIZES = ((10, 100), (100, 1000))
 QUICK_SIZES = ((3, 12),)
-WAIT_FULL_S = 300.0
+WAIT_FULL_S = 600.0
 WAIT_QUICK_S = 60.0
 
 
@@ -214,7 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     call_command("migrate", verbosity=0)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     # The step is at most half the size (a size of 100 workers adds 50).
-    results = [run_size(n, w, min(args.step, w // 2), args, args.log_dir) for n, w in sizes]
+    results = []
+    for n, w in sizes:
+        results.append(run_size(n, w, min(args.step, w // 2), args, args.log_dir))
+        # Written after each size: a later size that fails leaves the earlier ones on record.
+        write_result(args.out_dir, "sim_control_plane", MODULE, argv, {"sizes": results})
     rows = [
         [f"{r['nodes']} / {r['workers']}", f"+{r['step']}", fmt(r["scale"]["queue_to_first_placed_s"]),
          fmt(r["scale"]["decision_to_all_placed_s"]), fmt(r["scale"]["decision_to_all_running_s"]),

@@ -44,7 +44,6 @@ past that, an agent that never came is recorded as any other refusal.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -129,20 +128,31 @@ def choose_cpus(cpu_count: int, threads: int, role: str, live: Sequence[Worker])
     """A contiguous range of `threads` CPU ids on a host with `cpu_count` CPUs (see the module docstring)."""
     total = max(1, cpu_count)
     threads = max(1, min(threads, total))
-    same: Counter[int] = Counter()
-    other: Counter[int] = Counter()
+    # Workers pinned per CPU (of the other role; of either role), as prefix sums: a span's cost is two
+    # subtractions. Summing each span cost 0.1-0.3 s per placement on 100 nodes of 256 CPUs (25,600 spans).
+    other = [0] * (total + 1)
+    both = [0] * (total + 1)
     for worker in live:
         for cpu in worker.cpu_ids or []:
-            (same if worker.role == role else other)[int(cpu)] += 1
-    starts = list(range(0, total - threads + 1))
+            c = int(cpu)
+            if 0 <= c < total:
+                both[c + 1] += 1
+                if worker.role != role:
+                    other[c + 1] += 1
+    for c in range(total):
+        other[c + 1] += other[c]
+        both[c + 1] += both[c]
+    starts = range(0, total - threads + 1)
     if role == WorkerRole.DECODE:
-        starts.reverse()  # decode fills from the top, prefill from the bottom
-
-    def cost(base: int) -> tuple[int, int]:
-        span = range(base, base + threads)
-        return sum(other[c] for c in span), sum(other[c] + same[c] for c in span)
-
-    best = min(starts, key=cost)  # min() keeps the first of equal costs: the role's preferred end
+        starts = starts[::-1]  # decode fills from the top, prefill from the bottom
+    best, best_cost = starts[0], None
+    for base in starts:
+        end = base + threads
+        cost = (other[end] - other[base], both[end] - both[base])
+        if best_cost is None or cost < best_cost:  # strictly less: the first of equal costs is the role's end
+            best, best_cost = base, cost
+            if cost == (0, 0):
+                break  # nothing beats a free span
     return list(range(best, best + threads))
 
 
