@@ -68,7 +68,11 @@ class ScalingRule(models.Model):
         constraints = [models.UniqueConstraint(fields=["deployment", "name"], name="unique_rule_name")]
 
     def __str__(self) -> str:
-        return f"{self.deployment.name}: {self.name}"
+        # The signal it reads, so a rule listed by name ("hot", "night") still says what it watches.
+        signal = {"threshold": f"{self.role} load", "ttft_slo": "TTFT p90", "itl_slo": "ITL p90"}.get(
+            self.kind, "schedule"
+        )
+        return f"{self.deployment.name}: {self.name} ({signal})"
 
     def clean(self) -> None:
         """Each kind needs its own fields."""
