@@ -1,0 +1,268 @@
+"""KV-aware routing against round-robin: a multi-turn chat on 2 prefill + 2 decode workers, in one run.
+
+Each conversation sends the whole history every turn (a shared system prompt, then user turns and the
+replies it got, as token ids), its turns one after another, all conversations at once. Each policy
+gets a fresh deployment (workers and router started for it, so the caches start cold alike) and the
+same conversations. Reported per policy: the prefill workers' own prefix-cache hit ratio (their
+/metrics), what the router predicted (kv-aware), TTFT p50/p90 as the client sees it, output tok/s.
+
+    .venv/bin/python -m bench.kv_routing            # SmolLM2 if prepared, else the tiny model
+    .venv/bin/python -m bench.kv_routing --quick    # tiny model, a few short conversations
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    base_parser,
+    fmt,
+    log,
+    machine_info,
+    markdown_table,
+    parse_args,
+    percentile,
+    print_header,
+    ratio,
+    smollm2_dir,
+    tiny_model_dir,
+    write_result,
+)
+
+MODULE = "bench.kv_routing"
+# (name, router policy, router environment): the third offers local prefill to the decode workers.
+VARIANTS: tuple[tuple[str, str, dict[str, str]], ...] = (
+    ("round-robin", "round-robin", {}),
+    ("kv-aware", "kv-aware", {}),
+    ("kv-aware+local", "kv-aware", {"ROUTER_LOCAL_PREFILL_TOKENS": "128"}),
+)
+
+
+@dataclass
+class Turn:
+    """One request of a conversation as the client saw it."""
+
+    conversation: int
+    turn: int
+    prompt_tokens: int
+    ttft_s: float | None = None
+    output: list[int] = field(default_factory=list)
+    prefill: str = ""
+    decode: str = ""
+    error: str = ""
+
+
+async def _turn(client: Any, router: str, ids: list[int], max_tokens: int, rec: Turn) -> None:
+    """One streamed /generate with the prompt as token ids; fills `rec`."""
+    body = {"input_ids": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    start = time.perf_counter()
+    async with client.stream("POST", router + "/generate", json=body) as response:
+        if response.status_code != 200:
+            rec.error = f"http {response.status_code}: {(await response.aread())[:200]!r}"
+            return
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            obj = json.loads(data)
+            if obj.get("error"):
+                rec.error = str(obj["error"])
+                return
+            ids_out = obj.get("token_ids")
+            if isinstance(ids_out, list) and ids_out:
+                if rec.ttft_s is None:
+                    rec.ttft_s = time.perf_counter() - start
+                rec.output.extend(ids_out)
+            if obj.get("prefill"):
+                rec.prefill, rec.decode = str(obj["prefill"]), str(obj.get("decode", ""))
+
+
+async def _conversation(client: Any, router: str, index: int, system: list[int], users: list[list[int]],
+                        max_tokens: int) -> list[Turn]:
+    import httpx
+
+    history = list(system)
+    turns: list[Turn] = []
+    for k, user in enumerate(users):
+        history += user
+        rec = Turn(conversation=index, turn=k, prompt_tokens=len(history))
+        try:
+            await _turn(client, router, list(history), max_tokens, rec)
+        except (httpx.HTTPError, ValueError) as exc:  # counted as an error of the run, not its end
+            rec.error = f"{type(exc).__name__}: {exc}"
+        turns.append(rec)
+        if rec.error:
+            break
+        history += rec.output
+    return turns
+
+
+async def _chat(router: str, system: list[int], users: list[list[list[int]]],
+                max_tokens: int) -> tuple[list[Turn], float]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(users) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits) as client:
+        started = time.perf_counter()
+        results = await asyncio.gather(*(_conversation(client, router, i, system, conv, max_tokens)
+                                         for i, conv in enumerate(users)))
+        return [t for turns in results for t in turns], time.perf_counter() - started
+
+
+def _metric(url: str, name: str) -> float | None:
+    import httpx
+
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.split()[-1])
+    return None
+
+
+def _run_policy(variant: tuple[str, str, dict[str, str]], model: Path, log_dir: Path, system: list[int],
+                users: list[list[list[int]]], max_tokens: int, worker_extra: list[str]) -> dict[str, Any]:
+    """A fresh 2 + 2 deployment with the variant's policy and settings; the chat through it; its figures."""
+    name, policy, router_env = variant
+    import httpx
+
+    from tests.support.processes import Proc, start_router, start_worker
+
+    roles = ["prefill", "prefill", "decode", "decode"]
+    procs: list[Proc] = []
+    try:
+        with ThreadPoolExecutor(len(roles)) as pool:
+            futures = [pool.submit(start_worker, role, model, log_dir, extra=worker_extra, name=f"kvb-{name}-{i}")
+                       for i, role in enumerate(roles)]
+        started = [f.result() for f in futures if f.exception() is None]
+        procs += [p for p, _ in started]
+        for f in futures:
+            f.result()
+        urls = [u for _, u in started]
+        router, router_url = start_router(urls[:2], urls[2:], log_dir, policy=policy,
+                                          env={"ROUTER_REQUEST_TIMEOUT_S": "600", "ROUTER_QUEUE_TIMEOUT_S": "600",
+                                               "ROUTER_WORKER_TIMEOUT_S": "600",  # a starved router must not be killed
+                                               **router_env})
+        procs.append(router)
+        if policy == "kv-aware":  # every worker's snapshot in before the first request
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # bounded
+                kv = httpx.get(router_url + "/router/status", timeout=30).json().get("kv", {})
+                if len(kv.get("index", {}).get("workers", {})) == 4:
+                    break
+                time.sleep(0.5)
+        turns, wall = asyncio.run(_chat(router_url, system, users, max_tokens))
+        status = httpx.get(router_url + "/router/status", timeout=30).json()
+        hit = [_metric(u, "worker_prefix_cache_hit_ratio") for u in urls[:2]]
+        decode_hit = [_metric(u, "worker_prefix_cache_hit_ratio") for u in urls[2:]]
+        where = {w: _metric(router_url, f'router_prefill_where_total{{where="{w}"}}') for w in ("local", "remote")}
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+    ok = [t for t in turns if not t.error and t.ttft_s is not None]
+    later = [t for t in ok if t.turn > 0]
+    ttfts = [t.ttft_s for t in ok if t.ttft_s is not None]
+    later_ttfts = [t.ttft_s for t in later if t.ttft_s is not None]
+    # Turns after the first that the same prefill worker served as the conversation's previous turn.
+    served: dict[tuple[int, int], Turn] = {(t.conversation, t.turn): t for t in ok}
+    same = [t for t in later if (prev := served.get((t.conversation, t.turn - 1))) and prev.prefill == t.prefill]
+    predicted = (status.get("kv") or {}).get("predicted", {})
+    return {
+        "policy": policy,
+        "router_env": router_env,
+        "prefill_where": where,
+        "requests": len(turns),
+        "errors": [t.error for t in turns if t.error][:5],
+        "prefill_hit_ratio": [h for h in hit if h is not None],
+        "decode_hit_ratio": [h for h in decode_hit if h is not None],
+        "predicted": predicted,
+        "same_prefill_as_previous_turn": len(same) / len(later) if later else None,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
+        "later_turns_ttft_p50_s": percentile(later_ttfts, 50),
+        "later_turns_ttft_p90_s": percentile(later_ttfts, 90),
+        "output_tokens": sum(len(t.output) for t in ok),
+        "wall_s": wall,
+        "output_tok_s": sum(len(t.output) for t in ok) / wall if wall else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chat under each policy on fresh deployments; print and write the comparison."""
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-tokens", type=int, default=256)
+    p.add_argument("--user-tokens", type=int, default=64)
+    p.add_argument("--reply-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=7)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(p, argv)
+    if args.quick:
+        args.conversations, args.turns, args.system_tokens, args.user_tokens, args.reply_tokens = 4, 3, 64, 16, 8
+    model = args.model_dir or (None if args.quick else smollm2_dir()) or tiny_model_dir()
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    rng = random.Random(args.seed)
+    system = [rng.randrange(3, vocab) for _ in range(args.system_tokens)]
+    users = [[[rng.randrange(3, vocab) for _ in range(args.user_tokens)] for _ in range(args.turns)]
+             for _ in range(args.conversations)]
+    worker_extra = ["--batch-size", str(max(8, args.conversations))]
+    load_before = os.getloadavg()
+    rows: dict[str, dict[str, Any]] = {}
+    for variant in VARIANTS:
+        name = variant[0]
+        log(f"{name}: {args.conversations} conversations x {args.turns} turns on 2 prefill + 2 decode ({model.name})")
+        rows[name] = _run_policy(variant, Path(model), args.log_dir, system, users, args.reply_tokens, worker_extra)
+        log(f"{name}: {rows[name]}")
+    load_after = os.getloadavg()
+    rr, kv, local = rows["round-robin"], rows["kv-aware"], rows["kv-aware+local"]
+    comparison = {
+        "later_ttft_p50_kv_over_local": ratio(kv["later_turns_ttft_p50_s"], local["later_turns_ttft_p50_s"]),
+        "later_ttft_p90_kv_over_local": ratio(kv["later_turns_ttft_p90_s"], local["later_turns_ttft_p90_s"]),
+        "tok_s_local_over_kv": ratio(local["output_tok_s"], kv["output_tok_s"]),
+        "ttft_p50_rr_over_kv": ratio(rr["ttft_p50_s"], kv["ttft_p50_s"]),
+        "ttft_p90_rr_over_kv": ratio(rr["ttft_p90_s"], kv["ttft_p90_s"]),
+        "later_ttft_p50_rr_over_kv": ratio(rr["later_turns_ttft_p50_s"], kv["later_turns_ttft_p50_s"]),
+        "later_ttft_p90_rr_over_kv": ratio(rr["later_turns_ttft_p90_s"], kv["later_turns_ttft_p90_s"]),
+        "tok_s_kv_over_rr": ratio(kv["output_tok_s"], rr["output_tok_s"]),
+    }
+    print_header("KV-aware routing vs round-robin: multi-turn chat, 2 prefill + 2 decode")
+    headers = ["variant", "prefill hit ratio", "decode hit ratio", "local/remote prefills",
+               "same prefill as prev. turn", "TTFT p50 ms", "TTFT p90 ms",
+               "later turns p50/p90 ms", "output tok/s", "errors"]
+    table = []
+    for name, r in rows.items():
+        hits = "/".join(fmt(h, 2) for h in r["prefill_hit_ratio"])
+        decode_hits = "/".join(fmt(h, 2) for h in r["decode_hit_ratio"])
+        where = r["prefill_where"]
+        table.append([name, hits, decode_hits, f"{fmt(where['local'], 0)}/{fmt(where['remote'], 0)}",
+                      fmt(r["same_prefill_as_previous_turn"], 2),
+                      fmt((r["ttft_p50_s"] or 0) * 1000, 0), fmt((r["ttft_p90_s"] or 0) * 1000, 0),
+                      f"{fmt((r['later_turns_ttft_p50_s'] or 0) * 1000, 0)}/"
+                      f"{fmt((r['later_turns_ttft_p90_s'] or 0) * 1000, 0)}",
+                      fmt(r["output_tok_s"], 1), len(r["errors"])])
+    print(markdown_table(headers, table))
+    print(json.dumps(comparison))
+    print(f"load average before {load_before}, after {load_after}")
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model_name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "")
+    write_result(args.out_dir, "kv_routing_quick" if args.quick else "kv_routing", MODULE, argv, {
+        "model_dir": str(model), "conversations": args.conversations, "turns": args.turns,
+        "system_tokens": args.system_tokens, "user_tokens": args.user_tokens, "reply_tokens": args.reply_tokens,
+        "rows": rows, "comparison": comparison, "load_before": load_before, "load_after": load_after,
+        "cpu": model_name, "machine": machine_info(),
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
