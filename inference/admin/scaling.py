@@ -96,10 +96,11 @@ class ScalingRuleAdmin(admin.ModelAdmin):
         state = rule_selectors.state(rule)
         return format_html('<span class="rule-state rule-{}">{}</span>', state.replace(" ", "-"), state)
 
-    @admin.display(description="breaching since")
+    @admin.display(description="window breaching since")
     def breach_started(self, rule: ScalingRule) -> str:
-        """The first breaching reading of a window that breaches but is not full yet."""
-        return _to_second(rule.breach_started_at) or "not breaching"
+        """The first breaching reading of a window that breaches (80 % of its readings) but is not full yet;
+        "state now" judges the latest reading alone."""
+        return _to_second(rule.breach_started_at) or "the window does not breach (yet)"
 
     @admin.display(description="last fired", ordering="last_triggered_at")
     def last_triggered(self, rule: ScalingRule) -> str:
