@@ -53,7 +53,8 @@ done
 [ -n "$ready" ] || fail agent "the deployment did not answer within 300s (see also $RUN/controller.log)"
 
 # The deployment's live charts page is addressed by its id.
-DEPLOYMENT_ID=$($PY manage.py shell -c \
+# -v 0: Django's shell otherwise prints "N objects imported automatically" on stdout.
+DEPLOYMENT_ID=$($PY manage.py shell -v 0 -c \
   "from inference.models import Deployment; print(Deployment.objects.get(name='$DEPLOYMENT').pk)" 2>/dev/null || true)
 
 cat <<TXT
