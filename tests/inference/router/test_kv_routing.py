@@ -8,6 +8,7 @@ a killed worker's entries must leave the index, and the stale-free index must st
 """
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -73,6 +74,10 @@ def _blocks(router: str) -> dict[str, int]:
     return {url: w["blocks"] for url, w in _kv(router)["index"]["workers"].items()}
 
 
+def _holds(router: str, url: str, blocks: int) -> bool:
+    return _blocks(router).get(url, 0) >= blocks
+
+
 def _hit_ratio(url: str) -> float:
     for line in httpx.get(url + "/metrics", timeout=HTTP_TIMEOUT).text.splitlines():
         if line.startswith("worker_prefix_cache_hit_ratio"):
@@ -90,7 +95,7 @@ def test_second_turn_goes_to_the_worker_holding_the_prefix(cluster: dict[str, An
         first = _generate(router, prompt)
         holder = first["prefill"]
         # The first turn's blocks reach the index (a stored event) before the second turn is routed.
-        _wait("the first turn's blocks", lambda url=holder: _blocks(router).get(url, 0) >= 12, cluster)
+        _wait("the first turn's blocks", functools.partial(_holds, router, holder, 12), cluster)
         second = _generate(router, prompt + first["tokens"] + [rng.randrange(3, 200) for _ in range(5)])
         assert second["prefill"] == holder, (first, second, _kv(router))
     predicted = _kv(router)["predicted"]["prefill"]
