@@ -96,7 +96,9 @@ def attach_sampled(seqs: list[Sequence], logits: torch.Tensor, sampled: list[int
             if s.params.logprobs is not None and not (is_prefill and s.chunk)]
     if not rows:
         return
-    found = token_logprobs(logits[rows], [sampled[i] for i in rows], [seqs[i].params.logprobs or 0 for i in rows])
+    # Every row asking (the usual batch of one kind of request): no gather, which copies the rows.
+    asking = logits if len(rows) == len(seqs) else logits[rows]
+    found = token_logprobs(asking, [sampled[i] for i in rows], [seqs[i].params.logprobs or 0 for i in rows])
     for i, entry in zip(rows, found, strict=True):
         seqs[i].pending_logprobs.append(entry)
 
