@@ -104,8 +104,14 @@ def node_roles(node: Node) -> set[str] | None:
 _PLACEMENT_FIELDS = ("id", "node_id", "deployment_id", "role", "port", "kv_port", "cpu_ids", "gpu_ids", "status")
 
 
-def _live_workers_by_node() -> dict[int, list[Worker]]:
-    """Every live worker by node id, in one query: a query per node cost 100 per placement at 100 nodes."""
+def live_workers_by_node() -> dict[int, list[Worker]]:
+    """Every live worker by node id, in one query: a query per node cost 100 per placement at 100 nodes.
+
+    A caller placing several workers in one transaction (reconcile) reads it once and passes it to each
+    place_worker_explained, which adds what it places: the placement lock, held to the transaction's end,
+    keeps other placements out meanwhile (a worker that stops meanwhile only keeps its ports taken). So the
+    lock is taken first: read before it, the workers another reconcile is placing would be missed."""
+    _serialise_placements()
     by_node: dict[int, list[Worker]] = {}
     for worker in Worker.objects.filter(status__in=recovery.LIVE_WORKER_STATUSES).only(*_PLACEMENT_FIELDS):
         by_node.setdefault(worker.node_id, []).append(worker)
@@ -220,28 +226,32 @@ def _refusal(
     return None
 
 
-def plan_placement_explained(deployment: Deployment, role: str, *, now: datetime | None = None) -> PlacementPlan:
-    """Choose a node, ports, CPUs and GPUs for a new worker (no database write), saying why nodes were refused."""
+def plan_placement_explained(
+    deployment: Deployment, role: str, *, now: datetime | None = None, live: dict[int, list[Worker]] | None = None
+) -> PlacementPlan:
+    """Choose a node, ports, CPUs and GPUs for a new worker (no database write), saying why nodes were refused.
+
+    `live`: the live workers by node (live_workers_by_node) when the caller has them; read here otherwise."""
     now = now or timezone.now()
     failed = recently_failed_nodes(deployment, role, now)
     plan = PlacementPlan(placement=None)
     candidates: list[tuple[tuple[Any, ...], Placement]] = []
-    live_by_node = _live_workers_by_node()
+    live_by_node = live_workers_by_node() if live is None else live
     for node in Node.objects.order_by("name").defer("last_metrics"):
         why = _refusal(node, deployment, role, now=now, failed=failed)
         if why is not None:
             plan.refusals.append((node.name, why))
             continue
-        live = live_by_node.get(node.pk, [])
+        here = live_by_node.get(node.pk, [])
         port_count = 2 if role == WorkerRole.DECODE else 1
-        ports = free_ports(node, live, port_count)
+        ports = free_ports(node, here, port_count)
         if ports is None:
             plan.refusals.append(
                 (node.name, f"no free port (needs {port_count} in {node.port_range_start}-{node.port_range_end})")
             )
             continue
-        cpus = choose_cpus(node.cpu_count, deployment.threads_per_worker, role, live)
-        busy = busy_cpus(node, live)
+        cpus = choose_cpus(node.cpu_count, deployment.threads_per_worker, role, here)
+        busy = busy_cpus(node, here)
         total = max(1, node.cpu_count)
         oversubscribes = bool(busy & set(cpus))  # choose_cpus takes a free range whenever there is one
         if oversubscribes and not node.allow_cpu_oversubscription:
@@ -250,14 +260,14 @@ def plan_placement_explained(deployment: Deployment, role: str, *, now: datetime
                             "oversubscription not allowed)")
             )
             continue
-        gpus = choose_gpus(node, role, live)
-        replicas_here = sum(1 for w in live if w.deployment_id == deployment.pk and w.role == role)
+        gpus = choose_gpus(node, role, here)
+        replicas_here = sum(1 for w in here if w.deployment_id == deployment.pk and w.role == role)
         if role == WorkerRole.PREFILL:
             device_pref = 0 if gpus else (1 if not node.gpus else 2)  # free GPU, CPU host, full GPU host
         else:
             device_pref = 0 if not node.gpus else 1  # keep GPU hosts for prefill
         explicit = 0 if node_roles(node) is not None else 1  # a node labelled for this role beats a generic one
-        key = (oversubscribes, explicit, device_pref, replicas_here, len(busy) - total, len(live), node.name)
+        key = (oversubscribes, explicit, device_pref, replicas_here, len(busy) - total, len(here), node.name)
         placement = Placement(
             node=node, port=ports[0], kv_port=ports[1] if len(ports) > 1 else None, cpu_ids=cpus, gpu_ids=gpus
         )
@@ -284,16 +294,18 @@ def _serialise_placements() -> None:
 
 
 def place_worker_explained(
-    deployment: Deployment, role: str, *, now: datetime | None = None
+    deployment: Deployment, role: str, *, now: datetime | None = None, live: dict[int, list[Worker]] | None = None
 ) -> tuple[Worker | None, PlacementPlan]:
     """Create a PENDING worker of `deployment`/`role` on a node that fits; the plan says why when none does.
 
     The caller sends the start request (`inference.actions.workers.request_start`), normally on commit.
+    `live` (live_workers_by_node, read in this transaction) saves reading every live worker again: the
+    new worker is added to it.
     """
     _serialise_placements()
     plan = PlacementPlan(placement=None)
     for attempt in range(PLACEMENT_ATTEMPTS):
-        plan = plan_placement_explained(deployment, role, now=now)
+        plan = plan_placement_explained(deployment, role, now=now, live=live)
         placement = plan.placement
         if placement is None:
             return None, plan
@@ -311,7 +323,12 @@ def place_worker_explained(
                 )
         except IntegrityError:
             logger.info("port %s on %s taken meanwhile (attempt %d)", placement.port, placement.node, attempt + 1)
+            if live is not None:  # someone placed outside the lock (SQLite, a hand-made row): read again
+                live.clear()
+                live.update(live_workers_by_node())
             continue
+        if live is not None:
+            live.setdefault(placement.node.pk, []).append(worker)
         logger.info("placed %s %s worker #%s on %s:%s (CPUs %s, GPUs %s)", deployment.name, role, worker.pk,
                     placement.node.name, placement.port, placement.cpu_ids, placement.gpu_ids)
         return worker, plan

@@ -26,6 +26,7 @@ from django.utils import timezone
 from inference.actions import recovery
 from inference.actions import workers as worker_actions
 from inference.controller.placement import (
+    live_workers_by_node,
     place_worker_explained,
     placement_cause,
     record_replacement,
@@ -122,8 +123,9 @@ def reconcile(deployment: Deployment | int, *, now: datetime | None = None) -> R
             if len(workers) < desired:
                 placed = 0
                 cause = placement_cause(locked, role)
+                live = live_workers_by_node()  # read once for all the workers placed here
                 for _ in range(desired - len(workers)):
-                    worker, plan = place_worker_explained(locked, role, now=now)
+                    worker, plan = place_worker_explained(locked, role, now=now, live=live)
                     if worker is None:
                         # Nothing changes until a node frees up: the rest would be refused for the same reason.
                         result.unplaced[role] = desired - len(workers) - placed
