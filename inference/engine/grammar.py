@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,15 +35,27 @@ if TYPE_CHECKING:
     from .sampling_params import SamplingParams
     from .tokenizer import Tokenizer
 
-class GrammarState:
-    """One sequence's matcher and how many of its generated tokens it has taken."""
+# The thread that computes a step's masks while the forward pass runs (`prefetch_masks`).
+_MASKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
 
-    __slots__ = ("compiler", "consumed", "matcher")
+
+class GrammarState:
+    """One sequence's matcher, how many of its generated tokens it has taken, and the mask being
+    computed for its next token (`prefetch_masks`: the future, this state's row in it, and `consumed`
+    when it was started)."""
+
+    __slots__ = ("compiler", "consumed", "matcher", "pending")
 
     def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler) -> None:
         self.matcher = matcher
         self.compiler = compiler
         self.consumed = 0
+        self.pending: tuple[Future[torch.Tensor], int, int] | None = None
+
+    def settle(self) -> None:
+        """Wait for a mask computation still using the matcher (it is not thread-safe)."""
+        if self.pending is not None:
+            self.pending[0].exception()  # waits; an error is the synchronous path's to raise again
 
     def catch_up(self, generated: Sequence[int]) -> None:
         """Feed the matcher the tokens of `generated` it has not taken (one per step; the whole list
@@ -150,9 +163,13 @@ def apply_grammars(
         state = getattr(histories[i], "grammar_state", None)
         if state is None:
             raise RuntimeError("a constrained request reached the sampler without its grammar state")
+        state.settle()
         state.catch_up(generated_ids(histories[i], params[i]))
         states.append(state)
-    mask = states[0].compiler.fill_masks(states).to(x.device)
+    mask = _prefetched(states)
+    if mask is None:
+        mask = states[0].compiler.fill_masks(states)
+    mask = mask.to(x.device)
     width = min(mask.shape[1], x.shape[1])
     index = torch.tensor(rows, device=x.device)
     sub = x.index_select(0, index)
@@ -160,3 +177,42 @@ def apply_grammars(
     if x.shape[1] > width:
         sub[:, width:] = float("-inf")
     x.index_copy_(0, index, sub)
+
+
+def _prefetched(states: list[GrammarState]) -> torch.Tensor | None:
+    """The masks `prefetch_masks` computed for exactly these states at their current tokens, else None
+    (then they are computed now). Clears the states' pending masks either way."""
+    pending = [s.pending for s in states]
+    for s in states:
+        s.pending = None
+    first = pending[0]
+    if first is None or any(p is None or p[0] is not first[0] or p[2] != s.consumed
+                            for p, s in zip(pending, states, strict=True)):
+        return None
+    try:
+        masks = first[0].result()
+    except Exception:  # noqa: BLE001  computed again synchronously, which raises it where it belongs
+        return None
+    return masks[torch.tensor([p[1] for p in pending if p is not None])]
+
+
+def prefetch_masks(histories: Sequence[TokenHistory]) -> None:
+    """Start computing the next-token masks of the constrained sequences among `histories` in the mask
+    thread, to overlap the forward pass (call it just before the forward; the sampler picks them up).
+    The matchers first take the tokens generated so far here, so the thread reads settled state."""
+    from .logits_processors import generated_ids
+
+    states: list[GrammarState] = []
+    for history in histories:
+        state = getattr(history, "grammar_state", None)
+        params = getattr(history, "params", None)
+        if state is None or params is None:
+            continue
+        state.settle()
+        state.catch_up(generated_ids(history, params))
+        states.append(state)
+    if not states:
+        return
+    future = _MASKS.submit(states[0].compiler.fill_masks, states)
+    for row, state in enumerate(states):
+        state.pending = (future, row, state.consumed)

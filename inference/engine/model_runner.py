@@ -18,6 +18,7 @@ from .config import ModelConfig
 from .cpu_kernels import load_kernels
 from .cpu_linear import panel_linear_preferred, prepack_linears, prepacked_linear_available
 from .dtypes import dtype_name, resolve_dtype
+from .grammar import prefetch_masks
 from .kv_cache import KVCache
 from .logprobs import attach_prompt, attach_sampled, prefill_rows
 from .memory import (
@@ -255,6 +256,10 @@ class ModelRunner:
             if is_prefill else None
         if prompt_rows is not None:  # echo: the logits of every prompt row of the sequences that ask
             meta.last_index = prompt_rows[0].to(meta.last_index.device)
+        if not greedy:
+            # Structured output: the constrained rows' masks are computed in their own thread while the
+            # forward pass runs, so the batch does not wait for them afterwards (no-op without grammars).
+            prefetch_masks(seqs)
         logits = self.model(input_ids, meta, self.kv_cache)
         if prompt_rows is not None:
             attach_prompt(seqs, logits, prompt_rows[1])
