@@ -9,6 +9,7 @@ process has its own registry; the deployment default is one.
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector, generate_latest
@@ -62,6 +63,10 @@ class LoopHistogram:
         yield HistogramMetricFamily(self.name, self.documentation)
 
 
+def _nth(counts: Callable[[str], tuple[int, int]], role: str, n: int) -> float:
+    return float(counts(role)[n])
+
+
 class RouterMetrics:
     """Counters, histograms and gauges of one router."""
 
@@ -99,6 +104,13 @@ class RouterMetrics:
         self.inflight = Gauge("router_inflight", "Generations in flight in this router", registry=r)
         self.queued = Gauge("router_queued", "Requests waiting for a decode slot", registry=r)
         self.capacity = Gauge("router_decode_slots", "Decode slots of the workers in rotation", registry=r)
+        self.kv_prompt_tokens = Gauge(
+            "router_kv_prompt_tokens", "Prompt tokens the kv-aware policy routed, per role (since start)",
+            ["role"], registry=r)
+        self.kv_predicted_cached_tokens = Gauge(
+            "router_kv_predicted_cached_tokens", "Prompt tokens the kv-aware policy predicted cached on the "
+            "chosen worker, per role (since start; the workers' worker_prefix_cache_hit_ratio is what they found)",
+            ["role"], registry=r)
         # process_resident_memory_bytes, process_cpu_seconds_total, ... of this router process (Linux).
         ProcessCollector(registry=r)
 
@@ -108,6 +120,13 @@ class RouterMetrics:
         self.inflight.set_function(inflight)
         self.queued.set_function(queued)
         self.capacity.set_function(capacity)
+
+    def bind_kv(self, counts: Callable[[str], tuple[int, int]], roles: Sequence[str]) -> None:
+        """Read the kv-aware policy's counts at scrape time: `counts(role)` is (prompt tokens routed,
+        predicted cached tokens)."""
+        for role in roles:
+            self.kv_prompt_tokens.labels(role).set_function(functools.partial(_nth, counts, role, 0))
+            self.kv_predicted_cached_tokens.labels(role).set_function(functools.partial(_nth, counts, role, 1))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every series."""

@@ -116,6 +116,7 @@ class DisaggregatedClient:
         # Abort posts that outlive a cancelled request; kept referenced so they are not collected.
         self._background: set[asyncio.Future[None]] = set()
         self.metrics.bind_gauges(lambda: self.inflight, lambda: self.admission.queued, self.admission.capacity)
+        self.metrics.bind_kv(pool.kv_counts, ("prefill", "decode"))
 
     def generate(self, req: GenerateRequest, arrived: float | None = None) -> AsyncGenerator[Event, None]:
         """Run `req` and yield TokenEvents, then one DoneEvent (or an ErrorEvent after a failure).

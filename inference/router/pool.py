@@ -336,6 +336,14 @@ class WorkerPool:
             **({"kv": self.kv_status()} if self.policy_name == KVAware.name else {}),
         }
 
+    def kv_counts(self, role: str) -> tuple[int, int]:
+        """The `kv-aware` policy of `role`'s (prompt tokens routed, predicted cached tokens); zeros under
+        another policy."""
+        policy = self._policies[role]
+        if isinstance(policy, KVAware):
+            return policy.prompt_tokens, policy.predicted_cached_tokens
+        return 0, 0
+
     def kv_status(self) -> dict[str, Any]:
         """The KV index and what the `kv-aware` choices predicted, per role."""
         predicted: dict[str, Any] = {}

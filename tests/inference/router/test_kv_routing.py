@@ -101,6 +101,9 @@ def test_second_turn_goes_to_the_worker_holding_the_prefix(cluster: dict[str, An
     predicted = _kv(router)["predicted"]["prefill"]
     assert predicted["predicted_cached_tokens"] >= CONVERSATIONS * 96, predicted
     assert max(_hit_ratio(urls["p0"]), _hit_ratio(urls["p1"])) > 0.3
+    metrics = httpx.get(router + "/metrics", timeout=HTTP_TIMEOUT).text
+    cached = float(predicted["predicted_cached_tokens"])
+    assert f'router_kv_predicted_cached_tokens{{role="prefill"}} {cached}' in metrics
 
 
 def test_a_new_router_is_exact_from_the_snapshots(cluster: dict[str, Any]) -> None:
