@@ -51,6 +51,7 @@ class SimAgents:
         self.loop = loop
         self.node_ids = node_ids  # node id → name, the nodes this process is the agent of
         self.ports: dict[int, int] = {}  # worker id → port its simulated worker listens on
+        self.node_of: dict[int, int] = {}  # worker id → its node id
         self._lock = threading.Lock()
         self.http = httpx.Client(timeout=START_TIMEOUT_S, trust_env=False)
 
@@ -72,6 +73,7 @@ class SimAgents:
             if worker_id in self.ports:
                 return "already managed"
             self.ports[worker_id] = worker.port
+            self.node_of[worker_id] = worker.node_id
         try:
             self._run(self.fleet.start_worker(worker.role, worker.port))
         except OSError as exc:
@@ -106,12 +108,13 @@ class SimAgents:
             self._run(self.fleet.stop_worker(port))
         return self.request_start(worker_id, restart=True)
 
-    def process_stats(self) -> dict[str, dict[str, Any]]:
+    def process_stats(self, node_id: int) -> dict[str, dict[str, Any]]:
         """Per worker id of one node, what a real agent's heartbeat sends (phase, pid, RSS, CPU)."""
         rss = psutil.Process().memory_info().rss
         with self._lock:
-            ids = list(self.ports)
-        return {str(w): {"phase": "running", "pid": os.getpid(), "rss_bytes": rss // max(1, len(ids)),
+            every = list(self.ports)
+            ids = [w for w in every if self.node_of.get(w) == node_id]
+        return {str(w): {"phase": "running", "pid": os.getpid(), "rss_bytes": rss // max(1, len(every)),
                          "cpu_percent": 0.0, "num_threads": 1} for w in ids}
 
 
@@ -145,9 +148,9 @@ def heartbeats(agents: SimAgents, interval_s: float, stop: threading.Event) -> N
     while not stop.wait(interval_s):
         close_old_connections()
         try:
-            metrics = {**host_metrics(), "workers": agents.process_stats()}
+            host = host_metrics()
             for node_id in agents.node_ids:
-                node_actions.heartbeat(node_id, metrics=metrics)
+                node_actions.heartbeat(node_id, metrics={**host, "workers": agents.process_stats(node_id)})
         except Exception:  # noqa: BLE001  a missed heartbeat is retried, as the real agent does
             logger.exception("heartbeat failed")
 

@@ -82,14 +82,14 @@ def scrape_ab(deployment: Any) -> dict[str, float]:
     workers = list(Worker.objects.select_related("node").filter(deployment=deployment, status=WorkerStatus.RUNNING))
     threads = min(collector.MAX_SCRAPE_THREADS, len(workers))
     out: dict[str, float] = {}
-    for name in ("client_per_scrape_s", "shared_client_s"):
+    for name in ("client_per_scrape", "shared_client"):
         start, cpu = time.perf_counter(), time.process_time()
         with collector.scrape_client(2.0, threads) as client, ThreadPoolExecutor(threads) as pool:
-            one = functools.partial(collector.scrape, timeout=5.0, client=client if name == "shared_client_s" else None)
+            one = functools.partial(collector.scrape, timeout=5.0, client=client if name == "shared_client" else None)
             failed = sum(1 for s in pool.map(one, workers) if s.error)
-        out[name] = time.perf_counter() - start
-        out[name.replace("_s", "_cpu_s")] = time.process_time() - cpu
-        out[name.replace("_s", "_failed")] = failed
+        out[f"{name}_s"] = time.perf_counter() - start
+        out[f"{name}_cpu_s"] = time.process_time() - cpu
+        out[f"{name}_failed"] = failed
     return out
 
 
