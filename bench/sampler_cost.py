@@ -1,11 +1,14 @@
-"""Sampler cost of penalties and logit_bias: one decode step's sampling with and without them, side
-by side in one process (issue 23's target: penalties at most 1.1x plain sampling per step).
+"""Sampler cost of penalties and logit_bias, and of log-probabilities: one decode step's sampling with
+and without them, side by side in one process (issue 23's targets: penalties at most 1.1x plain
+sampling per step, logprobs=5 at most 1.05x).
 
 `[32, 49152]` logits (SmolLM2's vocabulary), each row with a 512-token prompt and 256 generated
 tokens; rounds alternate the configurations so that load from other jobs hits them alike. The
 processed configuration sets frequency, presence and repetition penalties and a 10-token logit_bias
-on every row (the worst case: every row pays). No model is run: the forward pass is the same with or
-without penalties, so the sampler's time is what they add. Times are the sampling thread's CPU
+on every row (the worst case: every row pays); the logprobs configurations add what the model runner
+does after sampling when every row asks `logprobs=5` (`logprobs.attach_sampled`: one log-softmax,
+one top-5, the per-row entries). No model is run: the forward pass is the same with or without
+them, so the sampler's time is what they add. Times are the sampling thread's CPU
 time (`time.thread_time`; one torch thread, so torch works in it): on a shared machine wall time
 mostly measures the other jobs.
 
@@ -19,6 +22,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from bench.common import base_parser, log, parse_args, write_result
 
@@ -32,6 +36,10 @@ class History:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     stop_ids: frozenset[int] | None = frozenset({0})
+    # What `attach_sampled` reads and writes (the model runner passes its Sequences).
+    params: Any = None
+    chunk: int = 0
+    pending_logprobs: list[Any] = field(default_factory=list)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from inference.engine import SamplingParams
+    from inference.engine.logprobs import attach_sampled
     from inference.engine.sampler import sample
 
     torch.set_num_threads(args.threads)
@@ -71,22 +80,35 @@ def main(argv: list[str] | None = None) -> int:
         "top_p+penalties": penalized(top_p),
         "greedy": greedy,
         "greedy+penalties": penalized(greedy),
+        "temperature+logprobs": replace(temperature, logprobs=5),
+        "top_p+logprobs": replace(top_p, logprobs=5),
     }
     times: dict[str, list[float]] = {name: [] for name in configs}
     step_ids = list(range(args.batch))
     for _ in range(rounds):
         for name, params in configs.items():
             batch = [params] * args.batch
+            for h in histories:
+                h.params = params
             for _ in range(steps):
                 started = time.thread_time()
-                sample(logits, batch, step_ids, histories)
+                sampled = sample(logits, batch, step_ids, histories)
+                if params.logprobs is not None:
+                    attach_sampled(histories, logits, sampled, False)  # type: ignore[arg-type]
                 times[name].append((time.thread_time() - started) * 1000)
+            for h in histories:
+                h.pending_logprobs.clear()
     med = {k: statistics.median(v) for k, v in times.items()}
     ratios = {f"{base}+penalties / {base}": med[f"{base}+penalties"] / med[base]
               for base in ("temperature", "top_p", "greedy")}
+    for base in ("temperature", "top_p"):
+        ratios[f"{base}+logprobs / {base}"] = med[f"{base}+logprobs"] / med[base]
     for base in ("temperature", "top_p", "greedy"):
         log(f"{base}: {med[base]:.2f} ms, with penalties {med[base + '+penalties']:.2f} ms, "
             f"ratio {ratios[f'{base}+penalties / {base}']:.3f}")
+    for base in ("temperature", "top_p"):
+        log(f"{base}: with logprobs=5 {med[base + '+logprobs']:.2f} ms, "
+            f"ratio {ratios[f'{base}+logprobs / {base}']:.3f}")
     result = {"clock": "thread CPU time", "batch": args.batch, "vocab": args.vocab, "prompt_tokens": args.prompt,
               "generated_tokens": args.generated, "threads": args.threads, "step_ms": med, "ratios": ratios,
               "raw_ms": times}
