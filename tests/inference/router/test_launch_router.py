@@ -60,11 +60,10 @@ def test_bad_queue_timeout_names_the_flag(value: str, capsys: pytest.CaptureFixt
 
 def test_kv_flags_reach_the_environment(capsys: pytest.CaptureFixture[str]) -> None:
     env = router_environment(parse_args([*BASE, "--load-balance-strategy", "KV_aware", "--kv-token-weight", "0.5",
-                                         "--kv-load-weight", "128", "--local-prefill-tokens", "32"]))
+                                         "--kv-load-weight", "128"]))
     assert env["ROUTER_POLICY"] == "kv-aware"
     assert (env["ROUTER_KV_TOKEN_WEIGHT"], env["ROUTER_KV_LOAD_WEIGHT"]) == ("0.5", "128.0")
-    assert env["ROUTER_LOCAL_PREFILL_TOKENS"] == "32"
-    assert "ROUTER_LOCAL_PREFILL_TOKENS" not in router_environment(parse_args(BASE))
+    assert "ROUTER_KV_TOKEN_WEIGHT" not in router_environment(parse_args(BASE))
     with pytest.raises(SystemExit):
         parse_args([*BASE, "--kv-load-weight", "-1"])
     assert "--kv-load-weight" in capsys.readouterr().err
