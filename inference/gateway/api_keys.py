@@ -4,7 +4,8 @@ A generation never queries the database for its key: the process keeps every non
 `Tenant`) in memory and reloads them all when the snapshot is older than ROUTER_KEY_REFRESH_S (in the
 background, the request goes on with the snapshot it has). A snapshot older than ROUTER_KEY_MAX_STALE_S
 is reloaded before the request is answered, so a revocation is refused by every router process within
-that bound even when it was idle. If the database cannot be read the old snapshot is kept (logged, and
+that bound even when it was idle. A key missing from the snapshot (created a moment ago) makes a reload
+when the snapshot is older than half a second. If the database cannot be read the old snapshot is kept (logged, and
 retried after ROUTER_KEY_REFRESH_S): a database restart does not lock every client out.
 """
 from __future__ import annotations
@@ -23,6 +24,10 @@ from inference.actions.api_keys import hash_secret, looks_like_key
 from inference.selectors import api_keys as key_selectors
 
 logger = logging.getLogger(__name__)
+
+# A key missing from the snapshot makes a reload when the snapshot is older than this: a key used right
+# after its creation works, and a flood of unknown keys costs at most two queries per this interval.
+_MISS_RELOAD_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,10 +89,14 @@ class KeyCache:
         self._background: asyncio.Task[None] | None = None
         self._lock = threading.Lock()
 
-    def _reload(self) -> None:
+    def _reload_now(self) -> None:
+        """Load a snapshot unless one was loaded in the last _MISS_RELOAD_S (thread side)."""
+        self._reload(min_age_s=_MISS_RELOAD_S)
+
+    def _reload(self, min_age_s: float | None = None) -> None:
         """Load a snapshot unless another caller just did (thread side)."""
         with self._lock:
-            if time.monotonic() - self.loaded_at < self.refresh_s:
+            if time.monotonic() - self.loaded_at < (self.refresh_s if min_age_s is None else min_age_s):
                 return
             try:
                 keys = _load_snapshot()
@@ -109,7 +118,13 @@ class KeyCache:
             await sync_to_async(self._reload, thread_sensitive=False)()
         elif age > self.refresh_s and now >= self._retry_at and (self._background is None or self._background.done()):
             self._background = asyncio.ensure_future(sync_to_async(self._reload, thread_sensitive=False)())
-        tenant = self._keys.get(hash_secret(secret))
+        digest = hash_secret(secret)
+        tenant = self._keys.get(digest)
+        if tenant is None and time.monotonic() - self.loaded_at > _MISS_RELOAD_S and time.monotonic() >= self._retry_at:
+            # Perhaps a key created a moment ago: look again now (at most every _MISS_RELOAD_S, so
+            # unknown keys cannot make a query per request).
+            await sync_to_async(self._reload_now, thread_sensitive=False)()
+            tenant = self._keys.get(digest)
         if tenant is None or (tenant.expires_at is not None and tenant.expires_at <= time.time()):
             return None
         return tenant
