@@ -1,8 +1,8 @@
-"""KV-aware routing with real processes: two prefill and two decode workers of the tiny model, a
+"""KV-aware routing with real processes: two prefill workers and a decode worker of the tiny model, a
 router with the `kv-aware` policy subscribed to their KV event streams.
 
 Each conversation's second turn (its first turn's prompt, the reply, a new user message, as token
-ids) must go to the prefill and decode workers that hold its first turn's prefix, and that prefill
+ids) must go to the prefill worker that holds its first turn's prefix, and that prefill
 worker must report prefix-cache hits; a second router must start exact from the workers' snapshots;
 a killed worker's entries must leave the index, and the stale-free index must still serve requests.
 """
@@ -30,8 +30,8 @@ CONVERSATIONS = 4
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, log_dir: Path) -> Iterator[dict[str, Any]]:
-    """Two prefill and two decode workers and a kv-aware router, shared by the tests in order."""
-    roles = {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode"}
+    """Two prefill workers, a decode worker and a kv-aware router, shared by the tests in order."""
+    roles = {"p0": "prefill", "p1": "prefill", "d0": "decode"}
     with ThreadPoolExecutor(len(roles)) as pool:  # in parallel: each takes seconds to load the model
         futures = {name: pool.submit(start_worker, role, tiny_model_dir, log_dir, extra=COMMON, name=f"kv-{name}")
                    for name, role in roles.items()}
@@ -41,7 +41,7 @@ def cluster(tiny_model_dir: Path, log_dir: Path) -> Iterator[dict[str, Any]]:
         for future in futures.values():
             future.result()
         urls = {name: url for name, (_proc, url) in started.items()}
-        router, router_url = start_router([urls["p0"], urls["p1"]], [urls["d0"], urls["d1"]], log_dir,
+        router, router_url = start_router([urls["p0"], urls["p1"]], [urls["d0"]], log_dir,
                                           policy="kv-aware", env=ROUTER_ENV)
         procs.append(router)
         yield {"urls": urls, "procs": {name: proc for name, (proc, _url) in started.items()},
@@ -87,7 +87,7 @@ def _hit_ratio(url: str) -> float:
 
 def test_second_turn_goes_to_the_worker_holding_the_prefix(cluster: dict[str, Any]) -> None:
     router, urls = cluster["router"], cluster["urls"]
-    _wait("the router's snapshots of 4 workers", lambda: len(_blocks(router)) == 4, cluster)
+    _wait("the router's snapshots of 3 workers", lambda: len(_blocks(router)) == 3, cluster)
     rng = random.Random(7)
     for _ in range(CONVERSATIONS):
         system = [rng.randrange(3, 200) for _ in range(96)]  # 12 blocks, its own per conversation
@@ -109,10 +109,10 @@ def test_second_turn_goes_to_the_worker_holding_the_prefix(cluster: dict[str, An
 def test_a_new_router_is_exact_from_the_snapshots(cluster: dict[str, Any]) -> None:
     urls = cluster["urls"]
     first = _blocks(cluster["router"])
-    proc, second_url = start_router([urls["p0"], urls["p1"]], [urls["d0"], urls["d1"]], cluster["log_dir"],
+    proc, second_url = start_router([urls["p0"], urls["p1"]], [urls["d0"]], cluster["log_dir"],
                                     policy="kv-aware", env=ROUTER_ENV)
     try:
-        _wait("the new router's snapshots", lambda: len(_blocks(second_url)) == 4, cluster)
+        _wait("the new router's snapshots", lambda: len(_blocks(second_url)) == 3, cluster)
         assert _blocks(second_url) == first
     finally:
         proc.stop()
