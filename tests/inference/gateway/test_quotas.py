@@ -176,6 +176,9 @@ def test_key_snapshot_expiry_revocation_and_usage_write() -> None:
     assert asyncio.run(cache.lookup("sk-not-ours")) is None
     time.sleep(1.1)
     assert asyncio.run(cache.lookup(soon.secret)) is None  # expired to the second, without a reload
+    fresh = key_actions.create_key(name="fresh", owner=owner)  # after the snapshot: found by a reload on miss
+    cache.loaded_at -= 1.0  # the snapshot is older than the miss-reload interval (0.5 s)
+    assert asyncio.run(cache.lookup(fresh.secret)) is not None
     key_actions.revoke_key(live.key)
     cache.invalidate()
     cache._reload()
