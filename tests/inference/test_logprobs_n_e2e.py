@@ -38,14 +38,14 @@ def cluster(tiny_model_dir: Path, log_dir: Path):
         procs.append(decode)
         router, router_url = start_router([prefill_url], [decode_url], log_dir)
         procs.append(router)
-        yield router_url, decode_url
+        yield router_url, decode_url, prefill_url
     finally:
         for p in reversed(procs):
             p.stop()
 
 
 @pytest.fixture(scope="module")
-def client(cluster: tuple[str, str]) -> openai.OpenAI:
+def client(cluster: tuple[str, str, str]) -> openai.OpenAI:
     return openai.OpenAI(base_url=cluster[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -129,20 +129,20 @@ def test_chat_logprobs_streamed_and_not(client: openai.OpenAI) -> None:
     assert [(c.token, round(c.logprob, 4)) for c in streamed] == [(c.token, round(c.logprob, 4)) for c in content]
 
 
-def _decode_hit_ratio(decode_url: str) -> float:
-    text = httpx.get(decode_url + "/metrics", timeout=30).text
+def _hit_ratio(worker_url: str) -> float:
+    text = httpx.get(worker_url + "/metrics", timeout=30).text
     found = re.search(r"^worker_prefix_cache_hit_ratio(?:\{[^}]*\})? ([0-9.e+-]+)$", text, re.M)
     assert found, "no worker_prefix_cache_hit_ratio on /metrics"
     return float(found.group(1))
 
 
-def test_n_choices_share_one_prompt_streamed_and_not(client: openai.OpenAI, cluster: tuple[str, str]) -> None:
+def test_n_choices_share_one_prompt_streamed_and_not(client: openai.OpenAI, cluster: tuple[str, str, str]) -> None:
     # A prompt of its own (about 40 tokens: five full blocks of 8), so the prefix cache's figure moves.
     prompt = "n choices: " + " ".join(f"w{i}" for i in range(20))
-    before = _decode_hit_ratio(cluster[1])
+    before = _hit_ratio(cluster[1]), _hit_ratio(cluster[2])
     whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, seed=5, n=3,
                                       logprobs=1, extra_body={"ignore_eos": True})
-    after = _decode_hit_ratio(cluster[1])
+    after = _hit_ratio(cluster[1]), _hit_ratio(cluster[2])
     assert [c.index for c in whole.choices] == [0, 1, 2]
     assert all(c.logprobs is not None and len(c.logprobs.tokens or []) == 6 for c in whole.choices)
     single = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, seed=5,
@@ -153,9 +153,10 @@ def test_n_choices_share_one_prompt_streamed_and_not(client: openai.OpenAI, clus
     assert whole.usage.completion_tokens == 18
     # Choice 0 is the request itself (seed 5), as a single run of it; the others are seeded 6 and 7.
     assert whole.choices[0].text == single.choices[0].text
-    # Choices 1 and 2 found the prompt's full blocks in the decode worker's prefix cache.
-    print(f"decode prefix cache hit ratio {before:.3f} -> {after:.3f}")
-    assert after > before
+    # Choices 1 and 2 found the prompt's full blocks in both workers' prefix caches.
+    print(f"prefix cache hit ratio: decode {before[0]:.3f} -> {after[0]:.3f}, "
+          f"prefill {before[1]:.3f} -> {after[1]:.3f}")
+    assert after[0] > before[0] and after[1] > before[1]
     # Streamed chat: each choice's chunks carry its index, and each one finishes.
     stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=1.0,
                                             n=2, stream=True, stream_options={"include_usage": True})
