@@ -10,7 +10,10 @@ from collections.abc import Callable
 from typing import Any
 
 from django.contrib import admin
+from django.core.paginator import Paginator
+from django.db import connection
 from django.utils import timezone
+from django.utils.functional import cached_property
 from django.utils.safestring import SafeString
 
 from inference.admin.display import (
@@ -23,6 +26,27 @@ from inference.models import (
     RouterSample,
     WorkerSample,
 )
+
+# Below this many rows (by the planner's estimate) a sample list is counted exactly.
+EXACT_COUNT_BELOW = 100_000
+
+
+class EstimatedCountPaginator(Paginator):
+    """Pages of a sample list whose unfiltered count is PostgreSQL's estimate (pg_class.reltuples): the
+    paginator's COUNT(*) over 1.44 M raw samples (2 h at 1,000 workers) took 2 s of a 2.1 s page
+    (bench/sim/control_plane.py). Filtered lists, small tables and other databases are counted exactly."""
+
+    @cached_property
+    def count(self) -> int:
+        """The estimate for an unfiltered list of a large table, else the exact count."""
+        query = getattr(self.object_list, "query", None)
+        if query is not None and not query.where and connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT reltuples FROM pg_class WHERE oid = %s::regclass", [query.model._meta.db_table])
+                row = cursor.fetchone()
+            if row is not None and row[0] >= EXACT_COUNT_BELOW:
+                return int(row[0])
+        return int(super().count)
 
 
 def ms(seconds: float | None) -> str:
@@ -121,6 +145,7 @@ class SampleAdmin(ReadOnlyAdmin):
 
     shown: list[str] = []
     show_full_result_count = False  # the tables grow by rows every few seconds: skip the exact total count
+    paginator = EstimatedCountPaginator
     date_hierarchy = "at"
     list_select_related = ["deployment"]
 

@@ -95,3 +95,27 @@ def test_worker_series_reads_rollups_before_the_raw_samples() -> None:
     loads = worker["load"]
     assert len(loads) == 24 + 24 and loads[:24] == [0.25] * 24 and loads[24:] == [0.5] * 24
     assert worker["t"] == sorted(worker["t"])
+
+
+@pytest.mark.django_db
+def test_sample_lists_count_large_tables_by_the_planners_estimate(monkeypatch: pytest.MonkeyPatch) -> None:
+    from django.db import connection
+
+    from inference.admin import samples as sample_admin
+
+    if connection.vendor != "postgresql":
+        pytest.skip("the estimate is PostgreSQL's")
+    deployment = make_deployment()
+    WorkerSample.objects.bulk_create([_sample(deployment.pk, 1, T0 + timedelta(seconds=i)) for i in range(50)])
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE inference_workersample")
+        cursor.execute("SELECT reltuples FROM pg_class WHERE oid = 'inference_workersample'::regclass")
+        estimate = int(cursor.fetchone()[0])
+    unfiltered = WorkerSample.objects.order_by("-at")
+    filtered = unfiltered.filter(worker_id=1)
+    # A small table is counted exactly; past the threshold the unfiltered list takes the estimate.
+    assert sample_admin.EstimatedCountPaginator(unfiltered, 100).count == 50
+    monkeypatch.setattr(sample_admin, "EXACT_COUNT_BELOW", 1)
+    if estimate >= 1:  # ANALYZE inside the test's transaction sees its rows
+        assert sample_admin.EstimatedCountPaginator(unfiltered, 100).count == estimate
+    assert sample_admin.EstimatedCountPaginator(filtered, 100).count == 50  # filtered: exact
