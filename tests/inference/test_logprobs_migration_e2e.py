@@ -1,0 +1,87 @@
+"""A stream with log-probabilities whose decode worker is SIGKILLed mid-stream moves to the other decode
+worker and keeps one log-probability per token, equal to an unbroken run's (issue 23 item 7): the
+token it resumes with is sampled by a prefill worker, whose answer carries that token's entry."""
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.processes import start_router, start_worker
+
+pytestmark = pytest.mark.django_db(transaction=False, databases=[])
+CONTEXT = 256
+PROMPT = "Disaggregated inference separates prefill from decode so that"
+MAX_TOKENS = 120
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path, log_dir: Path):
+    """One prefill, two decode workers (a victim and a survivor) and a router, real processes, fp32."""
+    procs: dict[str, Any] = {}
+    try:
+        common = ["--context-length", str(CONTEXT), "--block-size", "8", "--dtype", "float32"]
+        procs["P"], prefill = start_worker("prefill", tiny_model_dir, log_dir, extra=common)
+        decode = ["--max-sequence-length", str(CONTEXT)]
+        procs["V"], victim = start_worker("decode", tiny_model_dir, log_dir, extra=[*common, *decode], name="victim")
+        procs["X"], survivor = start_worker("decode", tiny_model_dir, log_dir, extra=[*common, *decode],
+                                            name="survivor")
+        procs["R"], router = start_router([prefill], [victim, survivor], log_dir)
+        yield procs, router, victim
+    finally:
+        for p in reversed(list(procs.values())):
+            p.stop()
+
+
+def _events(lines: Iterator[str]) -> Iterator[Any]:
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+def _inflight(router: str, url: str) -> int:
+    status = httpx.get(router + "/router/status", timeout=30).json()
+    return int(next(e for e in status["decode"] if e["url"] == url)["inflight"])
+
+
+def test_a_moved_stream_keeps_its_logprobs(cluster: tuple[dict[str, Any], str, str]) -> None:
+    procs, router, victim = cluster
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "logprobs": 2}
+    reference = httpx.post(router + "/v1/completions", json=body, timeout=120).json()["choices"][0]["logprobs"]
+    assert len(reference["tokens"]) == MAX_TOKENS
+    for _ in range(4):  # round robin: the stream lands on the victim within two tries
+        with httpx.stream("POST", router + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            assert r.status_code == 200
+            events = _events(r.iter_lines())
+            first = next(events)
+            procs["V"].kill(signal.SIGSTOP)  # frozen first: it cannot finish while we look where it runs
+            if _inflight(router, victim) != 1:
+                procs["V"].kill(signal.SIGCONT)
+                continue
+            procs["V"].kill()
+            rest = list(events)
+            break
+    else:
+        pytest.fail("no stream landed on the victim decode worker")
+    assert rest[-1] == "[DONE]", rest[-3:]
+    chunks = [first, *[e for e in rest[:-1] if e.get("choices")]]
+    assert all("error" not in c for c in chunks), chunks[-1]
+    tokens: list[str] = []
+    values: list[float] = []
+    for chunk in chunks:
+        logprobs = chunk["choices"][0]["logprobs"]
+        if logprobs:
+            tokens += logprobs["tokens"]
+            values += logprobs["token_logprobs"]
+    # Every token has its number (none null), and they are the unbroken run's.
+    assert tokens == reference["tokens"]
+    assert all(v is not None for v in values)
+    assert all(abs(v - ref) < TOL for v, ref in zip(values, reference["token_logprobs"], strict=True))
