@@ -1,9 +1,11 @@
 """Fixtures for the router and gateway tests: a cluster of stand-in workers shared by a module
 (tests with their own `cluster` of real workers, like test_disaggregated_e2e, override it), a
-small real deployment that a burst saturates, and an admin test client."""
+small real deployment that a burst saturates, the OpenAI-API deployment that the feature tests of the
+generation API share (penalties, logprobs and n, structured output and tools), and an admin test client."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,39 @@ from tests.support.processes import Proc, start_router, start_worker
 # The saturable deployment: its router gives a request this long in the queue (and 4 places).
 SATURABLE_QUEUE_TIMEOUT_S = 0.5
 SATURABLE_CONTEXT = 256
+# The OpenAI-API deployment: fp32 so that its log-probabilities equal a colocated fp32 engine's.
+OPENAI_CONTEXT = 1024
+
+
+@dataclass(frozen=True)
+class OpenAIDeployment:
+    """The URLs of a real prefill worker, decode worker and router on the tiny model."""
+
+    router: str
+    decode: str
+    prefill: str
+
+
+@pytest.fixture(scope="package")
+def openai_deployment(tiny_model_dir: Path, log_dir: Path) -> Iterator[OpenAIDeployment]:
+    """One prefill, one decode worker and a router (real processes, fp32, 8-token blocks), started once
+    for every test module of the generation API's features: each start costs tens of seconds on a
+    loaded CI machine, and none of these tests changes the deployment (they only send requests)."""
+    procs: list[Proc] = []
+    try:
+        common = ["--context-length", str(OPENAI_CONTEXT), "--block-size", "8", "--dtype", "float32"]
+        prefill, prefill_url = start_worker("prefill", tiny_model_dir, log_dir, extra=common)
+        procs.append(prefill)
+        decode, decode_url = start_worker(
+            "decode", tiny_model_dir, log_dir, extra=[*common, "--max-sequence-length", str(OPENAI_CONTEXT)]
+        )
+        procs.append(decode)
+        router, router_url = start_router([prefill_url], [decode_url], log_dir)
+        procs.append(router)
+        yield OpenAIDeployment(router=router_url, decode=decode_url, prefill=prefill_url)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from inference.engine import LLMEngine, SamplingParams
 from inference.engine.logprobs import TokenLogprobs
-from tests.support.processes import start_router, start_worker
+from tests.inference.conftest import OpenAIDeployment
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 CONTEXT = 256
@@ -26,22 +26,9 @@ CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say somet
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path, log_dir: Path):
-    """One prefill, one decode and a router, all real processes, in fp32."""
-    procs = []
-    try:
-        common = ["--context-length", str(CONTEXT), "--block-size", "8", "--dtype", "float32"]
-        prefill, prefill_url = start_worker("prefill", tiny_model_dir, log_dir, extra=common)
-        procs.append(prefill)
-        decode, decode_url = start_worker("decode", tiny_model_dir, log_dir,
-                                          extra=[*common, "--max-sequence-length", str(CONTEXT)])
-        procs.append(decode)
-        router, router_url = start_router([prefill_url], [decode_url], log_dir)
-        procs.append(router)
-        yield router_url, decode_url, prefill_url
-    finally:
-        for p in reversed(procs):
-            p.stop()
+def cluster(openai_deployment: OpenAIDeployment) -> tuple[str, str, str]:
+    """The shared fp32 deployment's router, decode and prefill URLs."""
+    return openai_deployment.router, openai_deployment.decode, openai_deployment.prefill
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from inference.engine import LLMEngine, SamplingParams
-from tests.support.processes import start_router, start_worker
+from tests.inference.conftest import OpenAIDeployment
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 CONTEXT = 256
@@ -23,28 +23,15 @@ FORCED = 42  # an ordinary token of the tiny model's vocabulary (not EOS)
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path, log_dir: Path):
-    """One prefill, one decode and a router, all real processes."""
-    procs = []
-    try:
-        common = ["--context-length", str(CONTEXT), "--block-size", "8"]
-        prefill, prefill_url = start_worker("prefill", tiny_model_dir, log_dir, extra=common)
-        procs.append(prefill)
-        decode, decode_url = start_worker("decode", tiny_model_dir, log_dir,
-                                          extra=[*common, "--max-sequence-length", str(CONTEXT)])
-        procs.append(decode)
-        router, router_url = start_router([prefill_url], [decode_url], log_dir)
-        procs.append(router)
-        yield router_url
-    finally:
-        for p in reversed(procs):
-            p.stop()
+def cluster(openai_deployment: OpenAIDeployment) -> str:
+    """The shared deployment's router: one prefill, one decode and a router, all real processes."""
+    return openai_deployment.router
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> LLMEngine:
     """The same checkpoint colocated in this process."""
-    return LLMEngine(str(tiny_model_dir), block_size=8, max_model_len=CONTEXT)
+    return LLMEngine(str(tiny_model_dir), block_size=8, max_model_len=CONTEXT, dtype="float32")
 
 
 def _sse(router: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:

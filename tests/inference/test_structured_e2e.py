@@ -8,17 +8,15 @@ model's ChatML template does not render tools: the decode worker gives it the He
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
 
-from tests.support.processes import start_router, start_worker
+from tests.inference.conftest import OpenAIDeployment
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
-CONTEXT = 1024
 SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -43,22 +41,9 @@ MODEL = "tiny-llama"  # the router serves the checkpoint folder's name
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_dir: Path, log_dir: Path):
-    """One prefill, one decode worker and a router (real processes), and an OpenAI client on it."""
-    procs = []
-    try:
-        common = ["--context-length", str(CONTEXT), "--block-size", "8"]
-        prefill, prefill_url = start_worker("prefill", tiny_model_dir, log_dir, extra=common)
-        procs.append(prefill)
-        decode, decode_url = start_worker("decode", tiny_model_dir, log_dir,
-                                          extra=[*common, "--max-sequence-length", str(CONTEXT)])
-        procs.append(decode)
-        router, router_url = start_router([prefill_url], [decode_url], log_dir)
-        procs.append(router)
-        yield openai.OpenAI(base_url=router_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    finally:
-        for p in reversed(procs):
-            p.stop()
+def client(openai_deployment: OpenAIDeployment) -> openai.OpenAI:
+    """An OpenAI client on the shared deployment (one prefill, one decode worker and a router)."""
+    return openai.OpenAI(base_url=openai_deployment.router + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_json_schema_answers_validate_streamed_and_not(client: openai.OpenAI) -> None:
