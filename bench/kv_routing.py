@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--user-tokens", type=int, default=64)
     p.add_argument("--reply-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--context-tokens", type=int, default=0,
+                   help="a conversation's own context (a document) after the system prompt, in its first turn")
+    p.add_argument("--variants", default=",".join(v[0] for v in VARIANTS), help="which variants to run")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(p, argv)
     if args.quick:
@@ -213,27 +216,29 @@ def main(argv: list[str] | None = None) -> int:
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     rng = random.Random(args.seed)
     system = [rng.randrange(3, vocab) for _ in range(args.system_tokens)]
-    users = [[[rng.randrange(3, vocab) for _ in range(args.user_tokens)] for _ in range(args.turns)]
-             for _ in range(args.conversations)]
+    users = [[[rng.randrange(3, vocab) for _ in range(args.user_tokens + (args.context_tokens if k == 0 else 0))]
+              for k in range(args.turns)] for _ in range(args.conversations)]
     worker_extra = ["--batch-size", str(max(8, args.conversations))]
     load_before = os.getloadavg()
     rows: dict[str, dict[str, Any]] = {}
-    for variant in VARIANTS:
+    chosen = args.variants.split(",")
+    for variant in [v for v in VARIANTS if v[0] in chosen]:
         name = variant[0]
         log(f"{name}: {args.conversations} conversations x {args.turns} turns on 2 prefill + 2 decode ({model.name})")
         rows[name] = _run_policy(variant, Path(model), args.log_dir, system, users, args.reply_tokens, worker_extra)
         log(f"{name}: {rows[name]}")
     load_after = os.getloadavg()
-    rr, kv, local = rows["round-robin"], rows["kv-aware"], rows["kv-aware+local"]
+    empty: dict[str, Any] = {}
+    rr, kv, local = (rows.get(name, empty) for name in ("round-robin", "kv-aware", "kv-aware+local"))
     comparison = {
-        "later_ttft_p50_kv_over_local": ratio(kv["later_turns_ttft_p50_s"], local["later_turns_ttft_p50_s"]),
-        "later_ttft_p90_kv_over_local": ratio(kv["later_turns_ttft_p90_s"], local["later_turns_ttft_p90_s"]),
-        "tok_s_local_over_kv": ratio(local["output_tok_s"], kv["output_tok_s"]),
-        "ttft_p50_rr_over_kv": ratio(rr["ttft_p50_s"], kv["ttft_p50_s"]),
-        "ttft_p90_rr_over_kv": ratio(rr["ttft_p90_s"], kv["ttft_p90_s"]),
-        "later_ttft_p50_rr_over_kv": ratio(rr["later_turns_ttft_p50_s"], kv["later_turns_ttft_p50_s"]),
-        "later_ttft_p90_rr_over_kv": ratio(rr["later_turns_ttft_p90_s"], kv["later_turns_ttft_p90_s"]),
-        "tok_s_kv_over_rr": ratio(kv["output_tok_s"], rr["output_tok_s"]),
+        "later_ttft_p50_kv_over_local": ratio(kv.get("later_turns_ttft_p50_s"), local.get("later_turns_ttft_p50_s")),
+        "later_ttft_p90_kv_over_local": ratio(kv.get("later_turns_ttft_p90_s"), local.get("later_turns_ttft_p90_s")),
+        "tok_s_local_over_kv": ratio(local.get("output_tok_s"), kv.get("output_tok_s")),
+        "ttft_p50_rr_over_kv": ratio(rr.get("ttft_p50_s"), kv.get("ttft_p50_s")),
+        "ttft_p90_rr_over_kv": ratio(rr.get("ttft_p90_s"), kv.get("ttft_p90_s")),
+        "later_ttft_p50_rr_over_kv": ratio(rr.get("later_turns_ttft_p50_s"), kv.get("later_turns_ttft_p50_s")),
+        "later_ttft_p90_rr_over_kv": ratio(rr.get("later_turns_ttft_p90_s"), kv.get("later_turns_ttft_p90_s")),
+        "tok_s_kv_over_rr": ratio(kv.get("output_tok_s"), rr.get("output_tok_s")),
     }
     print_header("KV-aware routing vs round-robin: multi-turn chat, 2 prefill + 2 decode")
     headers = ["variant", "prefill hit ratio", "decode hit ratio", "local/remote prefills",
@@ -255,9 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average before {load_before}, after {load_after}")
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model_name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "")
-    write_result(args.out_dir, "kv_routing_quick" if args.quick else "kv_routing", MODULE, argv, {
+    name = "kv_routing" + ("_context" if args.context_tokens else "") + ("_quick" if args.quick else "")
+    write_result(args.out_dir, name, MODULE, argv, {
         "model_dir": str(model), "conversations": args.conversations, "turns": args.turns,
-        "system_tokens": args.system_tokens, "user_tokens": args.user_tokens, "reply_tokens": args.reply_tokens,
+        "system_tokens": args.system_tokens, "user_tokens": args.user_tokens, "context_tokens": args.context_tokens,
+        "reply_tokens": args.reply_tokens,
         "rows": rows, "comparison": comparison, "load_before": load_before, "load_after": load_after,
         "cpu": model_name, "machine": machine_info(),
     })
