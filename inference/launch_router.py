@@ -113,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="kv-aware policy: cost per request in flight on a worker, in prompt tokens "
         "(default: ROUTER_KV_LOAD_WEIGHT or 64)",
     )
+    parser.add_argument(
+        "--local-prefill-tokens", type=_bounded_int(0, 1_000_000), default=None, metavar="N",
+        help="a decode worker with at most N prompt tokens left to compute prefills the prompt itself "
+        "(default: ROUTER_LOCAL_PREFILL_TOKENS or 0: always a prefill worker)",
+    )
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")
     return parser
 
@@ -160,6 +165,8 @@ def router_environment(args: argparse.Namespace) -> dict[str, str]:
         env["ROUTER_QUEUE_TIMEOUT_S"] = repr(args.queue_timeout)
     if getattr(args, "max_queue", None) is not None:
         env["ROUTER_MAX_QUEUE"] = str(args.max_queue)
+    if getattr(args, "local_prefill_tokens", None) is not None:
+        env["ROUTER_LOCAL_PREFILL_TOKENS"] = str(args.local_prefill_tokens)
     if getattr(args, "kv_token_weight", None) is not None:
         env["ROUTER_KV_TOKEN_WEIGHT"] = repr(args.kv_token_weight)
     if getattr(args, "kv_load_weight", None) is not None:

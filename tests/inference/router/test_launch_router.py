@@ -64,6 +64,9 @@ def test_kv_flags_reach_the_environment(capsys: pytest.CaptureFixture[str]) -> N
     assert env["ROUTER_POLICY"] == "kv-aware"
     assert (env["ROUTER_KV_TOKEN_WEIGHT"], env["ROUTER_KV_LOAD_WEIGHT"]) == ("0.5", "128.0")
     assert "ROUTER_KV_TOKEN_WEIGHT" not in router_environment(parse_args(BASE))
+    local = router_environment(parse_args([*BASE, "--local-prefill-tokens", "32"]))
+    assert local["ROUTER_LOCAL_PREFILL_TOKENS"] == "32"
+    assert "ROUTER_LOCAL_PREFILL_TOKENS" not in router_environment(parse_args(BASE))
     with pytest.raises(SystemExit):
         parse_args([*BASE, "--kv-load-weight", "-1"])
     assert "--kv-load-weight" in capsys.readouterr().err
