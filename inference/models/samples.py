@@ -76,19 +76,15 @@ class RouterSample(models.Model):
         return f"{self.deployment.name}/router@{self.at:%H:%M:%S}"
 
 
-class WorkerSample(models.Model):
-    """One worker's metrics at one moment (per-worker charts); pruned by age.
+class WorkerValues(models.Model):
+    """What is known of one worker at a moment or over a bucket: its identity (named, not referenced,
+    so that its history outlives its row) and the values the collector reads from its health and
+    metrics. WorkerSample holds them per scrape, WorkerSampleRollup as means per minute or hour."""
 
-    The worker is named, not referenced: its samples outlive its row. Rates and means are over the
-    interval since the previous scrape; None where the worker (or the engine) does not report it.
-    """
-
-    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="worker_samples")
     worker_id = models.PositiveIntegerField()
     name = models.CharField(max_length=150)
     role = models.CharField(max_length=16)
     url = models.CharField(max_length=300, blank=True)
-    at = models.DateTimeField(db_index=True)
     load = models.FloatField(null=True, blank=True)
     queue_depth = models.FloatField(null=True, blank=True)
     running = models.FloatField(null=True, blank=True)
@@ -107,6 +103,20 @@ class WorkerSample(models.Model):
     request_share = models.FloatField(null=True, blank=True, help_text="its share of its role's requests")
 
     class Meta:
+        abstract = True
+
+
+class WorkerSample(WorkerValues):
+    """One worker's metrics at one moment (per-worker charts); pruned by age.
+
+    The worker is named, not referenced: its samples outlive its row. Rates and means are over the
+    interval since the previous scrape; None where the worker (or the engine) does not report it.
+    """
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="worker_samples")
+    at = models.DateTimeField(db_index=True)
+
+    class Meta:
         ordering = ["-at"]
         indexes = [models.Index(fields=["deployment", "at"]), models.Index(fields=["worker_id", "at"])]
 
@@ -121,7 +131,7 @@ class RollupResolution(models.IntegerChoices):
     HOUR = 3600, "1 hour"
 
 
-class WorkerSampleRollup(models.Model):
+class WorkerSampleRollup(WorkerValues):
     """One worker's samples over a minute or an hour, averaged (inference.metrics.downsampling).
 
     Raw WorkerSamples are kept METRICS_RAW_RETENTION_HOURS; per-minute rollups METRICS_RETENTION_HOURS
@@ -132,30 +142,10 @@ class WorkerSampleRollup(models.Model):
     """
 
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="worker_rollups")
-    worker_id = models.PositiveIntegerField()
-    name = models.CharField(max_length=150)
-    role = models.CharField(max_length=16)
-    url = models.CharField(max_length=300, blank=True)
     resolution_s = models.PositiveIntegerField(choices=RollupResolution.choices)
     at = models.DateTimeField(help_text="start of the bucket")
     samples = models.PositiveIntegerField(default=0)
-    load = models.FloatField(null=True, blank=True)
     load_max = models.FloatField(null=True, blank=True)
-    queue_depth = models.FloatField(null=True, blank=True)
-    running = models.FloatField(null=True, blank=True)
-    kv_usage = models.FloatField(null=True, blank=True)
-    cpu_utilization = models.FloatField(null=True, blank=True)
-    gpu_utilization = models.FloatField(null=True, blank=True)
-    throughput_tps = models.FloatField(null=True, blank=True)
-    ttft_s = models.FloatField(null=True, blank=True)
-    itl_s = models.FloatField(null=True, blank=True)
-    rss_bytes = models.BigIntegerField(null=True, blank=True)
-    gpu_memory_bytes = models.BigIntegerField(null=True, blank=True)
-    kv_transfer_bytes_per_s = models.FloatField(null=True, blank=True)
-    kv_transfer_s = models.FloatField(null=True, blank=True)
-    prefix_cache_hit_ratio = models.FloatField(null=True, blank=True)
-    requests_per_s = models.FloatField(null=True, blank=True)
-    request_share = models.FloatField(null=True, blank=True)
 
     class Meta:
         ordering = ["-at"]
