@@ -14,6 +14,7 @@ import pytest
 import yaml
 from django.core.management import CommandError, call_command
 
+from inference.gateway.tenancy import class_metrics
 from inference.models import RouterEndpoint
 from inference.router.metrics import RouterMetrics
 from inference.server.metrics import WorkerMetrics
@@ -98,7 +99,10 @@ def test_scrape_config_reads_the_default_targets_file() -> None:
 def exported_series() -> dict[str, set[str]]:
     """Series name → its label names, for everything the real router and worker registries export."""
     series: dict[str, set[str]] = {}
-    for registry in (RouterMetrics().registry, WorkerMetrics("decode", "m").registry):
+    router = RouterMetrics()
+    # The per-key-class series join the router's registry with its first generation request.
+    tenants = class_metrics(router.registry)
+    for registry in (router.registry, WorkerMetrics("decode", "m").registry):
         for family in registry.collect():
             suffixes = {"counter": ["_total", "_created"], "histogram": ["_bucket", "_count", "_sum", "_created"],
                         "gauge": [""]}.get(family.type, [""])
@@ -111,8 +115,8 @@ def exported_series() -> dict[str, set[str]]:
             for sample in family.samples:
                 series.setdefault(sample.name, set()).update(sample.labels)
     # Labelled metrics have no samples until used: take their label names from the collectors.
-    router = RouterMetrics()
-    for metric in (router.requests, router.rejected, router.selections, router.failures):
+    for metric in (router.requests, router.rejected, router.selections, router.failures, tenants.requests,
+                   tenants.tokens, tenants.limited):
         for suffix in ("_total", "_created"):
             series[metric._name + suffix] |= set(metric._labelnames)  # noqa: SLF001
     return series
