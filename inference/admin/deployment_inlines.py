@@ -22,6 +22,7 @@ from inference.admin.display import (
     health_summary,
     status_badge,
 )
+from inference.admin.rule_columns import RuleInWords
 from inference.admin.workers import LiveWorkerInline
 from inference.models import (
     RouterEndpoint,
@@ -29,7 +30,6 @@ from inference.models import (
     ScalingRule,
     Worker,
 )
-from inference.selectors import rules as rule_selectors
 
 RECENT_EVENTS = 20
 
@@ -47,7 +47,7 @@ class ReadOnlyFormSet(BaseInlineFormSet):
         return 0 if self.is_bound else int(super().total_form_count())
 
 
-class ScalingRuleInline(admin.TabularInline):
+class ScalingRuleInline(RuleInWords, admin.TabularInline):
     """The deployment's scaling rules in words (signal, units, state now), each linking to its own page, where
     the form of its kind edits it (inference.admin.rule_forms): one table of every kind's fields showed a
     schedule rule's meaningless step and a threshold rule's empty window times."""
@@ -65,21 +65,6 @@ class ScalingRuleInline(admin.TabularInline):
         """The rule's name, linking to its page (the form of its kind)."""
         url = reverse("admin:inference_scalingrule_change", args=[rule.pk])
         return format_html('<a href="{}" class="rule-link">{}</a>', url, rule.name)
-
-    @admin.display(description="kind")
-    def kind_name(self, rule: ScalingRule) -> str:
-        """The kind in a few words."""
-        return rule_selectors.kind_label(rule)
-
-    @admin.display(description="rule")
-    def condition(self, rule: ScalingRule) -> str:
-        """The rule in words, naming its signal and units."""
-        return rule_selectors.describe(rule)
-
-    @admin.display(description="state now")
-    def state_now(self, rule: ScalingRule) -> str:
-        """Active now / inactive, breaching / ok / no reading, disabled."""
-        return rule_selectors.state(rule)
 
     @admin.display(description="last fired")
     def last_fired(self, rule: ScalingRule) -> str:

@@ -19,6 +19,7 @@ from inference.admin.display import (
     event_outcome,
     format_duration,
 )
+from inference.admin.rule_columns import RuleInWords
 from inference.models import (
     ScaleEvent,
     ScaleOverride,
@@ -30,7 +31,7 @@ WINDOW_ROWS = 30  # readings shown on a rule's page (a rule keeps those of its w
 
 
 @admin.register(ScalingRule)
-class ScalingRuleAdmin(admin.ModelAdmin):
+class ScalingRuleAdmin(RuleInWords, admin.ModelAdmin):
     """Scaling rules of all deployments: one form per kind (inference.admin.rule_forms) with only its fields, the
     rule in words naming its signal, and its internal state (window of readings, breach timer) read-only."""
 
@@ -79,22 +80,6 @@ class ScalingRuleAdmin(admin.ModelAdmin):
             }  # fmt: skip
             return TemplateResponse(request, "admin/inference/scalingrule/choose_kind.html", context)
         return super().add_view(request, form_url, extra_context)
-
-    @admin.display(description="kind", ordering="kind")
-    def kind_name(self, rule: ScalingRule) -> str:
-        """The kind in a few words."""
-        return rule_selectors.kind_label(rule)
-
-    @admin.display(description="rule")
-    def condition(self, rule: ScalingRule) -> str:
-        """The rule in words, naming the signal it reads and its units."""
-        return rule_selectors.describe(rule)
-
-    @admin.display(description="state now")
-    def state_now(self, rule: ScalingRule) -> SafeString:
-        """Active now / inactive (schedule), breaching / ok / no reading (windowed), disabled."""
-        state = rule_selectors.state(rule)
-        return format_html('<span class="rule-state rule-{}">{}</span>', state.replace(" ", "-"), state)
 
     @admin.display(description="window breaching since")
     def breach_started(self, rule: ScalingRule) -> str:
