@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
-import threading
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Mapping
@@ -32,6 +31,7 @@ import aiohttp
 import httptools
 import orjson
 
+from inference.router.daemon import DaemonTask
 from inference.router.endpoint import Endpoint
 
 if TYPE_CHECKING:
@@ -257,30 +257,14 @@ def next_check_at(url: str, interval_s: float, now: float) -> float:
     return (int((now - phase) // interval_s) + 1) * interval_s + phase
 
 
-class HealthChecker:
+class HealthChecker(DaemonTask):
     """Checks every endpoint of a pool each `pool.health_interval_s`, in a daemon thread."""
 
     def __init__(self, pool: WorkerPool) -> None:
+        super().__init__("router-health-checks")
         self.pool = pool
-        self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Future[None] | None = None
-        self._thread = threading.Thread(target=self._run, name="router-health-checks", daemon=True)
-
-    @property
-    def running(self) -> bool:
-        """Whether the thread is alive and not asked to stop."""
-        return self._thread.is_alive() and not self._stop.is_set()
-
-    def start(self) -> None:
-        """Start the thread."""
-        self._thread.start()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Ask the thread to stop and wait for it (bounded)."""
-        self._stop.set()
-        self.wake()
-        self._thread.join(timeout_s)
 
     def wake(self) -> None:
         """Look at the pool's endpoints now (from any thread): new ones are checked at once."""

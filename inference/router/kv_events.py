@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from typing import TYPE_CHECKING
 
 import aiohttp
 import orjson
 
+from inference.router.daemon import DaemonTask
 from inference.router.health import describe_exception, new_session
 from inference.router.kv_index import KVIndex
 from inference.wire.kv_events import KVEventBatch, KVSnapshot, decode_line
@@ -36,29 +36,14 @@ RETRY_S = (0.2, 0.5, 1.0, 2.0)
 MAX_LINE_BYTES = 64 * 2**20
 
 
-class KVFeed:
+class KVFeed(DaemonTask):
     """Keeps `index` in step with the KV event streams of every endpoint of `pool`, in a thread."""
 
     def __init__(self, pool: WorkerPool, index: KVIndex) -> None:
+        super().__init__("router-kv-events")  # it looks at the stop flag every FOLLOW_S
         self.pool = pool
         self.index = index
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="router-kv-events", daemon=True)
         self.errors: dict[str, str] = {}  # the last reason each worker's stream ended, for /router/status
-
-    @property
-    def running(self) -> bool:
-        """Whether the thread is alive and not asked to stop."""
-        return self._thread.is_alive() and not self._stop.is_set()
-
-    def start(self) -> None:
-        """Start the thread."""
-        self._thread.start()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Ask the thread to stop and wait for it (bounded: it looks at the flag every FOLLOW_S)."""
-        self._stop.set()
-        self._thread.join(timeout_s)
 
     def _run(self) -> None:
         asyncio.run(self._main())
