@@ -4,8 +4,10 @@ A generation never queries the database for its key: the process keeps every non
 `Tenant`) in memory and reloads them all when the snapshot is older than ROUTER_KEY_REFRESH_S (in the
 background, the request goes on with the snapshot it has). A snapshot older than ROUTER_KEY_MAX_STALE_S
 is reloaded before the request is answered, so a revocation is refused by every router process within
-that bound even when it was idle. A key missing from the snapshot (created a moment ago) makes a reload
-when the snapshot is older than half a second. If the database cannot be read the old snapshot is kept (logged, and
+that bound even when it was idle. A key missing from the snapshot (perhaps created a moment ago, after
+the snapshot's query) is looked up alone (one indexed query, as a DRF token costs on every request) and
+joins the snapshot; a missing key is not looked up again for half a second, so retries of an unknown
+key do not query per request. If the database cannot be read the old snapshot is kept (logged, and
 retried after ROUTER_KEY_REFRESH_S): a database restart does not lock every client out.
 """
 from __future__ import annotations
@@ -25,9 +27,10 @@ from inference.selectors import api_keys as key_selectors
 
 logger = logging.getLogger(__name__)
 
-# A key missing from the snapshot makes a reload when the snapshot is older than this: a key used right
-# after its creation works, and a flood of unknown keys costs at most two queries per this interval.
+# A key found in neither the snapshot nor the database is not looked up again for this long.
 _MISS_RELOAD_S = 0.5
+# At most this many unknown keys are remembered (a flood of random keys cannot grow it without bound).
+_MISSES_KEPT = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +66,13 @@ TOKEN_TENANT = Tenant(key_id=None, label="token")
 OPEN_TENANT = Tenant(key_id=None, label="open")
 
 
-def _load_snapshot() -> dict[str, Tenant]:
-    """Every non-revoked key by secret hash (two queries)."""
+def _load_snapshot(secret_hash: str | None = None) -> dict[str, Tenant]:
+    """Every non-revoked key (or the one of `secret_hash`) by secret hash (two queries)."""
     close_old_connections()  # a long-lived router outlives its connection across a database restart
-    scopes = key_selectors.key_scopes()
+    rows = key_selectors.active_key_rows(secret_hash)
+    scopes = key_selectors.key_scopes(None if secret_hash is None else [row[0] for row in rows])
     snapshot: dict[str, Tenant] = {}
-    for key_id, prefix, digest, priority, rpm, tpm, concurrent, expires in key_selectors.active_key_rows():
+    for key_id, prefix, digest, priority, rpm, tpm, concurrent, expires in rows:
         snapshot[digest] = Tenant(
             key_id=key_id, label=prefix, priority=priority, requests_per_minute=rpm, tokens_per_minute=tpm,
             max_concurrent=concurrent, deployments=frozenset(scopes.get(key_id, ())),
@@ -88,10 +92,24 @@ class KeyCache:
         self._retry_at = float("-inf")  # no load before this (after a failure)
         self._background: asyncio.Task[None] | None = None
         self._lock = threading.Lock()
+        self._misses: dict[str, float] = {}  # unknown key hash -> when the database last said so
 
-    def _reload_now(self) -> None:
-        """Load a snapshot unless one was loaded in the last _MISS_RELOAD_S (thread side)."""
-        self._reload(min_age_s=_MISS_RELOAD_S)
+    def _look_up_missing(self, digest: str) -> None:
+        """Look up one key missing from the snapshot and add it if it is active (thread side)."""
+        try:
+            found = _load_snapshot(digest)
+        except Exception:  # noqa: BLE001  database down: the key stays unknown until it answers
+            self._retry_at = time.monotonic() + self.refresh_s
+            logger.warning("API key lookup failed", exc_info=True)
+            return
+        with self._lock:
+            if found:
+                self._keys = {**self._keys, **found}  # a new dict: lookups read the old one meanwhile
+                self._misses.pop(digest, None)
+            else:
+                if len(self._misses) >= _MISSES_KEPT:
+                    self._misses.clear()
+                self._misses[digest] = time.monotonic()
 
     def _reload(self, min_age_s: float | None = None) -> None:
         """Load a snapshot unless another caller just did (thread side)."""
@@ -120,10 +138,10 @@ class KeyCache:
             self._background = asyncio.ensure_future(sync_to_async(self._reload, thread_sensitive=False)())
         digest = hash_secret(secret)
         tenant = self._keys.get(digest)
-        if tenant is None and time.monotonic() - self.loaded_at > _MISS_RELOAD_S and time.monotonic() >= self._retry_at:
-            # Perhaps a key created a moment ago: look again now (at most every _MISS_RELOAD_S, so
-            # unknown keys cannot make a query per request).
-            await sync_to_async(self._reload_now, thread_sensitive=False)()
+        now = time.monotonic()
+        if tenant is None and now - self._misses.get(digest, float("-inf")) > _MISS_RELOAD_S and now >= self._retry_at:
+            # Perhaps a key created after the snapshot's query: look it up alone.
+            await sync_to_async(self._look_up_missing, thread_sensitive=False)(digest)
             tenant = self._keys.get(digest)
         if tenant is None or (tenant.expires_at is not None and tenant.expires_at <= time.time()):
             return None

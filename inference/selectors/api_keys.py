@@ -15,19 +15,24 @@ SNAPSHOT_FIELDS = (
 )
 
 
-def key_scopes() -> dict[int, set[str]]:
-    """The deployment names of every non-revoked key that is limited to some (one query)."""
+def key_scopes(key_ids: list[int] | None = None) -> dict[int, set[str]]:
+    """The deployment names of every non-revoked key (or of `key_ids`) that is limited to some (one query)."""
     scopes: dict[int, set[str]] = {}
     through = ApiKey.deployments.through.objects.filter(apikey__revoked_at__isnull=True)
+    if key_ids is not None:
+        through = through.filter(apikey_id__in=key_ids)
     for key_id, name in through.values_list("apikey_id", "deployment__name"):
         scopes.setdefault(key_id, set()).add(name)
     return scopes
 
 
-def active_key_rows() -> list[tuple[Any, ...]]:
-    """Every non-revoked key as a tuple of SNAPSHOT_FIELDS (expired ones included: the router checks
-    the expiry per request, so a key expires to the second)."""
-    return list(ApiKey.objects.filter(revoked_at__isnull=True).values_list(*SNAPSHOT_FIELDS))
+def active_key_rows(secret_hash: str | None = None) -> list[tuple[Any, ...]]:
+    """Every non-revoked key (or the one of `secret_hash`) as a tuple of SNAPSHOT_FIELDS (expired ones
+    included: the router checks the expiry per request, so a key expires to the second)."""
+    keys = ApiKey.objects.filter(revoked_at__isnull=True)
+    if secret_hash is not None:
+        keys = keys.filter(secret_hash=secret_hash)
+    return list(keys.values_list(*SNAPSHOT_FIELDS))
 
 
 def usage_per_minute(key: ApiKey, since: datetime) -> list[dict[str, Any]]:

@@ -176,9 +176,21 @@ def test_key_snapshot_expiry_revocation_and_usage_write() -> None:
     assert asyncio.run(cache.lookup("sk-not-ours")) is None
     time.sleep(1.1)
     assert asyncio.run(cache.lookup(soon.secret)) is None  # expired to the second, without a reload
-    fresh = key_actions.create_key(name="fresh", owner=owner)  # after the snapshot: found by a reload on miss
-    cache.loaded_at -= 1.0  # the snapshot is older than the miss-reload interval (0.5 s)
+    # A key created after the snapshot, used at once while the snapshot is fresh (CI saw a 401 here when a
+    # miss only reloaded snapshots older than 0.5 s): looked up alone, then part of the snapshot.
+    fresh = key_actions.create_key(name="fresh", owner=owner)
+    cache.loaded_at = time.monotonic()  # as if a reload whose query ran before the key's commit just ended
     assert asyncio.run(cache.lookup(fresh.secret)) is not None
+    assert asyncio.run(cache.lookup(fresh.secret)) is not None
+    # An unknown key is remembered as unknown: a retry within the interval makes no query.
+    assert asyncio.run(cache.lookup(live.secret + "y")) is None
+
+    def looked_up_again(digest: str) -> None:
+        raise AssertionError("an unknown key was looked up again within the interval")
+
+    cache._look_up_missing = looked_up_again  # type: ignore[method-assign]
+    assert asyncio.run(cache.lookup(live.secret + "y")) is None
+    del cache._look_up_missing
     key_actions.revoke_key(live.key)
     cache.invalidate()
     cache._reload()
