@@ -6,6 +6,7 @@ clear to recognise it; only its SHA-256 is stored. Routers see a change within t
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import secrets
 from collections.abc import Iterable, Mapping
@@ -102,7 +103,19 @@ class UsageDelta:
     completion_tokens: int = 0
     errors: int = 0
     rejected: int = 0
-    users: frozenset[str] = frozenset()
+    users: set[str] = dataclasses.field(default_factory=set)
+
+    def add(self, other: UsageDelta) -> None:
+        """Count `other` in this one too (the users up to MAX_USERS_PER_ROW)."""
+        self.requests += other.requests
+        self.prompt_tokens += other.prompt_tokens
+        self.completion_tokens += other.completion_tokens
+        self.errors += other.errors
+        self.rejected += other.rejected
+        for user in other.users:
+            if len(self.users) >= MAX_USERS_PER_ROW:
+                break
+            self.users.add(user)
 
 
 def record_usage(key_id: int, deployment: str, minute: datetime, delta: UsageDelta) -> None:

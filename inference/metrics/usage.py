@@ -11,13 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections
 
-from inference.actions.api_keys import MAX_USERS_PER_ROW, UsageDelta, record_usage
+from inference.actions.api_keys import UsageDelta, record_usage
 
 logger = logging.getLogger(__name__)
 
@@ -25,22 +24,12 @@ logger = logging.getLogger(__name__)
 _MAX_PENDING_ROWS = 100_000
 
 
-@dataclass
-class _Counts:
-    requests: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    errors: int = 0
-    rejected: int = 0
-    users: set[str] = field(default_factory=set)
-
-
 class UsageRecorder:
     """This process's usage counts not yet written; `add` from the event loop, writes in a thread."""
 
     def __init__(self, flush_s: float) -> None:
         self.flush_s = flush_s
-        self._pending: dict[tuple[int, str, int], _Counts] = {}
+        self._pending: dict[tuple[int, str, int], UsageDelta] = {}
         self._lock = threading.Lock()
         self._scheduled = False
         self.tasks: set[asyncio.Task[int]] = set()
@@ -54,14 +43,9 @@ class UsageRecorder:
             if counts is None:
                 if len(self._pending) >= _MAX_PENDING_ROWS:
                     return
-                counts = self._pending[row] = _Counts()
-            counts.requests += requests
-            counts.prompt_tokens += prompt_tokens
-            counts.completion_tokens += completion_tokens
-            counts.errors += errors
-            counts.rejected += rejected
-            if user and len(counts.users) < MAX_USERS_PER_ROW:
-                counts.users.add(user[:256])
+                counts = self._pending[row] = UsageDelta()
+            counts.add(UsageDelta(requests, prompt_tokens, completion_tokens, errors, rejected,
+                                  {user[:256]} if user else set()))
         self._schedule()
 
     def _schedule(self) -> None:
@@ -89,25 +73,17 @@ class UsageRecorder:
             return 0
         close_old_connections()
         for (key_id, deployment, minute), counts in pending.items():
-            delta = UsageDelta(counts.requests, counts.prompt_tokens, counts.completion_tokens, counts.errors,
-                               counts.rejected, frozenset(counts.users))
             try:
-                record_usage(key_id, deployment, datetime.fromtimestamp(minute * 60, tz=UTC), delta)
+                record_usage(key_id, deployment, datetime.fromtimestamp(minute * 60, tz=UTC), counts)
                 written += 1
             except Exception:  # noqa: BLE001  database down: keep the counts for the next write
                 logger.warning("usage write failed; kept for the next one", exc_info=True)
                 self._restore((key_id, deployment, minute), counts)
         return written
 
-    def _restore(self, row: tuple[int, str, int], counts: _Counts) -> None:
+    def _restore(self, row: tuple[int, str, int], counts: UsageDelta) -> None:
         with self._lock:
-            kept = self._pending.setdefault(row, _Counts())
-            kept.requests += counts.requests
-            kept.prompt_tokens += counts.prompt_tokens
-            kept.completion_tokens += counts.completion_tokens
-            kept.errors += counts.errors
-            kept.rejected += counts.rejected
-            kept.users |= counts.users
+            self._pending.setdefault(row, UsageDelta()).add(counts)
 
 
 _recorder: UsageRecorder | None = None

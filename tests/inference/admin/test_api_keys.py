@@ -61,7 +61,7 @@ def test_limits_edit_and_revoke_action(client_root: Client) -> None:
 def test_usage_page_chart_and_csv(client_root: Client) -> None:
     key, _, _ = add_key(client_root)
     minute = datetime.now(tz=UTC).replace(second=0, microsecond=0)
-    key_actions.record_usage(key.pk, "chat", minute, key_actions.UsageDelta(7, 70, 21, 1, 2, frozenset({"bob"})))
+    key_actions.record_usage(key.pk, "chat", minute, key_actions.UsageDelta(7, 70, 21, 1, 2, {"bob"}))
     page = client_root.get(reverse("admin:inference_apikey_usage", args=[key.pk])).content.decode()
     assert page.count('class="usage-chart"') == 2 and "<rect" in page
     assert re.search(r'id="usage-totals"><td>7</td><td>70</td>\s*<td>21</td><td>1</td><td>2</td>', page)

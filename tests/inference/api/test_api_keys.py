@@ -74,7 +74,7 @@ def test_usage_per_minute() -> None:
     api = client_of("alice")
     created = key_actions.create_key(name="u", owner=get_user_model().objects.get(username="alice"))
     minute = datetime.now(tz=UTC).replace(second=0, microsecond=0)
-    delta = key_actions.UsageDelta(3, 30, 12, 1, 0, frozenset({"u1"}))
+    delta = key_actions.UsageDelta(3, 30, 12, 1, 0, {"u1"})
     key_actions.record_usage(created.key.pk, "dep-a", minute, delta)
     key_actions.record_usage(created.key.pk, "dep-b", minute, key_actions.UsageDelta(2, 20, 8, 0, 5))
     rows = api.get(f"/api/keys/{created.key.pk}/usage/?minutes=5").json()
