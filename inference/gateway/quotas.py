@@ -32,19 +32,25 @@ _WINDOW_TTL_S = 2 * WINDOW_S
 _CONCURRENCY_TTL_S = 3600
 _KEY_PREFIX = "quota"
 
+# What a process owes for a key and pays with its next script call: its tokens counted (on the tokens
+# key, expiring after ttl) and its ended requests taken off the concurrency key.
+_PAY_OWED_LUA = """
+local function pay_owed(tokens_key, concurrency_key, tokens, ttl, ends)
+  if tokens > 0 then
+    redis.call('INCRBY', tokens_key, tokens)
+    redis.call('EXPIRE', tokens_key, ttl)
+  end
+  if ends > 0 then
+    local held = tonumber(redis.call('GET', concurrency_key) or '0')
+    if held > 0 then redis.call('DECRBY', concurrency_key, math.min(held, ends)) end
+  end
+end
+"""
 # Returns 0 (admitted and counted), 1 (requests/min spent), 2 (tokens/min spent), 3 (concurrency full).
-# First applies what this process owes for the key: tokens (ARGV[6]) and ended requests (ARGV[7]).
-_ADMIT_LUA = """
+# First pays what this process owes for the key: tokens (ARGV[6]) and ended requests (ARGV[7]).
+_ADMIT_LUA = _PAY_OWED_LUA + """
 local rpm, tpm, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local owed_tokens, owed_ends = tonumber(ARGV[6]), tonumber(ARGV[7])
-if owed_tokens > 0 then
-  redis.call('INCRBY', KEYS[2], owed_tokens)
-  redis.call('EXPIRE', KEYS[2], ARGV[4])
-end
-if owed_ends > 0 then
-  local held = tonumber(redis.call('GET', KEYS[3]) or '0')
-  if held > 0 then redis.call('DECRBY', KEYS[3], math.min(held, owed_ends)) end
-end
+pay_owed(KEYS[2], KEYS[3], tonumber(ARGV[6]), ARGV[4], tonumber(ARGV[7]))
 if conc > 0 and tonumber(redis.call('GET', KEYS[3]) or '0') >= conc then return 3 end
 if tpm > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') >= tpm then return 2 end
 if rpm > 0 then
@@ -58,18 +64,10 @@ if conc > 0 then
 end
 return 0
 """
-# What a process owes for a key, paid without an admission: tokens (ARGV[1]) counted, ended requests
-# (ARGV[3]) taken off the concurrency counter.
-_SETTLE_LUA = """
-local tokens, ends = tonumber(ARGV[1]), tonumber(ARGV[3])
-if tokens > 0 then
-  redis.call('INCRBY', KEYS[1], tokens)
-  redis.call('EXPIRE', KEYS[1], ARGV[2])
-end
-if ends > 0 then
-  local held = tonumber(redis.call('GET', KEYS[2]) or '0')
-  if held > 0 then redis.call('DECRBY', KEYS[2], math.min(held, ends)) end
-end
+# What a process owes for a key, paid without an admission: tokens (ARGV[1], expiring after ARGV[2])
+# counted, ended requests (ARGV[3]) taken off the concurrency counter.
+_SETTLE_LUA = _PAY_OWED_LUA + """
+pay_owed(KEYS[1], KEYS[2], tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]))
 return 0
 """
 # How long a request's end (its concurrency slot, its last tokens) may wait to ride along with the key's
