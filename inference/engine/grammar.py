@@ -28,10 +28,11 @@ import torch
 
 from inference.wire.grammar import GrammarError, check_grammar
 
+from .token_history import TokenHistory, generated_ids
+
 if TYPE_CHECKING:
     import llguidance
 
-    from .logits_processors import TokenHistory
     from .sampling_params import SamplingParams
     from .tokenizer import Tokenizer
 
@@ -153,7 +154,6 @@ def apply_grammars(
     """Set to -inf, in place, the logits of `x` `[rows, vocab]` that a constrained row's grammar forbids
     now (rows without a grammar are left alone). The histories of constrained rows carry their
     `grammar_state` (set by the engine at admission)."""
-    from .logits_processors import generated_ids
 
     rows = [i for i, p in enumerate(params) if p.grammar is not None]
     if not rows:
@@ -200,7 +200,6 @@ def prefetch_masks(histories: Sequence[TokenHistory]) -> None:
     """Start computing the next-token masks of the constrained sequences among `histories` in the mask
     thread, to overlap the forward pass (call it just before the forward; the sampler picks them up).
     The matchers first take the tokens generated so far here, so the thread reads settled state."""
-    from .logits_processors import generated_ids
 
     states: list[GrammarState] = []
     for history in histories:

@@ -14,30 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import chain
-from typing import Protocol
 
 import numpy as np
 import torch
 
 from .grammar import apply_grammars
 from .sampling_params import SamplingParams
-
-
-class TokenHistory(Protocol):
-    """What the processors read of a request (the engine's `Sequence` is one)."""
-
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    stop_ids: frozenset[int] | None
-
-
-def generated_ids(history: TokenHistory, params: SamplingParams) -> list[int]:
-    """The tokens this request generated: its output, after a migration preceded by the prompt's last
-    `seed_offset` tokens (the new worker's prompt is the old prompt + the tokens already streamed)."""
-    offset = min(params.seed_offset, len(history.prompt_token_ids))
-    if not offset:
-        return history.output_token_ids
-    return history.prompt_token_ids[-offset:] + history.output_token_ids
+from .token_history import TokenHistory, generated_ids
 
 
 def flat_index(token_lists: list[list[int]], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
