@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from .chat_tools import template_renders_tools, with_tool_prompt
+from inference.wire.chat_tools import template_renders_tools, with_tool_prompt
 
 # Any of these files means the checkpoint folder ships a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -28,16 +28,26 @@ class GenerateRequest:
     input_ids: list[int] | None = None
     # Chat tools (OpenAI function tools, checked): the decode worker renders them with the chat template.
     tools: list[dict[str, Any]] | None = None
+    # The prompt's ids as the router computed them from `prompt` or `messages` (prompt_tokens.py): sent
+    # to the worker instead of the text, so it does not tokenize again. None: the worker tokenizes.
+    token_ids: list[int] | None = None
     request_id: str = field(default_factory=new_request_id)
     # Who sent it (its fair share in the admission queue) and its priority class (0 is served first).
     tenant: str = ""
     priority: int = 0
+
+    @property
+    def prompt_ids(self) -> list[int] | None:
+        """The prompt's ids when known before a worker answers: the client's or the router's own."""
+        return self.input_ids if self.input_ids is not None else self.token_ids
 
     def decode_body(self, request_id: str) -> dict[str, Any]:
         """The JSON body of `POST /internal/decode`."""
         body: dict[str, Any] = {"request_id": request_id, "sampling": self.sampling.to_json()}
         if self.input_ids is not None:
             body["input_ids"] = self.input_ids
+        elif self.token_ids is not None:
+            body["input_ids"] = self.token_ids
         elif self.messages is not None:
             body["messages"] = self.messages
             if self.tools:

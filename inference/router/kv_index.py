@@ -53,8 +53,10 @@ PREDICTED_UNCACHED: contextvars.ContextVar[int] = contextvars.ContextVar("predic
 
 def set_prompt(req: GenerateRequest) -> None:
     """Make `req`'s prompt the one the current task's choices see: its token ids when the client sent
-    ids (text is tokenized by the decode worker, after the decode choice: that choice goes by load)."""
-    CURRENT_PROMPT.set(PromptBlocks(req.input_ids) if req.input_ids is not None else None)
+    ids or the router computed them (prompt_tokens.py); otherwise the decode worker tokenizes, after
+    the decode choice, which then goes by load."""
+    ids = req.prompt_ids
+    CURRENT_PROMPT.set(PromptBlocks(ids) if ids is not None else None)
 
 
 @dataclass

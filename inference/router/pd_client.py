@@ -129,7 +129,10 @@ class DisaggregatedClient:
         timeout passed first. Closing or cancelling the generator closes the decode stream and
         posts `/internal/abort` to both workers.
         """
-        # The caller's task runs the request: its decode choice sees the prompt (a kv-aware policy).
+        # The caller's task runs the request: its decode choice sees the prompt (a kv-aware policy),
+        # tokenized here when the client sent text or chat (and the router has the workers' tokenizer).
+        if req.input_ids is None and req.token_ids is None and (tokenizer := self.pool.prompt_tokenizer()):
+            req.token_ids = tokenizer.request_ids(req)
         set_prompt(req)
         # The stream is the run's own generator, not one around it: every token event passes one
         # generator fewer (measured per streamed token).

@@ -30,6 +30,8 @@ from inference.router.policies import (
     canonical_policy_name,
     make_policy,
 )
+from inference.router.prompt_tokens import PromptTokenizer
+from inference.router.tokenizer_source import TokenizerSource
 from inference.router.upstream import UpstreamClient
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,8 @@ class WorkerPool:
         # `kv-aware` policy is in use (kv_events.py).
         self.kv_index = KVIndex()
         self._kv_feed: KVFeed | None = None
+        # The workers' tokenizer (fetched from one of them), so that text and chat prompts are hashed too.
+        self.tokenizers = TokenizerSource(headers)
         self._started = False  # start_health_checks ran: background work follows the policy
         self.policy_name = canonical_policy_name(policy)
         self.failure_threshold = failure_threshold
@@ -143,6 +147,12 @@ class WorkerPool:
         if self.policy_name == KVAware.name and (self._kv_feed is None or not self._kv_feed.running):
             self._kv_feed = KVFeed(self, self.kv_index)
             self._kv_feed.start()
+
+    def prompt_tokenizer(self) -> PromptTokenizer | None:
+        """The decode workers' tokenizer while the policy routes by KV (None otherwise, or not fetched yet)."""
+        if self.policy_name != KVAware.name:
+            return None
+        return self.tokenizers.for_endpoints(self.in_rotation("decode"))
 
     def endpoints(self, role: str) -> list[Endpoint]:
         """The endpoints of `role` (a copy of the list)."""
@@ -354,5 +364,6 @@ class WorkerPool:
         feed = self._kv_feed
         return {"index": self.kv_index.status(), "predicted": predicted,
                 "weights": {"token": self.kv_token_weight, "load": self.kv_load_weight},
+                "tokenizer": self.tokenizers.status(),
                 "feed_running": feed is not None and feed.running,
                 "stream_errors": dict(feed.errors) if feed is not None else {}}

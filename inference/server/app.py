@@ -1,4 +1,5 @@
-"""The worker's HTTP API (Starlette): health, metrics, info, abort, and the role's internal call
+"""The worker's HTTP API (Starlette): health, metrics, info, abort, KV events, the tokenizer (for a
+router that tokenizes), and the role's internal call
 (`/internal/decode` on a decode worker, `/internal/prefill` on a prefill worker)."""
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from inference.server.errors import WorkerError, bad_request
 from inference.server.kv_events import kv_events_handler
 from inference.server.local_prefill import open_local
 from inference.server.prefill import PrefillWorker
+from inference.server.tokenizer_spec import tokenizer_handler
 from inference.server.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -199,6 +201,8 @@ def _common_routes(worker: Worker) -> list[Route]:
         Route("/v1/models", models, methods=["GET"]),
         Route("/internal/abort", _internal(worker, abort), methods=["POST"]),
         Route("/internal/kv-events", _internal(worker, kv_events_handler(worker.kv_events)), methods=["GET"]),
+        Route("/internal/tokenizer", _internal(worker, tokenizer_handler(worker.model_name, worker.engine.tokenizer)),
+              methods=["GET"]),
     ]
 
 
