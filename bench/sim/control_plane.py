@@ -175,7 +175,10 @@ def run_size(nodes: int, workers: int, step: int, args: Any, log_dir: Path) -> d
     finally:
         for proc in procs:
             proc.stop()
-        cleanup(prefix)
+        if args.keep:
+            log(f"  kept the rows of {prefix} (remove them with --cleanup {prefix})")
+        else:
+            cleanup(prefix)
     return result
 
 
@@ -190,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw-hours", type=float, default=None, help="raw samples loaded (default 2: the retention)")
     p.add_argument("--rollup-hours", type=float, default=None, help="minute rollups loaded (default 24)")
     p.add_argument("--repeats", type=int, default=None, help="requests per page (default 20; quick 3)")
+    p.add_argument("--keep", action="store_true",
+                   help="leave the run's deployment, nodes, workers and samples in the database (to profile pages)")
+    p.add_argument("--cleanup", metavar="PREFIX", default=None, help="delete what a --keep run left, and exit")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(p, argv)
     sizes: list[tuple[int, int]] = list(QUICK_SIZES if args.quick else FULL_SIZES)
@@ -206,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     if any(w < 2 or n < 1 for n, w in sizes) or args.agent_processes < 1 or args.step < 1:
         p.error("each size needs workers >= 2 and nodes >= 1; --agent-processes and --step >= 1")
     _setup_django(f"control-sim-{secrets.token_hex(3)}")
+    if args.cleanup:
+        if not args.cleanup.startswith("cp") or len(args.cleanup) != 6:
+            p.error(f"--cleanup {args.cleanup!r}: expected the prefix a --keep run printed (cp + 4 hex digits)")
+        cleanup(args.cleanup)
+        return 0
     import logging
 
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -73,6 +73,10 @@ class ScalingRuleInline(RuleInWords, admin.TabularInline):
             return "never"
         return f"{timezone.localtime(rule.last_triggered_at):%Y-%m-%d %H:%M:%S}"
 
+    def get_queryset(self, request: HttpRequest) -> QuerySet:
+        """The rules with their deployment (each row's title names it): joined, not a query each."""
+        return super().get_queryset(request).select_related("deployment")
+
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         """Rules are added on their own page, with the form of their kind (links below the table)."""
         return False
@@ -92,13 +96,24 @@ class RouterEndpointInline(admin.TabularInline):
     readonly_fields = ["last_scraped_at", "last_error"]
     formfield_overrides = {models.URLField: {"assume_scheme": "http"}}  # routers are plain http here
 
+    def get_queryset(self, request: HttpRequest) -> QuerySet:
+        """The routers with their deployment (each row's title names it): joined, not a query each."""
+        return super().get_queryset(request).select_related("deployment")
+
 
 class RecentEventsFormSet(ReadOnlyFormSet):
     """The newest events only, read-only."""
 
     def get_queryset(self) -> QuerySet:
-        """The newest RECENT_EVENTS events of the deployment."""
-        return super().get_queryset().order_by("-created_at", "-id")[:RECENT_EVENTS]
+        """The newest RECENT_EVENTS events of the deployment with their rule, evaluated once: each form
+        indexes the queryset, and an unevaluated slice queried again per form (then the rule column, and the
+        deployment for the row's title and for the rule's name): four queries per event shown."""
+        if not hasattr(self, "_recent"):
+            joined = super().get_queryset().select_related("deployment", "rule__deployment")
+            recent = joined.order_by("-created_at", "-id")[:RECENT_EVENTS]
+            len(recent)  # fills its result cache
+            self._recent = recent
+        return self._recent
 
 
 class ScaleEventInline(admin.TabularInline):

@@ -15,6 +15,7 @@ from typing import Any
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
+from django.db.models import Count
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
 from django.shortcuts import get_object_or_404
 from django.urls import reverse
@@ -22,8 +23,8 @@ from django.utils import timezone
 
 from inference import jobs
 from inference.actions import scale as scale_actions
-from inference.models import Deployment, ScaleOverride, ScalingRule, WorkerRole, WorkerStatus
-from inference.selectors.schedules import active_override, schedule_rule_holding, window_text
+from inference.models import Deployment, RuleKind, ScaleOverride, ScalingRule, WorkerRole, WorkerStatus
+from inference.selectors.schedules import active_overrides, active_schedule_rule, window_text
 
 MAX_OVERRIDE_MINUTES = int(scale_actions.MAX_OVERRIDE.total_seconds() // 60)
 
@@ -79,17 +80,25 @@ class RolePanel:
 
 
 def role_panels(deployment: Deployment, now: datetime | None = None) -> list[RolePanel]:
-    """The scale controls of the deployment page, one per role."""
+    """The scale controls of the deployment page, one per role (three queries for both roles: the running
+    counts, the schedule rules, the overrides)."""
     now = now or timezone.now()
+    running = dict(
+        deployment.workers.filter(status=WorkerStatus.RUNNING).values("role").annotate(n=Count("pk"))
+        .values_list("role", "n")
+    )  # fmt: skip
+    schedules = list(
+        ScalingRule.objects.filter(deployment=deployment, kind=RuleKind.SCHEDULE, enabled=True).order_by("name")
+    )
+    overrides = {o.role: o for o in active_overrides(deployment, now)}
     panels = []
     for role in WorkerRole.values:
         low, high = deployment.bounds(role)
-        running = deployment.workers.filter(role=role, status=WorkerStatus.RUNNING).count()
         form = ScaleForm(initial={"role": role, "replicas": deployment.replicas(role)}, prefix=role)
         form.fields["replicas"].widget.attrs.update({"min": low, "max": high})
+        rule = active_schedule_rule([r for r in schedules if r.role == role], now)
         panels.append(RolePanel(
-            role, deployment.replicas(role), low, high, running, schedule_rule_holding(deployment, role, now),
-            active_override(deployment, role, now), form,
+            role, deployment.replicas(role), low, high, running.get(role, 0), rule, overrides.get(role), form,
         ))  # fmt: skip
     return panels
 

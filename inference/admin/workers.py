@@ -84,7 +84,11 @@ class FirstLiveWorkersFormSet(BaseInlineFormSet):
         query again per form)."""
         if not hasattr(self, "_first_live"):
             serving_last = Case(When(status=WorkerStatus.RUNNING, then=1), default=0, output_field=IntegerField())
-            first = super().get_queryset().order_by(serving_last, "role", "id")[:LIVE_WORKERS_SHOWN]
+            live = super().get_queryset()
+            # The ids first, then their rows joined: sorting the joined rows of 1,000 workers (each with its
+            # node's row) took 16 ms in PostgreSQL, the ids alone then 50 joined rows 6.5 ms.
+            ids = live.order_by(serving_last, "role", "id").values("pk")[:LIVE_WORKERS_SHOWN]
+            first = live.filter(pk__in=ids).order_by(serving_last, "role", "id")
             len(first)  # fills its result cache
             self._first_live = first
         return self._first_live
@@ -114,7 +118,8 @@ class LiveWorkerInline(admin.TabularInline):
         """Only live workers."""
         # Each row also shows the worker's name (its deployment's and node's names): joined, not a query each.
         live = super().get_queryset(request).filter(status__in=ACTIVE_WORKER_STATUSES)
-        return live.select_related("deployment", "node", *self.related)
+        # The metrics blobs (the node's carries its workers' process stats) are not shown: not decoded either.
+        return live.select_related("deployment", "node", *self.related).defer("last_metrics", "node__last_metrics")
 
 
 class WorkerInline(LiveWorkerInline):

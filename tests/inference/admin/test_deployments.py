@@ -278,3 +278,35 @@ def test_routers_are_registered_on_the_deployment_page(client_root: Client, popu
     assert list(populated.routers.values_list("url", "enabled")) == [("http://127.0.0.1:8000", True)]
     page = client_root.get(reverse("admin:inference_deployment_metrics", args=[populated.pk]))
     assert "No router of this deployment is registered" not in page.content.decode()
+
+
+def test_deployment_page_queries_do_not_grow_with_workers_events_or_routers(client_root: Client) -> None:
+    """The page's statements are the same for a small and a busier deployment: the inlines join what each
+    row shows (an event's rule and deployment, a worker's node, a rule's or router's deployment) and the scale
+    controls read both roles at once; an event inline that re-sliced its queryset per row made 3 per event."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from inference.models import RouterEndpoint
+
+    def statements(workers: int, events: int, routers: int, rules: int) -> int:
+        deployment = make_deployment(decode_max=100)
+        for i in range(rules):
+            rule = ScalingRule.objects.create(deployment=deployment, name=f"hot{i}", kind="threshold", role="decode")
+        node = make_node(last_heartbeat=timezone.now())
+        for i in range(workers):
+            make_worker(deployment, node, role="decode", status="running" if i % 3 else "unhealthy")
+        for i in range(events):
+            ScaleEvent.objects.create(deployment=deployment, role="decode", from_replicas=i, to_replicas=i + 1,
+                                      source="rule", rule=rule, reason=f"event {i}")
+        for i in range(routers):
+            RouterEndpoint.objects.create(deployment=deployment, url=f"http://10.0.0.{i + 1}:8000")
+        url = reverse("admin:inference_deployment_change", args=[deployment.pk])
+        client_root.get(url)  # the session and the content types are cached after the first request
+        with CaptureQueriesContext(connection) as queries:
+            page = client_root.get(url)
+        assert page.status_code == 200 and (events == 0 or f"event {events - 1}" in page.content.decode())
+        return len(queries)
+
+    small = statements(workers=1, events=1, routers=1, rules=1)
+    assert statements(workers=12, events=25, routers=3, rules=4) == small
