@@ -28,6 +28,7 @@ from inference.router.endpoint import Endpoint, slots_for
 from inference.router.errors import RouterError
 from inference.router.fair_queue import FairQueue
 from inference.router.metrics import RouterMetrics
+from inference.router.pin import Pin
 from inference.router.pool import WorkerPool
 
 # Used when a worker's health answer does not report its batch size (older workers).
@@ -110,10 +111,12 @@ class Admission:
     # ---------------------------------------------------------------------------------- slots
 
     async def acquire(
-        self, deadline: float, exclude: Collection[Endpoint] = (), *, tenant: str = "", priority: int = 0
+        self, deadline: float, exclude: Collection[Endpoint] = (), *, tenant: str = "", priority: int = 0,
+        pin: Pin | None = None,
     ) -> Endpoint | None:
         """A decode endpoint with a slot taken for this request, waiting for its turn until `deadline`
-        (by `priority` class, lower first, then in turn with the other tenants of the class).
+        (by `priority` class, lower first, then in turn with the other tenants of the class). With a
+        `pin` (a later choice of n > 1) its decode endpoint is taken when it can be, else the policy's.
 
         Returns None when no decode endpoint is left to try (all in `exclude`). Raises RouterError
         429 when the queue is full or the deadline passes first, 503 when none is configured.
@@ -121,7 +124,7 @@ class Admission:
         if not self.pool.endpoints("decode"):
             raise RouterError(503, "no decode endpoints configured")
         if not self._waiters:  # nobody queued: take a free slot now (no overtaking a queue)
-            chosen = self._take(exclude)
+            chosen = self._take(exclude, pin)
             if chosen is not None or not self.pool.has_candidate("decode", exclude):
                 return chosen
         if len(self._waiters) >= self.max_queue:
@@ -146,7 +149,7 @@ class Admission:
                         "ROUTER_QUEUE_TIMEOUT_S); retry later",
                     )
                 if self._waiters.head() is waiter:
-                    chosen = self._take(exclude)
+                    chosen = self._take(exclude, pin)
                     if chosen is not None or not self.pool.has_candidate("decode", exclude):
                         served = chosen is not None
                         return chosen
@@ -172,9 +175,9 @@ class Admission:
 
     # ---------------------------------------------------------------------------------- internals
 
-    def _take(self, exclude: Collection[Endpoint]) -> Endpoint | None:
-        """The policy's pick among the decode endpoints in rotation with a free slot, not backing off
-        and not in `exclude`, its slot taken; None when there is none."""
+    def _take(self, exclude: Collection[Endpoint], pin: Pin | None = None) -> Endpoint | None:
+        """The policy's pick (the pinned endpoint first, if any) among the decode endpoints in rotation
+        with a free slot, not backing off and not in `exclude`, its slot taken; None when there is none."""
         now = time.monotonic()
         default = self._default_slots
         if exclude:
@@ -183,7 +186,9 @@ class Admission:
         else:
             def free(e: Endpoint) -> bool:
                 return e.inflight < (e.slots or default) and e.full_until <= now
-        chosen = self.pool.choose_where("decode", free)
+        chosen = pin.decode_in(self.pool.in_rotation("decode"), free) if pin is not None else None
+        if chosen is None:
+            chosen = self.pool.choose_where("decode", free)
         if chosen is not None:
             chosen.acquire()
         return chosen

@@ -3,10 +3,12 @@
 The router fans the request out into `n` runs of the same prompt (request ids `<id>-c<i>`; a seeded
 request's choice i is seeded `seed + i`, as vLLM does, so the choices differ and each is
 reproducible). Choice 0 runs first; the others start once it has its first token, when its prompt's
-KV is in the decode worker's prefix cache (registered on arrival) and the prefill worker's, so
-their prefills compute only the prompt's last, partial block and their reservations take the cached
-full blocks (`tests/inference/test_logprobs_n_e2e.py` measures the decode worker's hit rate). Every
-choice is an ordinary run: it retries, migrates and aborts on its own. Errors before every choice
+KV is in the decode worker's prefix cache (registered on arrival) and the prefill worker's. The
+choices share a `Pin` (pin.py) that sends the others to choice 0's decode and prefill workers while
+those are in rotation with a free slot, so their prefills compute only the prompt's last, partial
+block and their reservations take the cached full blocks (`tests/inference/test_n_pinning_e2e.py`:
+two workers of each role). Every choice is an ordinary run: it retries, migrates and aborts on its
+own, and falls back to the usual routing where its pinned worker is gone, full or failed it. Errors before every choice
 has its first token are the request's status (nothing was sent yet); after that an error ends the
 whole stream. The last event is one DoneEvent holding each choice's (`choices`), with usage counting
 the prompt once and the completions of all choices.
@@ -20,6 +22,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from inference.router.events import DoneEvent, ErrorEvent, Event, GenerateRequest
+from inference.router.pin import Pin
 
 if TYPE_CHECKING:
     from inference.router.pd_client import DisaggregatedClient
@@ -50,6 +53,7 @@ def generate_choices(
 async def _merged(
     client: DisaggregatedClient, req: GenerateRequest, n: int, arrived: float | None
 ) -> AsyncGenerator[Event, None]:
+    req = replace(req, pin=Pin())  # choice 0's run records its workers in it; the others read them
     streams: list[AsyncGenerator[Event, None]] = [client.generate(req, arrived)]
     reads: dict[asyncio.Future[Event], int] = {}
     try:

@@ -100,7 +100,7 @@ class Establishment:
         until = self.queue_deadline if self.attempts == 0 else max(
             self.queue_deadline, min(self.deadline, waited_from + 1.0))
         decode = await self.client.admission.acquire(
-            until, exclude=self.tried_decode, tenant=self.req.tenant, priority=self.req.priority
+            until, exclude=self.tried_decode, tenant=self.req.tenant, priority=self.req.priority, pin=self.req.pin
         )
         if decode is not None and self.attempts == 0:
             metrics = self.client.metrics

@@ -5,6 +5,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from inference.router.pin import Pin
 from inference.wire.logprobs import Logprob
 from inference.wire.sampling import Sampling
 
@@ -35,6 +36,8 @@ class GenerateRequest:
     # Who sent it (its fair share in the admission queue) and its priority class (0 is served first).
     tenant: str = ""
     priority: int = 0
+    # n > 1: where choice 0 ran, shared by the request's choices (pin.py); None for a request of one.
+    pin: Pin | None = None
 
     @property
     def prompt_ids(self) -> list[int] | None:

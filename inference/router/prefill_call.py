@@ -57,7 +57,10 @@ async def prefill(est: Establishment, attempt: Attempt, descriptor: DescriptorLi
         CURRENT_PROMPT.set(PromptBlocks(descriptor.prompt_token_ids))  # this task's own context
     for _ in range(len(pool.endpoints("prefill"))):  # each prefill endpoint at most once
         PREDICTED_UNCACHED.set(0)
-        prefill = pool.choose("prefill", exclude=tried)
+        pin = est.req.pin  # a later choice of n > 1: choice 0's prefill worker holds the prompt's KV
+        prefill = pin.prefill_in(pool.in_rotation("prefill"), lambda e: e not in tried) if pin is not None else None
+        if prefill is None:
+            prefill = pool.choose("prefill", exclude=tried)
         if prefill is None:
             break
         if time.monotonic() >= est.deadline:

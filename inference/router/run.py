@@ -60,6 +60,8 @@ class RequestRun:
         """The first attempt that produced a first token (or done) line."""
         establishment = Establishment(self.client, self.req, self.arrived, self.deadline)
         attempt, line = await establishment.run()
+        if self.req.pin is not None:
+            self.req.pin.record(attempt)  # choice 0 of n > 1: where the other choices go (pin.py)
         self.first_at = self.last_at = time.monotonic()
         self.retries = establishment.attempts - 1
         self.prompt_ids = list(attempt.prompt_ids)
