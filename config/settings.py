@@ -246,6 +246,11 @@ if not 0 < ROUTER_KEY_REFRESH_S <= ROUTER_KEY_MAX_STALE_S:
     raise ImproperlyConfigured("need 0 < ROUTER_KEY_REFRESH_S <= ROUTER_KEY_MAX_STALE_S")
 # Per-key usage counted by a router is written to the database this long after its first count.
 ROUTER_USAGE_FLUSH_S = env_float("ROUTER_USAGE_FLUSH_S", 10.0)
+# Per-key limits in Redis are leased to each router in small blocks; what a router that died held
+# (permits, concurrency slots) is given back this long after its last renewal.
+ROUTER_QUOTA_LEASE_S = env_float("ROUTER_QUOTA_LEASE_S", 10.0)
+if ROUTER_QUOTA_LEASE_S <= 0:
+    raise ImproperlyConfigured("ROUTER_QUOTA_LEASE_S must be > 0")
 # Production refuses to start with an open generation API unless this says it is meant (a private network).
 ROUTER_ALLOW_OPEN_GENERATION = env_bool("ROUTER_ALLOW_OPEN_GENERATION", False)
 # Largest ws/generate message; HTTP bodies are bounded by ROUTER_MAX_BODY_BYTES above.

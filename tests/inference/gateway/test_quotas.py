@@ -19,7 +19,8 @@ from prometheus_client import CollectorRegistry
 
 from inference.actions import api_keys as key_actions
 from inference.gateway.api_keys import KeyCache, Tenant
-from inference.gateway.quotas import SETTLE_AFTER_S, LocalCounters, Quotas, RedisCounters
+from inference.gateway.quota_leases import SPARE_HOLD_S, TICK_S, TOKEN_PAY_S, LeasedCounters
+from inference.gateway.quotas import LocalCounters, Quotas
 from inference.gateway.tenancy import ClassMetrics, TenantRequest
 from inference.metrics.usage import UsageRecorder
 from inference.models import ApiKeyUsage
@@ -39,8 +40,8 @@ def quotas(request: pytest.FixtureRequest) -> Iterator[Quotas]:
         yield Quotas(LocalCounters())
         return
     client = redis.Redis.from_url(REDIS_URL)
-    yield Quotas(RedisCounters(REDIS_URL))
-    stale = list(client.scan_iter("quota:1*", count=1000))
+    yield Quotas(LeasedCounters(REDIS_URL))
+    stale = list(client.scan_iter("quota:1*", count=1000))  # the ids of tenant() below
     if stale:
         client.delete(*stale)
 
@@ -86,7 +87,7 @@ def test_concurrency_frees_on_release_and_tokens_per_minute(quotas: Quotas) -> N
 
 
 def test_an_ended_request_is_settled_in_redis_without_a_next_admission() -> None:
-    counters = RedisCounters(REDIS_URL)
+    counters = LeasedCounters(REDIS_URL)
     quotas = Quotas(counters)
     key = tenant(max_concurrent=5, tokens_per_minute=10**6)
     client = redis.Redis.from_url(REDIS_URL)
@@ -94,25 +95,25 @@ def test_an_ended_request_is_settled_in_redis_without_a_next_admission() -> None
     async def run() -> None:
         assert await quotas.admit(key) is None
         assert client.get(f"quota:{key.key_id}:c") == b"1"
-        await quotas.finish(key, 7)  # owed: rides with the next admission, or is settled shortly
-        await asyncio.sleep(3 * SETTLE_AFTER_S)
+        await quotas.finish(key, 7)  # a spare slot for the key's next request here, then given back
+        await asyncio.sleep(max(SPARE_HOLD_S, TOKEN_PAY_S) + 3 * TICK_S)
         assert client.get(f"quota:{key.key_id}:c") == b"0"
         window = int(time.time() // 60)
         tokens = client.get(f"quota:{key.key_id}:t:{window}") or client.get(f"quota:{key.key_id}:t:{window - 1}")
         assert tokens == b"7"
 
     asyncio.run(run())
-    client.delete(f"quota:{key.key_id}:c")
+    client.delete(f"quota:{key.key_id}:c", f"quota:{key.key_id}:h")
 
 
 def test_unlimited_callers_never_touch_the_counters() -> None:
-    quotas = Quotas(RedisCounters("redis://127.0.0.1:1/0"))  # nothing listens: any call would fail
+    quotas = Quotas(LeasedCounters("redis://127.0.0.1:1/0"))  # nothing listens: any call would fail
     assert asyncio.run(quotas.admit(Tenant(key_id=None, label="env"))) is None
     assert asyncio.run(quotas.admit(Tenant(key_id=7, label="dpk-x"))) is None
 
 
 def test_redis_down_lets_requests_through() -> None:
-    quotas = Quotas(RedisCounters("redis://127.0.0.1:1/0"))
+    quotas = Quotas(LeasedCounters("redis://127.0.0.1:1/0"))
     assert asyncio.run(quotas.admit(tenant(requests_per_minute=1))) is None
 
 

@@ -2,7 +2,9 @@
 Redis (db 3 of the test machine's, or REDIS_URL) and the test database.
 
 - a requests-per-minute limit holds across both routers: exactly the limit admitted, the rest 429 with
-  Retry-After and a message naming the limit;
+  Retry-After and a message naming the limit; a limit large enough to be leased in blocks admits
+  within 2 % of it and never more;
+- what a router that is killed held (a concurrency slot, unused permits) comes back after its lease;
 - a revoked key is refused by both routers within 5 s;
 - usage (requests, tokens, the OpenAI `user`) reaches the database;
 - ws/generate generations count against the key's limits too.
@@ -107,6 +109,53 @@ def test_requests_per_minute_hold_across_two_routers(routers: list[str], stand_i
     assert 'router_key_class_limited_total{key_class="interactive",limit="requests_per_minute"}' in metrics
     assert 'router_key_class_requests_total{key_class="interactive",outcome="ok"}' in metrics
     assert created.key.prefix not in metrics
+
+
+def test_a_leased_limit_admits_within_2_percent_across_two_routers(routers: list[str], stand_ins: Cluster) -> None:
+    limit = 200  # permits leased 2 at a time by each router
+    created = key_actions.create_key(name="leased", owner=_owner(), requests_per_minute=limit)
+    _start_of_a_minute_with_room(40)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=16) as pool:
+        answers = list(pool.map(lambda i: _generate(routers[i % 2], created.secret), range(limit * 3 // 2)))
+    statuses = [a.status_code for a in answers]
+    admitted = statuses.count(200)
+    assert 0.98 * limit <= admitted <= limit, admitted
+    assert statuses.count(429) == len(statuses) - admitted, statuses
+
+
+def test_a_killed_routers_slot_and_permits_come_back_after_its_lease(
+        routers: list[str], stand_ins: Cluster, log_dir: Path) -> None:
+    created = key_actions.create_key(name="orphaned", owner=_owner(), requests_per_minute=1000, max_concurrent=1)
+    key_id = created.key.pk
+    client = redis.Redis.from_url(REDIS_URL)
+    env = {"DATABASE_URL": _database_url(), "REDIS_URL": REDIS_URL, "ROUTER_REQUIRE_AUTH": "1",
+           "ROUTER_QUOTA_LEASE_S": "3", "PLATFORM_LOG_LEVEL": "WARNING"}
+    doomed, doomed_url = start_router(stand_ins.prefill_urls, stand_ins.decode_urls, log_dir, env=env)
+    _start_of_a_minute_with_room(20)
+    window = int(time.time() // 60)
+    for decode in stand_ins.decode:
+        decode.token_delay_s = 1.0  # the doomed router's request holds the key's only slot for seconds
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            pending = pool.submit(_generate, doomed_url, created.secret)
+            wait_until("the slot taken", lambda: client.get(f"quota:{key_id}:c") == b"1", timeout=10, watch=[doomed])
+            assert int(client.get(f"quota:{key_id}:r:{window}") or 0) == 10  # a block of 1 % of 1000
+            doomed.kill()  # SIGKILL: nothing is given back
+            killed_at = time.monotonic()
+            with pytest.raises(Exception):  # noqa: B017  the connection dies with the router
+                pending.result(timeout=30)
+        for decode in stand_ins.decode:
+            decode.token_delay_s = 0.0
+        refused = _generate(routers[0], created.secret)
+        assert refused.status_code == 429 and "max_concurrent" in refused.json()["error"]["message"]
+        wait_until("the dead router's slot back", lambda: _generate(routers[0], created.secret).status_code == 200,
+                   timeout=10, watch=[], interval=0.2)
+        assert time.monotonic() - killed_at < 3.0 + 5.0  # its lease plus the polling and a loaded machine
+        # The 9 permits it never used came back with the slot: 1 used there, 10 leased by routers[0], and
+        # the refused request used none.
+        assert int(client.get(f"quota:{key_id}:r:{window}") or 0) == 1 + 10
+    finally:
+        doomed.stop()
 
 
 def test_a_revoked_key_is_refused_by_every_router_within_5s(routers: list[str], stand_ins: Cluster) -> None:
