@@ -18,6 +18,7 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: 
 from django.urls import re_path  # noqa: E402
 
 from inference.gateway.auth import WebSocketAuthMiddleware  # noqa: E402
+from inference.gateway.early_refusal import EarlyRefusal  # noqa: E402
 from inference.gateway.limits import BodySizeLimitMiddleware  # noqa: E402
 from inference.gateway.routing import http_urlpatterns, websocket_urlpatterns  # noqa: E402
 
@@ -27,7 +28,8 @@ django_http = BodySizeLimitMiddleware(ASGIStaticFilesHandler(django_asgi_app))
 
 application = ProtocolTypeRouter(
     {
-        "http": URLRouter([*http_urlpatterns, re_path(r"", django_http)]),
+        # A key known to be over its limit is refused before routing (inference/gateway/early_refusal.py).
+        "http": EarlyRefusal(URLRouter([*http_urlpatterns, re_path(r"", django_http)])),
         "websocket": WebSocketAuthMiddleware(URLRouter(websocket_urlpatterns)),
     }
 )

@@ -147,6 +147,16 @@ class KeyCache:
             return None
         return tenant
 
+    def peek(self, secret: str) -> Tenant | None:
+        """The tenant of `secret` if the snapshot holds it as an active key, else None: no database, no
+        await (the early refusal's lookup; anything it cannot say goes the usual way)."""
+        if not looks_like_key(secret) or time.monotonic() - self.loaded_at > self.max_stale_s:
+            return None
+        tenant = self._keys.get(hash_secret(secret))
+        if tenant is None or (tenant.expires_at is not None and tenant.expires_at <= time.time()):
+            return None
+        return tenant
+
     def invalidate(self) -> None:
         """Forget the snapshot: the next lookup loads a fresh one (tests, and after a local change)."""
         self.loaded_at = float("-inf")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter
 
 from inference.gateway.api_keys import Tenant
-from inference.gateway.quotas import Quotas, quotas
+from inference.gateway.quotas import Quotas, Refusal, quotas
 from inference.metrics.usage import UsageRecorder, usage_recorder
 from inference.router import RouterError
 from inference.router.events import DoneEvent, Event, GenerateRequest, TokenEvent
@@ -102,15 +102,20 @@ class TenantRequest:
                                    f"{self.deployment or '(static router)'}", error_type="permission_error")
         refusal = await self.quotas.admit(tenant)
         if refusal is not None:
-            self.metrics.limited.labels(self.label, refusal.limit).inc()
-            self.metrics.refusal.observe(time.monotonic() - self.arrived)
-            self.record(rejected=1)
-            error = RouterError(429, refusal.message(tenant), code=refusal.limit)
-            error.retry_after_s = refusal.retry_after_s  # type: ignore[attr-defined]
-            raise error
+            raise self.refuse(refusal)
         self.admitted = True
         request.tenant = tenant.label
         request.priority = PRIORITY_RANK.get(tenant.priority, 0)
+
+    def refuse(self, refusal: Refusal) -> RouterError:
+        """Count a refusal by a per-key limit (series, refusal time, usage); the 429 that answers it."""
+        self.outcome = "rejected"
+        self.metrics.limited.labels(self.label, refusal.limit).inc()
+        self.metrics.refusal.observe(time.monotonic() - self.arrived)
+        self.record(rejected=1)
+        error = RouterError(429, refusal.message(self.tenant), code=refusal.limit)
+        error.retry_after_s = refusal.retry_after_s  # type: ignore[attr-defined]
+        return error
 
     async def watch(self, event: Event) -> None:
         """An event on its way to the client: tokens are counted, the done event's usage kept."""

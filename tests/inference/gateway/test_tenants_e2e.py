@@ -4,6 +4,8 @@ Redis (db 3 of the test machine's, or REDIS_URL) and the test database.
 - a requests-per-minute limit holds across both routers: exactly the limit admitted, the rest 429 with
   Retry-After and a message naming the limit; a limit large enough to be leased in blocks admits
   within 2 % of it and never more;
+- a key known to be over its limit is refused before its request is routed or read (a body that is not
+  JSON gets the 429, not the consumer's 400), on a keep-alive connection that serves the next request;
 - what a router that is killed held (a concurrency slot, unused permits) comes back after its lease;
 - a revoked key is refused by both routers within 5 s;
 - usage (requests, tokens, the OpenAI `user`) reaches the database;
@@ -156,6 +158,37 @@ def test_a_killed_routers_slot_and_permits_come_back_after_its_lease(
         assert int(client.get(f"quota:{key_id}:r:{window}") or 0) == 1 + 10
     finally:
         doomed.stop()
+
+
+def test_a_spent_key_is_refused_before_its_body_is_read(routers: list[str], stand_ins: Cluster) -> None:
+    spent = key_actions.create_key(name="spent", owner=_owner(), requests_per_minute=1)
+    other = key_actions.create_key(name="other", owner=_owner())
+    _start_of_a_minute_with_room(10)
+    url = routers[0]
+    assert _generate(url, spent.secret).status_code == 200
+    assert _generate(url, spent.secret).status_code == 429  # the budget spent: now known in the process
+    metrics_before = httpx.get(f"{url}/metrics", timeout=10).text
+    with httpx.Client(timeout=10) as client:  # one keep-alive connection for all of them
+        for _ in range(3):
+            refused = client.post(f"{url}/v1/completions", content=b"{not json",
+                                  headers={"Authorization": f"Bearer {spent.secret}",
+                                           "content-type": "application/json"})
+            assert refused.status_code == 429, refused.text  # the consumer would have answered 400
+            assert 1 <= int(refused.headers["retry-after"]) <= 60
+            assert refused.json()["error"]["code"] == "requests_per_minute"
+        served = client.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                             headers={"Authorization": f"Bearer {other.secret}"})
+        assert served.status_code == 200 and served.json()["choices"]
+    assert _refusals_since(metrics_before, url) == 3
+
+
+def _refusals_since(metrics_before: str, url: str) -> float:
+    """How many refusals the router's refusal-time histogram gained since `metrics_before`."""
+    def total(text: str) -> float:
+        return next((float(line.split()[-1]) for line in text.splitlines()
+                     if line.startswith("router_key_limit_refusal_seconds_count")), 0.0)
+
+    return total(httpx.get(f"{url}/metrics", timeout=10).text) - total(metrics_before)
 
 
 def test_a_revoked_key_is_refused_by_every_router_within_5s(routers: list[str], stand_ins: Cluster) -> None:
