@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
-from itertools import chain
 from typing import Any
 
 from django.conf import settings
@@ -19,10 +18,9 @@ from inference.models import (
     MetricSample,
     RouterSample,
     ScaleEvent,
-    WorkerSample,
     validate_role,
 )
-from inference.models.samples import WorkerSampleRollup
+from inference.selectors import worker_series
 from inference.selectors.charts import CHARTS, ROUTER_FIELDS, SERIES_FIELDS, WORKER_FIELDS
 
 # Router fields that add up over several routers of a deployment (the others: the worst router's).
@@ -116,6 +114,7 @@ def deployment_metric_series(
     role: str | None = None,
     *,
     max_points: int = 600,
+    max_workers: int = worker_series.DEFAULT_MAX_WORKERS,
 ) -> dict[str, Any]:
     """Time series of a deployment's metrics since `since` (a datetime, or a timedelta back from now).
 
@@ -126,14 +125,17 @@ def deployment_metric_series(
          "metrics": {field: {label, unit}},                 # of "series" (MetricSample)
          "series": {role: {"t": [...], field: [...]}},      # per role
          "worker_metrics": {field: {label, unit}},          # of "workers" (WorkerSample)
-         "workers": [{"id", "name", "role", "url", "t": [...], field: [...]}],   # per worker
+         "workers": [{"id", "name", "role", "url", "t": [...], field: [...]}],   # per worker, at most
+         "workers_total": n, "max_workers": k,              # max_workers, of the workers_total sampled
          "router_metrics": {field: {label, unit}},          # of "router" (RouterSample)
          "router": {"t": [...], field: [...]},              # the deployment's router(s)
          "charts": CHARTS,
          "events": [{t, role, from, to, source, refused, reason}, ...]}
 
     `role` limits the roles and workers (not the router, which serves both). Each series has at most
-    `max_points` points: longer windows are averaged into time buckets.
+    `max_points` points: longer windows are averaged into time buckets. Per-worker series are drawn for
+    the `max_workers` most loaded workers only (inference.selectors.worker_series): the size of the answer
+    does not grow with the deployment's worker count.
     """
     now = timezone.now()
     start = now - since if isinstance(since, timedelta) else since
@@ -149,29 +151,8 @@ def deployment_metric_series(
         )
         series[name] = _columns(rows, fields, start, now, max_points)
 
-    worker_fields = list(WORKER_FIELDS)
-    per_worker: dict[int, list[tuple[Any, ...]]] = {}
-    names: dict[int, tuple[str, str, str]] = {}
-    raw = WorkerSample.objects.filter(deployment=deployment, role__in=roles, at__gte=start)
-    # Raw samples are kept METRICS_RAW_RETENTION_HOURS: before the oldest one, the minute rollups
-    # (inference.metrics.downsampling) carry each worker's series.
-    oldest_raw = raw.order_by("at").values_list("at", flat=True).first() or now
-    columns = ("worker_id", "name", "role", "url", "at", *worker_fields)
-    rolled_up = (
-        WorkerSampleRollup.objects.filter(deployment=deployment, role__in=roles, resolution_s=60, at__gte=start,
-                                          at__lt=oldest_raw)
-        .order_by("at", "worker_id").values_list(*columns)
-    )  # fmt: skip
-    worker_rows = chain(rolled_up, raw.order_by("at", "worker_id").values_list(*columns))
-    for worker_id, name, worker_role, url, *values in worker_rows:
-        per_worker.setdefault(worker_id, []).append(tuple(values))
-        names[worker_id] = (name, worker_role, url)  # the newest name wins
-    workers = [
-        {"id": worker_id, "name": names[worker_id][0], "role": names[worker_id][1], "url": names[worker_id][2],
-         **_columns(rows, worker_fields, start, now, max_points)}
-        for worker_id, rows in per_worker.items()
-    ]
-    workers.sort(key=lambda w: (ROLES.index(w["role"]) if w["role"] in ROLES else len(ROLES), w["name"], w["id"]))
+    drawn = worker_series.worker_series(deployment, roles, start, now, max_points=max_points,
+                                        max_workers=max_workers, columns=_columns)  # fmt: skip
 
     router_fields = list(ROUTER_FIELDS)
     router_rows = (
@@ -194,7 +175,9 @@ def deployment_metric_series(
         "metrics": SERIES_FIELDS,
         "series": series,
         "worker_metrics": WORKER_FIELDS,
-        "workers": workers,
+        "workers": drawn.workers,
+        "workers_total": drawn.total,
+        "max_workers": max_workers,
         "router_metrics": ROUTER_FIELDS,
         "router": router,
         "charts": CHARTS,
@@ -203,8 +186,9 @@ def deployment_metric_series(
 
 
 def metric_series_query(deployment: Deployment, params: Mapping[str, Any]) -> dict[str, Any]:
-    """`deployment_metric_series` for query parameters `minutes` (default 60), `role` and `max_points`
-    (default 600), as the admin's metrics page and the REST API take them.
+    """`deployment_metric_series` for query parameters `minutes` (default 60), `role`, `max_points`
+    (default 600) and `max_workers` (default 20, at most 200; 0: no per-worker series), as the admin's
+    metrics page and the REST API take them.
 
     Out-of-range numbers are clamped (minutes to the retention period); a value that is not a number,
     a NUL character or an unknown role raises InvalidQuery naming the parameter.
@@ -233,9 +217,11 @@ def metric_series_query(deployment: Deployment, params: Mapping[str, Any]) -> di
 
     minutes = number("minutes", 60, 1, int(settings.METRICS_RETENTION_HOURS) * 60)
     max_points = number("max_points", 600, 10, 5000)
+    max_workers = number("max_workers", worker_series.DEFAULT_MAX_WORKERS, 0, worker_series.MAX_WORKERS_LIMIT)
     role = text("role")
     if role is not None and role not in ROLES:
         errors["role"] = f"must be one of {', '.join(ROLES)}"
     if errors:
         raise InvalidQuery(errors)
-    return deployment_metric_series(deployment, timedelta(minutes=minutes), role, max_points=max_points)
+    return deployment_metric_series(deployment, timedelta(minutes=minutes), role, max_points=max_points,
+                                    max_workers=max_workers)

@@ -96,3 +96,28 @@ def test_metrics_page_axes_gpu_and_cpu(browser: BrowserSession, live_server: Any
         assert page.evaluate(NO_GPU_JS) == [["gpu_utilization", False, True], ["gpu_memory", False, True]]
         gpu_axis = next(a for a in page.evaluate(AXES_JS) if a["id"] == "gpu_memory")
         assert gpu_axis["size"] >= gpu_axis["needed"] and any("GiB" in label for label in gpu_axis["labels"])
+
+
+def test_metrics_page_draws_the_most_loaded_workers_and_says_so(
+    browser: BrowserSession, live_server: Any, cpu_only: Deployment
+) -> None:
+    """25 workers with samples: the per-worker charts draw the server's 20 most loaded, and the page says
+    that the per-role lines cover all 25."""
+    from inference.models import WorkerSample
+
+    now = timezone.now()
+    WorkerSample.objects.bulk_create(
+        WorkerSample(deployment=cpu_only, worker_id=w, name=f"decode #{w} @ n1:{31000 + w}", role="decode",
+                     url=f"http://10.0.0.1:{31000 + w}", at=now - timedelta(seconds=s), load=w / 100)
+        for w in range(1, 26) for s in range(0, 60, 5)
+    )  # fmt: skip
+    page = browser.page
+    base = live_server.url
+    with browser.step("per-worker"):
+        log_in(browser, base)
+        page.goto(f"{base}/admin/inference/deployment/{cpu_only.pk}/metrics/?split=worker")
+        page.wait_for_function(f"{STATUS_JS}.startsWith('updated')")
+        note = page.locator("#metrics-workers-drawn")
+        assert note.is_visible() and "the 20 most loaded of 25 workers" in note.inner_text()
+        labels = page.evaluate("window.metricsCharts.load.series.slice(1).map((s) => s.label)")
+        assert sorted(labels) == sorted(f"decode #{w} @ n1:{31000 + w}" for w in range(6, 26))

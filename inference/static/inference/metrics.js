@@ -5,7 +5,8 @@
  * inference.selectors.deployment_metric_series from #metrics-app[data-url]:
  *   {since, now, deployment, charts: [{id, title, unit, source, fields, per_worker}],
  *    series: {role: {t: [epoch ms], <field>: [number|null]}},          // per role
- *    workers: [{id, name, role, url, t, <field>: [...]}],             // per worker
+ *    workers: [{id, name, role, url, t, <field>: [...]}],             // the most loaded workers'
+ *    workers_total,                                                    // workers with samples
  *    router: {t, <field>: [...]}, router_metrics: {field: {label}},   // the router's
  *    events: [{t, role, from, to, source, reason}]}
  * and gives each chart its lines: a router chart one per field, a "worker" chart one per worker, a
@@ -322,6 +323,7 @@
     this.pauseButton = document.getElementById("metrics-pause");
     this.status = document.getElementById("metrics-status");
     this.replicas = document.getElementById("metrics-replicas");
+    this.workersDrawn = document.getElementById("metrics-workers-drawn");
     this.eventsBody = document.querySelector("#metrics-events tbody");
     this.paused = false;
     this.timer = null;
@@ -392,6 +394,12 @@
     });
     if (payload.deployment) { parts.push("status " + payload.deployment.status); }
     this.replicas.textContent = parts.join("  ·  ");
+    // The server draws the most loaded workers only (inference.selectors.worker_series): say so.
+    var drawn = (payload.workers || []).length;
+    var total = payload.workers_total || drawn;
+    this.workersDrawn.hidden = total <= drawn;
+    this.workersDrawn.textContent = "Per-worker lines: the " + drawn + " most loaded of " + total +
+      " workers (mean load over their latest 5 minutes); the per-role lines cover all of them.";
     var body = this.eventsBody;
     while (body.firstChild) { body.removeChild(body.firstChild); }
     var span = Date.parse(payload.now) - Date.parse(payload.since);
