@@ -16,7 +16,14 @@ through inference.actions.api_keys.
    lookup, usage) and one with all three limits set (plus one Redis script call per request),
    alternating blocks of closed-loop clients on one router; target: at most +0.2 ms.
 3. Shared limit: 3x a key's requests-per-minute limit sent across both routers within one window;
-   admitted count against the limit (target within 2 %).
+   admitted count against the limit (target within 2 %; limits of 200/min and more are leased to each
+   router in blocks of 1 %).
+4. Refusals in process (bench/tenant_refusals.py): CPU and wall time per refusal of a spent key, the
+   early refusal against the consumer path, through the router's real ASGI application.
+
+Where a flood hurts: the normal key's TTFTs are split by whether an admitted flood request was running
+when it was sent (the decode worker's batch is shared), and the router's CPU per second is reported for
+both phases (what its 429s cost).
 
     DATABASE_URL=postgres://... REDIS_URL=redis://127.0.0.1:6379/3 .venv/bin/python -m bench.tenants
 """
@@ -73,6 +80,7 @@ def _make_keys(flood_rpm: int, shared_rpm: int) -> dict[str, str]:
         "metered": key_actions.create_key(name="bench-metered", owner=owner, requests_per_minute=big,
                                           tokens_per_minute=big, max_concurrent=10**4).secret,
         "shared": key_actions.create_key(name="bench-shared", owner=owner, requests_per_minute=shared_rpm).secret,
+        "spent": key_actions.create_key(name="bench-spent", owner=owner, requests_per_minute=1).secret,
     }
 
 
@@ -100,24 +108,36 @@ async def _ttft(client: Any, url: str, secret: str, max_tokens: int) -> float | 
         return first
 
 
-async def _normal_traffic(client: Any, url: str, secret: str, seconds: float, max_tokens: int) -> list[float]:
-    """One client, one request after another, for `seconds`; the TTFTs."""
-    out: list[float] = []
+async def _normal_traffic(client: Any, url: str, secret: str, seconds: float,
+                          max_tokens: int) -> list[tuple[float, float]]:
+    """One client, one request after another, for `seconds`; (sent at, TTFT) of each (monotonic)."""
+    out: list[tuple[float, float]] = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:  # bounded by `seconds` (each request by the client timeout)
+        sent = time.monotonic()
         ttft = await _ttft(client, url, secret, max_tokens)
         if ttft is not None:
-            out.append(ttft)
+            out.append((sent, ttft))
     return out
+
+
+def _split_by_flood(normal: list[tuple[float, float]], running: list[tuple[float, float]]) -> dict[str, Any]:
+    """The normal key's TTFT p50 for requests sent while an admitted flood request ran, and the others."""
+    during = [ttft for sent, ttft in normal if any(start <= sent <= end for start, end in running)]
+    apart = [ttft for sent, ttft in normal if not any(start <= sent <= end for start, end in running)]
+    return {"beside_a_running_flood_request": {"n": len(during), "ttft_p50_s": median(during)},
+            "no_flood_request_running": {"n": len(apart), "ttft_p50_s": median(apart)}}
 
 
 async def _flood(client: Any, url: str, secret: str, rate: float, seconds: float) -> dict[str, Any]:
     """Open-loop requests at `rate` per second for `seconds`; statuses and the refused ones' times."""
     statuses: list[int] = []
     refused_s: list[float] = []
+    running: list[tuple[float, float]] = []  # admitted flood requests: (sent, answered), monotonic
 
     async def one() -> None:
         start = time.perf_counter()
+        sent = time.monotonic()
         try:
             resp = await client.post(url + "/generate", json={"prompt": "flood", "max_tokens": 8},
                                      headers={"Authorization": f"Bearer {secret}"})
@@ -127,6 +147,8 @@ async def _flood(client: Any, url: str, secret: str, rate: float, seconds: float
         statuses.append(resp.status_code)
         if resp.status_code == 429:
             refused_s.append(time.perf_counter() - start)
+        elif resp.status_code == 200:
+            running.append((sent, time.monotonic()))
 
     tasks: list[asyncio.Task[None]] = []
     start = time.monotonic()
@@ -138,7 +160,8 @@ async def _flood(client: Any, url: str, secret: str, rate: float, seconds: float
         tasks.append(asyncio.create_task(one()))
     await asyncio.gather(*tasks)
     return {"sent": n, "ok": statuses.count(200), "refused": statuses.count(429),
-            "other": len(statuses) - statuses.count(200) - statuses.count(429), "refused_s": refused_s}
+            "other": len(statuses) - statuses.count(200) - statuses.count(429), "refused_s": refused_s,
+            "running": running}
 
 
 async def _closed_loop(client: Any, url: str, secret: str, seconds: float, concurrency: int) -> int:
@@ -214,12 +237,19 @@ async def _run(args: Any, urls: list[str], router_pid: int, keys: dict[str, str]
         cpu_ms = {name: median(values) for name, values in cpu.items()}
 
         print_header("flood: normal key's TTFT alone, then beside a key flooding at 10x its limit")
-        alone = await _normal_traffic(client, urls[0], keys["normal"], args.phase_s, args.max_tokens)
+        cpu_before, t_before = process_cpu_seconds(router_pid), time.monotonic()
+        alone_timed = await _normal_traffic(client, urls[0], keys["normal"], args.phase_s, args.max_tokens)
+        cpu_alone = (process_cpu_seconds(router_pid) - cpu_before) / (time.monotonic() - t_before)
         _wait_for_window(args.phase_s + 2)
+        cpu_before, t_before = process_cpu_seconds(router_pid), time.monotonic()
         normal_task = asyncio.create_task(
             _normal_traffic(client, urls[0], keys["normal"], args.phase_s, args.max_tokens))
         flood = await _flood(client, urls[0], keys["flood"], args.flood_x * args.flood_rpm / WINDOW_S, args.phase_s)
-        beside = await normal_task
+        beside_timed = await normal_task
+        cpu_flood = (process_cpu_seconds(router_pid) - cpu_before) / (time.monotonic() - t_before)
+        alone, beside = [ttft for _, ttft in alone_timed], [ttft for _, ttft in beside_timed]
+        where = {**_split_by_flood(beside_timed, flood.pop("running")),
+                 "router_cpu_s_per_s": {"alone": cpu_alone, "beside_flood": cpu_flood}}
         refusal = _refusal_histogram((await client.get(urls[0] + "/metrics")).text)
 
         print_header("one limit across two routers")
@@ -232,7 +262,7 @@ async def _run(args: Any, urls: list[str], router_pid: int, keys: dict[str, str]
         "cpu_delta_ms": (cpu_ms["limited key"] or 0) - (cpu_ms["env key"] or 0),
         "normal_ttft_p50_alone_s": median(alone), "normal_ttft_p50_beside_flood_s": median(beside),
         "normal_requests": {"alone": len(alone), "beside_flood": len(beside)},
-        "ttft_ratio": ratio(median(beside), median(alone)),
+        "ttft_ratio": ratio(median(beside), median(alone)), "where_the_flood_hurts": where,
         "flood": flood, "flood_rpm_limit": args.flood_rpm, "flood_x": args.flood_x,
         "refused_router_time": refusal,
         "refused_client_ms": {"p50": 1000 * (percentile(refused, 50) or 0),
@@ -281,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
             procs.append(router)
             urls.append(url)
         result = asyncio.run(_run(args, urls, procs[2].popen.pid, keys, env_key))
+        print_header("refusals in process: early refusal vs the consumer path")
+        from bench.tenant_refusals import measure_in_process
+
+        result["refusal_in_process"] = measure_in_process(prefill_url, decode_url, keys["spent"],
+                                                          per_block=200 if args.quick else 2000)
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -302,6 +337,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['refused_router_time']['p50_at_most_s']} / {result['refused_router_time']['p99_at_most_s']}", ""],
          ["refused at the client p50 / p99 (ms)",
           f"{result['refused_client_ms']['p50']:.1f} / {result['refused_client_ms']['p99']:.1f}", "< 10"],
+         ["refusal in process: CPU early / through the consumer (us)",
+          "{:.1f} / {:.1f}".format(*result["refusal_in_process"]["cpu_us_per_refusal"].values()), ""],
+         ["normal TTFT p50 beside a running flood request / with none running (ms)",
+          "{:.1f} / {:.1f}".format(*(1000 * (v["ttft_p50_s"] or 0) for k, v in result["where_the_flood_hurts"].items()
+                                     if k != "router_cpu_s_per_s")), ""],
+         ["router CPU s/s alone / beside flood",
+          "{alone:.3f} / {beside_flood:.3f}".format(**result["where_the_flood_hurts"]["router_cpu_s_per_s"]), ""],
          ["shared limit: admitted / limit",
           f"{result['shared_limit']['admitted']} / {result['shared_limit']['limit']}", "within 2 %"]],
     ))
