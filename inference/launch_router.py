@@ -140,8 +140,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         value = getattr(args, flag)
         if value is not None and not 0 <= value <= 1e9:
             parser.error(f"argument --{flag.replace('_', '-')}: must be >= 0")
-    if args.deployment is None and (not args.prefill_endpoint or not args.decode_endpoint):
-        parser.error("--prefill-endpoint and --decode-endpoint are required (or --deployment NAME)")
+    if args.deployment is None and not args.decode_endpoint:
+        parser.error("--decode-endpoint is required (or --deployment NAME); without --prefill-endpoint the "
+                     "decode workers prefill every prompt themselves (--service-type both workers)")
     return args
 
 

@@ -71,7 +71,8 @@ class Establishment:
         sends the request back to the queue, which ends at the queue deadline.
         """
         client = self.client
-        while client.pool.candidates("prefill", exclude=self.failed_prefill):
+        # A colocated pool (no prefill endpoints) prefills on the decode workers: only they are tried.
+        while client.pool.colocated or client.pool.candidates("prefill", exclude=self.failed_prefill):
             if time.monotonic() >= self.deadline:
                 raise self.timeout_error()
             decode = await self._admit()

@@ -49,6 +49,9 @@ from inference.router.run import RequestRun
 
 logger = logging.getLogger(__name__)
 
+# The local prefill offer of a pool without prefill workers: more tokens than any prompt has.
+EVERY_PROMPT = 2**31 - 1
+
 __all__ = [
     "DisaggregatedClient",
     "DoneEvent",
@@ -147,15 +150,18 @@ class DisaggregatedClient:
                 f"router is at its limit of {self.max_inflight} requests in flight "
                 "(ROUTER_MAX_INFLIGHT); retry later",
             )
-        if not self.pool.endpoints("prefill"):
-            raise RouterError(503, "no prefill endpoints configured")
+        if not self.pool.endpoints("prefill") and not self.pool.colocated:
+            raise RouterError(503, "no prefill or decode endpoints configured")
         # One event loop per process: the check above and this increment cannot interleave.
         self.inflight += 1
 
     def encode_decode_body(self, req: GenerateRequest, request_id: str) -> bytes:
         """The JSON body of `POST /internal/decode` for one attempt at `req`."""
         body = req.decode_body(request_id)
-        if self.local_prefill_tokens:
+        if self.pool.colocated:
+            # No prefill pool: the decode worker prefills every prompt (`both` workers do anyway).
+            body["local_prefill_max_tokens"] = EVERY_PROMPT
+        elif self.local_prefill_tokens:
             body["local_prefill_max_tokens"] = self.local_prefill_tokens
         return orjson.dumps(body)
 

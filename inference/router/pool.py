@@ -149,10 +149,13 @@ class WorkerPool:
             self._kv_feed.start()
 
     def prompt_tokenizer(self) -> PromptTokenizer | None:
-        """The decode workers' tokenizer while the policy routes by KV (None otherwise, or not fetched yet)."""
+        """The decode workers' tokenizer while the policy routes by KV and there is a decode choice to
+        make (None otherwise, or not fetched yet: the worker tokenizes, and the prefill choice reads
+        the ids its descriptor sends back)."""
         if self.policy_name != KVAware.name:
             return None
-        return self.tokenizers.for_endpoints(self.in_rotation("decode"))
+        decode = self.in_rotation("decode")
+        return self.tokenizers.for_endpoints(decode) if len(decode) > 1 else None
 
     def endpoints(self, role: str) -> list[Endpoint]:
         """The endpoints of `role` (a copy of the list)."""
@@ -221,15 +224,26 @@ class WorkerPool:
         """A request went through on `endpoint`."""
         endpoint.record_success()
 
+    @property
+    def colocated(self) -> bool:
+        """No prefill endpoints but decode ones: the decode workers prefill every prompt themselves
+        (`--service-type both` workers, or decode workers offered every prompt)."""
+        return not self._endpoints["prefill"] and bool(self._endpoints["decode"])
+
+    def _needed_roles(self) -> tuple[str, ...]:
+        return ("decode",) if self.colocated else ROLES
+
     def ready(self) -> bool:
-        """True when at least one prefill and one decode endpoint are in rotation and answered a
-        health check (a new endpoint is in rotation before its first answer, but not yet known)."""
-        return all(any(e.healthy and e.last_health is not None for e in self._endpoints[role]) for role in ROLES)
+        """True when at least one prefill (unless colocated) and one decode endpoint are in rotation and
+        answered a health check (a new endpoint is in rotation before its first answer, but not yet known)."""
+        return all(any(e.healthy and e.last_health is not None for e in self._endpoints[role])
+                   for role in self._needed_roles())
 
     def unknown_roles(self) -> list[str]:
         """The roles none of whose endpoints has answered a health check yet: before their first
         answers the router knows neither their models nor their slots (empty once it knows both)."""
-        return [role for role in ROLES if not any(e.last_health is not None for e in self._endpoints[role])]
+        return [role for role in self._needed_roles()
+                if not any(e.last_health is not None for e in self._endpoints[role])]
 
     # ----------------------------------------------------------------------------------------
     # HTTP session and health checks

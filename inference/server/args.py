@@ -158,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a prefill or decode worker of a disaggregated deployment.",
     )
     p.add_argument("--model-path", required=True, help="folder with config.json, safetensors and tokenizer")
-    p.add_argument("--service-type", required=True, choices=["prefill", "decode"])
+    p.add_argument("--service-type", required=True, choices=["prefill", "decode", "both"],
+                   help="prefill, decode, or both: a worker that prefills every prompt itself (no hop; list it "
+                   "as a decode endpoint of the router)")
     p.add_argument("--port", type=int, default=30000, help="HTTP port (default 30000)")
     p.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
     p.add_argument("--rdma-device", default=None, help="RDMA device for KV transfer, e.g. mlx5_roce0")

@@ -31,6 +31,9 @@ class DecodeWorker(WorkerCore):
     """A decode worker: the core plus its KV receiver and the requests waiting for their KV."""
 
     role = "decode"
+    # A `both` worker (colocated.py) prefills every prompt itself; a decode worker only those the
+    # router offers under its threshold (local_prefill.py).
+    prefills_every_prompt = False
 
     def __init__(self, args: ServerArgs) -> None:
         """Load the engine and build the KV receiver over its pool (its port opens in `start`)."""

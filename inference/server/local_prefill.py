@@ -5,7 +5,8 @@ prefix cache leaves at most N of the prompt's tokens to compute (a follow-up tur
 holds, a short prompt), the hop to a prefill worker costs more than the work: the worker runs the
 prompt in its own continuous batch (the engine runs colocated anyway) and answers a stream whose
 descriptor says `{"local": true}`, so the router skips the prefill call. Otherwise it reserves
-blocks and waits for the KV as always (decode.py). The lines are the wire's, as in decode_stream.py.
+blocks and waits for the KV as always (decode.py). A `--service-type both` worker (colocated.py)
+takes this path for every prompt, offered or not. The lines are the wire's, as in decode_stream.py.
 """
 from __future__ import annotations
 
@@ -45,11 +46,10 @@ async def open_local(
     """The local stream of a request this worker should prefill itself; None when the remote path it
     is (no offer, or more uncached tokens than offered). Raises WorkerError (400/429) like open_decode."""
     limit = local_limit(body)
-    if limit is None:
+    if limit is None and not worker.prefills_every_prompt:
         return None
     ids = prompt_token_ids(body, worker.engine.tokenizer, worker.engine.config.vocab_size)
-    uncached = len(ids) - worker.engine.cached_tokens(ids)
-    if uncached > limit:
+    if not worker.prefills_every_prompt and len(ids) - worker.engine.cached_tokens(ids) > (limit or 0):
         return None
     request_id = str(body.get("request_id") or uuid.uuid4().hex)
     worker.refuse_if_aborted(request_id)

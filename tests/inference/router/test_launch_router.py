@@ -32,7 +32,7 @@ def test_flags_become_the_router_environment() -> None:
         ([*BASE, "--load-balance-strategy", "random"], "--load-balance-strategy", "power-of-two"),
         ([*BASE, "--listen-port", "70000"], "--listen-port", "65535"),
         ([*BASE, "--workers", "0"], "--workers", "[1, 256]"),
-        (["--decode-endpoint", "http://d:1"], "--prefill-endpoint", "required"),
+        (["--prefill-endpoint", "http://p:1"], "--decode-endpoint", "required"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(
@@ -43,6 +43,11 @@ def test_bad_flags_exit_2_naming_the_flag(
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert flag in err and words in err
+
+
+def test_decode_endpoints_alone_are_a_colocated_pool() -> None:
+    env = router_environment(parse_args(["--decode-endpoint", "http://both:30001"]))
+    assert env["ROUTER_PREFILL_ENDPOINTS"] == "" and env["ROUTER_DECODE_ENDPOINTS"] == "http://both:30001"
 
 
 def test_queue_flags_reach_the_environment() -> None:
