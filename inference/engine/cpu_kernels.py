@@ -36,7 +36,9 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_ops.cpp", "paged_decode.cpp", "panel_gemm.cpp")]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("cpu_ops.cpp", "paged_decode.cpp", "panel_gemm.cpp", "panel_gemm512.cpp")]
+HEADERS = [CSRC / "panel_gemm.h"]  # part of the build's identity (hashed), not compiled on their own
 ENV_SWITCH = "INFERENCE_CPU_KERNELS"
 ENV_DIR = "INFERENCE_KERNELS_DIR"
 # -ffast-math lets the compiler vectorize exp (glibc's vector math, only under finite math) and the fp32
@@ -66,7 +68,7 @@ def _build_name() -> str:
     kernels. The build uses -march=native, so a folder shared by hosts with different CPUs must not mix
     their binaries either."""
     digest = hashlib.sha256(" ".join(CFLAGS).encode())
-    for path in SOURCES:
+    for path in [*SOURCES, *HEADERS]:
         digest.update(str(path.resolve()).encode())
         digest.update(path.read_bytes())
     try:

@@ -18,11 +18,20 @@ kernel instead (csrc/panel_gemm.cpp, `PanelLinear`): oneDNN's fp32 kernel stream
 8-row decode step at ~13 GB/s there, the panel kernel ran SmolLM2's projections 1.25-1.4x faster at 8
 and 16 rows and 1.05-1.1x at 64-256. On AVX-512 CPUs oneDNN's 16-wide kernels stay (the panel kernel is
 8 wide and was not measured there); `INFERENCE_PANEL_GEMM=1` / `0` forces it on / off.
+
+Since the seventh session the panel kernel has AVX-512 variants (csrc/panel_gemm512.cpp): 16-wide fp32,
+and bf16 with AVX512-BF16's `vdpbf16ps` (weights packed once in the pair-interleaved layout it reads,
+fp32 accumulation). On an AMD EPYC Zen 4 (AVX512-BF16, no AMX) one SmolLM2 decode step's projections
+ran in 0.5-0.9x oneDNN's time in bf16 up to 64 rows and 0.85x in fp32 up to 32 rows, and about as
+fast or slower above (bench/engine_linears.py, docs/benchmarks.md). So the choice is per row count
+(`panel_rows_limit`): rows up to the limit run on the panels, more rows (prefill chunks) on oneDNN's
+prepacked copy of the same weight, kept beside the panels only where the limit is finite.
 """
 from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +40,18 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 PANEL_SWITCH = "INFERENCE_PANEL_GEMM"
+# Every row count runs on the panel kernel.
+ALL_ROWS = 1 << 62
+# Up to how many rows the panel kernel runs, per CPU kind and dtype: the largest measured row count at
+# which it beat oneDNN's prepacked kernel on a whole step's projections (docs/benchmarks.md; absent: never).
+# AVX2 EPYC (sixth session): fp32 faster at every row count measured (8-256). AMD EPYC Zen 4 (seventh):
+# bf16 0.49-0.87x of oneDNN's time at 1-64 rows and 1.0x at 256; fp32 0.83-0.85x at 1-32, 1.0x at 64,
+# 1.14x at 256. CPUs with AMX are left to oneDNN (its AMX kernels, not measured against these).
+PANEL_ROWS: dict[tuple[str, torch.dtype], int] = {
+    ("avx2", torch.float32): ALL_ROWS,
+    ("avx512", torch.float32): 32,
+    ("avx512", torch.bfloat16): 64,
+}
 
 
 def prepacked_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -84,52 +105,98 @@ class PrepackedLinear(_PackedLinear):
         """Wrap `linear`; `batch_hint` is the row count oneDNN picks its blocking for (any row count
         works; decode batches are the hot case)."""
         super().__init__(linear)
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
-        self.register_buffer("packed_weight", packed, persistent=False)
+        self.register_buffer("packed_weight", _onednn_pack(linear.weight, batch_hint), persistent=False)
         self.packed_weight: torch.Tensor
 
     def _linear2d(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return _onednn_linear(x, self.packed_weight, self.bias)
+
+
+def _onednn_pack(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
+    """`weight` reordered once into oneDNN's blocked layout for `batch_hint` rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)  # type: ignore[no-any-return]
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias on oneDNN's kernel, from `_onednn_pack(weight)`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # type: ignore[no-any-return]
 
 
 class PanelLinear(_PackedLinear):
-    """An fp32 `nn.Linear` on the CPU kernels' panel GEMM (csrc/panel_gemm.cpp), its weight packed once
-    into 16-column panels ([ceil(out / 16), in, 16])."""
+    """An fp32 or bf16 `nn.Linear` on the CPU kernels' panel GEMM (csrc/panel_gemm*.cpp), its weight packed
+    once into 16-column panels (fp32 [ceil(out / 16), in, 16]; bf16 [ceil(out / 16), ceil(in / 2), 16, 2]).
 
-    def __init__(self, linear: nn.Linear, ops: Any) -> None:
-        """Wrap `linear` (fp32); `ops` is the compiled CPU kernel module (cpu_kernels.load_kernels)."""
+    With `max_rows`, inputs of more rows run on oneDNN's prepacked kernel instead (a copy of the weight
+    in its layout is kept for them): the panel kernel is for decode-sized row counts.
+    """
+
+    def __init__(self, linear: nn.Linear, ops: Any, max_rows: int | None = None, batch_hint: int = 32) -> None:
+        """Wrap `linear` (fp32, or bf16 where the build has the bf16 kernel); `ops` is the compiled CPU
+        kernel module (cpu_kernels.load_kernels); `max_rows`: see the class."""
         super().__init__(linear)
         self._ops = ops
+        self.max_rows = max_rows
         self.register_buffer("panels", ops.pack_panels(linear.weight.detach()), persistent=False)
         self.panels: torch.Tensor
+        onednn = _onednn_pack(linear.weight, batch_hint) if max_rows is not None else None
+        self.register_buffer("packed_weight", onednn, persistent=False)
+        self.packed_weight: torch.Tensor | None
 
     def _linear2d(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None and self.max_rows is not None and x.shape[0] > self.max_rows:
+            return _onednn_linear(x, self.packed_weight, self.bias)
         return self._ops.panel_linear(x, self.panels, self.out_features, self.bias)  # type: ignore[no-any-return]
 
 
-def panel_linear_preferred(dtype: torch.dtype, ops: Any) -> bool:
-    """Whether fp32 linears run on the panel kernel: with the CPU kernels built, on an AVX2-only CPU
-    (where it was measured faster than oneDNN at every row count), unless `INFERENCE_PANEL_GEMM` says
-    otherwise ("1": also elsewhere, "0": never)."""
-    if dtype != torch.float32 or ops is None:
-        return False
+def cpu_kind() -> str:
+    """The CPU kind the kernel choice is keyed by: "avx512-amx" (AMX tiles: oneDNN's bf16 kernels use
+    them), "avx512", "avx2", or another capability torch reports, lower-cased."""
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    if capability.startswith("avx512"):
+        return "avx512-amx" if "amx_tile" in _cpu_flags() else "avx512"
+    return capability
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where unreadable)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def panel_rows_limit(dtype: torch.dtype, ops: Any) -> int:
+    """Up to how many rows linears in `dtype` run on the panel kernel (0: never, `ALL_ROWS`: always):
+    with the CPU kernels built and a panel kernel for `dtype` in the build, `PANEL_ROWS` for this CPU
+    kind, unless `INFERENCE_PANEL_GEMM` says otherwise ("1": at every row count, "0": never)."""
+    if ops is None or dtype not in (torch.float32, torch.bfloat16):
+        return 0
+    if dtype == torch.bfloat16 and "bfloat16" not in ops.panel_variants():
+        return 0  # no AVX512-BF16 here: the build has no bf16 panels
     switch = os.environ.get(PANEL_SWITCH, "auto").strip().lower()
     if switch in ("0", "false", "no", "off"):
-        return False
+        return 0
     if switch in ("1", "true", "yes", "on"):
-        return True
-    return torch.backends.cpu.get_cpu_capability() == "AVX2"
+        return ALL_ROWS
+    return PANEL_ROWS.get((cpu_kind(), dtype), 0)
 
 
-def prepack_linears(model: nn.Module, batch_hint: int = 32, panel_ops: Any = None) -> int:
+def prepack_linears(model: nn.Module, batch_hint: int = 32, panel_ops: Any = None, panel_rows: int = ALL_ROWS) -> int:
     """Replace every `nn.Linear` of `model` in place, by a `PanelLinear` when `panel_ops` (the CPU
-    kernel module) is given, else by a `PrepackedLinear`; returns how many."""
+    kernel module) is given (up to `panel_rows` rows on it, more on oneDNN), else by a `PrepackedLinear`;
+    returns how many."""
+    max_rows = None if panel_rows >= ALL_ROWS else panel_rows
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                packed = PanelLinear(child, panel_ops) if panel_ops is not None else PrepackedLinear(child, batch_hint)
+                packed = (PanelLinear(child, panel_ops, max_rows, batch_hint) if panel_ops is not None
+                          else PrepackedLinear(child, batch_hint))
                 setattr(parent, name, packed)
                 count += 1
-    logger.info("prepacked %d linears (%s)", count, "panel kernel" if panel_ops is not None else "oneDNN")
+    kernel = "oneDNN" if panel_ops is None else "panel kernel" + (f" up to {max_rows} rows" if max_rows else "")
+    logger.info("prepacked %d linears (%s)", count, kernel)
     return count

@@ -16,7 +16,7 @@ from .batch import BatchMetadata, DecodeSlotCache, build_metadata, decode_metada
 from .compile import check_compile_available, compile_model
 from .config import ModelConfig
 from .cpu_kernels import load_kernels
-from .cpu_linear import panel_linear_preferred, prepack_linears, prepacked_linear_available
+from .cpu_linear import ALL_ROWS, panel_rows_limit, prepack_linears, prepacked_linear_available
 from .dtypes import dtype_name, resolve_dtype
 from .grammar import prefetch_masks
 from .kv_cache import KVCache
@@ -95,18 +95,22 @@ class ModelRunner:
 
     def _choose_kernels(self, use_compile: bool) -> Any:
         """The C++ CPU kernels (decode attention over the paged cache, fused norms, RoPE, SiLU·mul, the
-        fp32 panel GEMM) when they build here (cpu_kernels.py), on a CPU in fp32 or bf16; None (torch
+        panel GEMM) when they build here (cpu_kernels.py), on a CPU in fp32 or bf16; None (torch
         ops) otherwise, and with --compile (inductor fuses)."""
         if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and not use_compile:
             return load_kernels()
         return None
 
     def _prepack(self, ops: Any) -> None:
-        """Pack the linear layers' weights once for the kernel that runs them: the panel GEMM for fp32 on
-        an AVX2 CPU, oneDNN's reordered weights elsewhere on a CPU; left as they are otherwise."""
-        if panel_linear_preferred(self.dtype, ops):
-            prepack_linears(self.model, panel_ops=ops)
-        elif prepacked_linear_available(self.dtype, self.device):
+        """Pack the linear layers' weights once for the kernels that run them: the panel GEMM up to the
+        row count where it beat oneDNN on this CPU kind (cpu_linear.panel_rows_limit: fp32 on an AVX2 CPU,
+        bf16 and fp32 decode batches with AVX-512), oneDNN's reordered weights for the rest on a CPU; left
+        as they are otherwise."""
+        onednn = prepacked_linear_available(self.dtype, self.device)
+        rows = panel_rows_limit(self.dtype, ops) if self.device.type == "cpu" else 0
+        if rows > 0:
+            prepack_linears(self.model, panel_ops=ops, panel_rows=rows if onednn else ALL_ROWS)
+        elif onednn:
             prepack_linears(self.model)
 
     def _size_pool(

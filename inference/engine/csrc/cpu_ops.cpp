@@ -15,6 +15,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_new, torch::Tensor v
                            torch::Tensor slots, torch::Tensor ctx_lens, int64_t layer_offset, int64_t v_offset,
                            double scale);
 torch::Tensor pack_panels(torch::Tensor weight);
+std::vector<std::string> panel_variants();
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias);
 
 namespace {
@@ -224,7 +225,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_inplace", &rope_inplace, "rotary embedding of the first heads of each row, in place (CPU)", release());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [rows, 2 * inter] (CPU)", release());
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (CPU)", release());
-  m.def("pack_panels", &pack_panels, "an fp32 [N, K] weight packed for panel_linear: [ceil(N / 16), K, 16]");
-  m.def("panel_linear", &panel_linear, "x @ w.T + bias in fp32 from pack_panels(w) (CPU)", py::arg("x"),
+  m.def("pack_panels", &pack_panels,
+        "a [N, K] weight packed for panel_linear: fp32 [ceil(N / 16), K, 16], bf16 [ceil(N / 16), ceil(K / 2), 16, 2]");
+  m.def("panel_linear", &panel_linear, "x @ w.T + bias from pack_panels(w), fp32 or bf16 (CPU)", py::arg("x"),
         py::arg("panels"), py::arg("n"), py::arg("bias") = py::none(), release());
+  m.def("panel_variants", &panel_variants, "the panel kernels of this build: float32x16 or float32x8, bfloat16");
 }

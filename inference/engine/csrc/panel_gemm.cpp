@@ -8,12 +8,20 @@
 // accumulators of 8 columns in registers; above, 6 rows x 16 columns (12 accumulators) per pass, the
 // classic GEMM micro-tile. Each output is a sequential fp32 FMA sum over k, as oneDNN's is: outputs
 // agree with F.linear to float rounding.
+//
+// That 8-wide kernel is the AVX2 build's. A build for AVX-512 runs fp32 on panel_gemm512.cpp's 16-wide
+// kernel instead (same packing), and one for AVX512-BF16 also has bf16 panels (pair-interleaved
+// [panels, ceil(K / 2), 16, 2], `vdpbf16ps`); this file packs, checks the arguments and dispatches.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <vector>
+
+#include "panel_gemm.h"
 
 namespace {
 
@@ -86,32 +94,71 @@ void rows_of(const float* x, int64_t M, int64_t K, const float* w, const float* 
 
 }  // namespace
 
+std::vector<std::string> panel_variants() {
+#if defined(__AVX512F__)
+  std::vector<std::string> out{"float32x16"};
+#else
+  std::vector<std::string> out{"float32x8"};
+#endif
+#if defined(PANEL_GEMM_BF16)
+  out.emplace_back("bfloat16");
+#endif
+  return out;
+}
+
 torch::Tensor pack_panels(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32,
-              "pack_panels: expects a float32 [out_features, in_features] weight");
+  const bool bf16 = weight.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == torch::kFloat32 || bf16),
+              "pack_panels: expects a float32 or bfloat16 [out_features, in_features] weight");
+#if !defined(PANEL_GEMM_BF16)
+  TORCH_CHECK(!bf16, "pack_panels: bfloat16 panels need AVX512-BF16 (this build has no bf16 panel kernel)");
+#endif
   const int64_t N = weight.size(0), K = weight.size(1), P = (N + NR - 1) / NR;
-  auto padded = torch::zeros({P * NR, K}, weight.options());
-  padded.narrow(0, 0, N).copy_(weight);
-  return padded.view({P, NR, K}).transpose(1, 2).contiguous();
+  if (!bf16) {
+    auto padded = torch::zeros({P * NR, K}, weight.options());
+    padded.narrow(0, 0, N).copy_(weight);
+    return padded.view({P, NR, K}).transpose(1, 2).contiguous();
+  }
+  // bf16: [P, ceil(K / 2), 16, 2], each column's k pairs adjacent (what vdpbf16ps multiplies), zero-padded.
+  const int64_t K2 = (K + 1) / 2;
+  auto padded = torch::zeros({P * NR, K2 * 2}, weight.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+  return padded.view({P, NR, K2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
-              "panel_linear: expects a contiguous float32 [rows, in_features] input");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(1) == x.size(1) && panels.size(2) == NR && panels.is_contiguous() &&
-                  panels.scalar_type() == torch::kFloat32 && N > (panels.size(0) - 1) * NR && N <= panels.size(0) * NR,
-              "panel_linear: panels do not match the input (pack_panels of an [N, in_features] weight)");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == torch::kFloat32,
-                "panel_linear: bias must be a float32 [N] tensor");
-    b = bias->data_ptr<float>();
-  }
+  const auto dtype = panels.scalar_type();
+  const bool bf16 = dtype == torch::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == dtype && (bf16 || dtype == torch::kFloat32),
+              "panel_linear: expects a contiguous [rows, in_features] input of the panels' dtype (float32 or bfloat16)");
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  TORCH_CHECK(panels.dim() == (bf16 ? 4 : 3) && panels.is_contiguous() && N > (P - 1) * NR && N <= P * NR &&
+                  (bf16 ? panels.size(1) == (K + 1) / 2 && panels.size(2) == NR && panels.size(3) == 2
+                        : panels.size(1) == K && panels.size(2) == NR),
+              "panel_linear: panels do not match the input (pack_panels of an [N, in_features] weight)");
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == dtype,
+                "panel_linear: bias must be a [N] tensor of the panels' dtype");
+  }
+  const bool has_bias = bias.has_value() && bias->defined();
   auto y = torch::empty({M, N}, x.options());
+  if (bf16) {
+#if defined(PANEL_GEMM_BF16)
+    using T = c10::BFloat16;
+    panel_linear_bf16(x.data_ptr<T>(), M, K, panels.data_ptr<T>(), P, N, has_bias ? bias->data_ptr<T>() : nullptr,
+                      y.data_ptr<T>());
+    return y;
+#else
+    TORCH_CHECK(false, "panel_linear: bfloat16 panels need AVX512-BF16 (this build has no bf16 panel kernel)");
+#endif
+  }
+  const float* b = has_bias ? bias->data_ptr<float>() : nullptr;
   const float* xp = x.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+#if defined(__AVX512F__)
+  panel_linear_avx512(xp, M, K, wp, P, N, b, yp);
+#else
   at::parallel_for(0, P, 16, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const float* panel = wp + p * K * NR;
@@ -125,5 +172,6 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10
       }
     }
   });
+#endif
   return y;
 }

@@ -1,18 +1,12 @@
-"""Prepacked oneDNN bf16 linears (cpu_linear.py): same outputs as nn.Linear, used by bf16 CPU engines."""
+"""Prepacked oneDNN linears (cpu_linear.py): same outputs as nn.Linear, used by CPU engines (the panel
+kernel's linears: test_cpu_linear_panels.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
-from inference.engine.cpu_linear import (
-    PANEL_SWITCH,
-    PanelLinear,
-    PrepackedLinear,
-    panel_linear_preferred,
-    prepack_linears,
-    prepacked_linear_available,
-)
+from inference.engine.cpu_linear import PANEL_SWITCH, PrepackedLinear, prepack_linears, prepacked_linear_available
 
 from .conftest import TinyModel
 
@@ -66,6 +60,7 @@ def test_bf16_engine_prepacks_and_generates_the_same_tokens(llama_variant: TinyM
     linears (llama_variant has biases and a tied LM head)."""
     from inference.engine import LLMEngine, SamplingParams
 
+    monkeypatch.setenv(PANEL_SWITCH, "0")  # oneDNN's linears (not the panel kernel's) at every row count
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     packed = LLMEngine(llama_variant.path, num_blocks=64, dtype="bfloat16")
     assert any(isinstance(m, PrepackedLinear) for m in packed.model.modules())
@@ -77,10 +72,13 @@ def test_bf16_engine_prepacks_and_generates_the_same_tokens(llama_variant: TinyM
     assert got == [r.token_ids for r in plain.generate(llama_variant.prompts, params)]
 
 
-def test_bf16_prepacking_follows_onednn_bf16_support(llama_variant: TinyModel) -> None:
+def test_bf16_prepacking_follows_onednn_bf16_support(llama_variant: TinyModel,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """`--dtype bfloat16` builds and generates on every CPU: prepacked where oneDNN has bf16 kernels,
     plain `F.linear` where it has none (an AVX2-only CPU, where the reorder raises)."""
     from inference.engine import LLMEngine, SamplingParams
+
+    monkeypatch.setenv(PANEL_SWITCH, "0")
 
     supported = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     assert prepacked_linear_available(torch.bfloat16, CPU) == supported
@@ -88,74 +86,3 @@ def test_bf16_prepacking_follows_onednn_bf16_support(llama_variant: TinyModel) -
     assert any(isinstance(m, PrepackedLinear) for m in engine.model.modules()) == supported
     out = engine.generate(llama_variant.prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert [len(r.token_ids) for r in out] == [4] * len(llama_variant.prompts)
-
-
-# --- the fp32 panel kernel (csrc/panel_gemm.cpp) ---------------------------------------------------------
-
-def _kernels():  # type: ignore[no-untyped-def]
-    from inference.engine.cpu_kernels import load_kernels
-
-    ops = load_kernels()
-    if ops is None:
-        pytest.skip("CPU kernels unavailable here")
-    return ops
-
-
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 23, 64])
-@pytest.mark.parametrize("out_features", [33, 160])
-def test_panel_linear_close_to_linear(bias: bool, rows: int, out_features: int) -> None:
-    """Every row count (both tilings, every tail) and a column count that leaves a partial panel."""
-    ops = _kernels()
-    torch.manual_seed(rows)
-    lin = nn.Linear(96, out_features, bias=bias)
-    packed = PanelLinear(lin, ops)
-    x = torch.randn(rows, 96)
-    with torch.inference_mode():
-        torch.testing.assert_close(packed(x), lin(x), atol=2e-5, rtol=1e-5)
-        torch.testing.assert_close(packed(x.view(1, rows, 96)), lin(x).view(1, rows, out_features),
-                                   atol=2e-5, rtol=1e-5)
-        torch.testing.assert_close(packed(x[:, ::2].repeat(1, 2)), lin(x[:, ::2].repeat(1, 2)), atol=2e-5, rtol=1e-5)
-
-
-def test_panel_linear_refuses_mismatched_panels() -> None:
-    ops = _kernels()
-    panels = ops.pack_panels(torch.randn(40, 24))
-    with pytest.raises(RuntimeError, match="panels do not match"):
-        ops.panel_linear(torch.randn(2, 32), panels, 40)
-    with pytest.raises(RuntimeError, match="panels do not match"):
-        ops.panel_linear(torch.randn(2, 24), panels, 60)
-    with pytest.raises(RuntimeError, match="bias"):
-        ops.panel_linear(torch.randn(2, 24), panels, 40, torch.randn(39))
-
-
-def test_panel_kernel_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp32 only; by default on AVX2-only CPUs (measured faster there), switchable both ways."""
-    ops = _kernels()
-    assert not panel_linear_preferred(torch.bfloat16, ops)
-    assert not panel_linear_preferred(torch.float32, None)
-    monkeypatch.delenv(PANEL_SWITCH, raising=False)
-    assert panel_linear_preferred(torch.float32, ops) == (torch.backends.cpu.get_cpu_capability() == "AVX2")
-    monkeypatch.setenv(PANEL_SWITCH, "0")
-    assert not panel_linear_preferred(torch.float32, ops)
-    monkeypatch.setenv(PANEL_SWITCH, "1")
-    assert panel_linear_preferred(torch.float32, ops)
-
-
-def test_fp32_engine_on_panels_generates_the_same_tokens(llama_variant: TinyModel,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The panel kernel against oneDNN's in a whole fp32 engine (biases, a tied LM head): same greedy
-    tokens, weights and ties kept."""
-    from inference.engine import LLMEngine, SamplingParams
-
-    _kernels()
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    monkeypatch.setenv(PANEL_SWITCH, "1")
-    panels = LLMEngine(llama_variant.path, num_blocks=64, dtype="float32")
-    assert any(isinstance(m, PanelLinear) for m in panels.model.modules())
-    assert panels.model.lm_head.weight is panels.model.embed_tokens.weight
-    got = [r.token_ids for r in panels.generate(llama_variant.prompts, params)]
-    monkeypatch.setenv(PANEL_SWITCH, "0")
-    onednn = LLMEngine(llama_variant.path, num_blocks=64, dtype="float32")
-    assert not any(isinstance(m, PanelLinear) for m in onednn.model.modules())
-    assert got == [r.token_ids for r in onednn.generate(llama_variant.prompts, params)]

@@ -1,0 +1,185 @@
+// The panel GEMM on AVX-512 (see panel_gemm.cpp for the layout and the AVX2 kernel): y = x @ w.T (+ bias)
+// with 16-column panels, each a single 512-bit vector wide, in fp32 (fp32 FMAs) and in bf16 (`vdpbf16ps`
+// with AVX512-BF16: bf16 pairs multiplied and summed into fp32 accumulators, the weights packed once in
+// the pair-interleaved layout it reads, [panels, ceil(K / 2), 16, 2]).
+//
+// Blocking: a tile is MR rows x NV panels of accumulators (MR * NV <= 24 of the 32 vector registers).
+// Decode row counts read each weight vector once per MR rows: up to 4 rows, 4 panels side by side (so
+// that even one row has 4 independent dependency chains); up to 8 rows, 2 panels; up to 16 rows, one
+// panel of M rows; above, 12 rows x 2 panels, the micro-tile of a compute-bound GEMM. The first pass over
+// a group of panels prefetches the next group, one 64-byte line per panel and step, so the weights stream
+// from memory while the current group computes.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "panel_gemm.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t NR = 16;  // columns per panel = fp32 lanes of a vector
+
+inline __mmask16 column_mask(int64_t cols) {
+  return cols >= NR ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1u);
+}
+
+// fp32 weights and activations: one k per step.
+struct F32 {
+  using T = float;
+  static constexpr int64_t KSTEP = 1;
+  static __m512 weights(const float* w) { return _mm512_loadu_ps(w); }
+  static __m512 broadcast(const float* x) { return _mm512_set1_ps(*x); }
+  static __m512 last(const float* x) { return broadcast(x); }  // never used: K is a whole number of steps
+  static __m512 fma(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
+  static void store(__m512 acc, const float* bias, float* y, __mmask16 mask) {
+    if (bias != nullptr) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, bias));
+    _mm512_mask_storeu_ps(y, mask, acc);
+  }
+};
+
+#if defined(__AVX512BF16__)
+// bf16 weights and activations: a pair of k per step, products summed in fp32 by `vdpbf16ps`.
+struct BF16 {
+  using T = c10::BFloat16;
+  static constexpr int64_t KSTEP = 2;
+  static __m512 weights(const T* w) { return _mm512_castsi512_ps(_mm512_loadu_si512(w)); }
+  static __m512 broadcast(const T* x) {
+    int32_t pair;
+    std::memcpy(&pair, x, sizeof pair);
+    return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
+  }
+  // The last k of an odd K: its pair is (x[K - 1], 0) (the packed weight's pad is 0 too; x[K] is not read).
+  static __m512 last(const T* x) { return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(x->x))); }
+  static __m512 fma(__m512 acc, __m512 w, __m512 x) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(w), (__m512bh)_mm512_castps_si512(x));
+  }
+  static __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+  static void store(__m512 acc, const T* bias, T* y, __mmask16 mask) {
+    if (bias != nullptr) acc = _mm512_add_ps(acc, widen(_mm256_maskz_loadu_epi16(mask, bias)));
+    // fp32 -> bf16 with round-to-nearest-even, as c10::BFloat16 (and oneDNN's bf16 output) does.
+    _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(acc));
+  }
+};
+#endif
+
+// Where one call's operands are: x [M, K], panels (each `pstride` elements), y [M, N].
+template <class E>
+struct Args {
+  const typename E::T* x;
+  int64_t K;
+  const typename E::T* w;
+  int64_t pstride;
+  const typename E::T* bias;
+  typename E::T* y;
+  int64_t N;
+};
+
+// MR rows from m0 x NV panels from p0; `next` (or null) is the group after, prefetched.
+template <class E, int MR, int NV>
+void tile(const Args<E>& a, int64_t m0, int64_t p0, const typename E::T* next) {
+  using T = typename E::T;
+  __m512 acc[MR][NV];
+#pragma GCC unroll 32
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  const T* xr[MR];
+#pragma GCC unroll 32
+  for (int i = 0; i < MR; ++i) xr[i] = a.x + (m0 + i) * a.K;
+  const T* w = a.w + p0 * a.pstride;
+  const int64_t steps = a.K / E::KSTEP, step_elems = NR * E::KSTEP;
+  for (int64_t s = 0; s < steps; ++s) {
+    const int64_t off = s * step_elems, k = s * E::KSTEP;
+    if (next != nullptr) {
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) __builtin_prefetch(next + v * a.pstride + off);
+    }
+    __m512 wv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) wv[v] = E::weights(w + v * a.pstride + off);
+#pragma GCC unroll 32
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = E::broadcast(xr[i] + k);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = E::fma(acc[i][v], wv[v], xv);
+    }
+  }
+  if (steps * E::KSTEP < a.K) {  // bf16 with an odd K
+    const int64_t off = steps * step_elems;
+#pragma GCC unroll 32
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = E::last(xr[i] + steps * E::KSTEP);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = E::fma(acc[i][v], E::weights(w + v * a.pstride + off), xv);
+    }
+  }
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) {
+    const int64_t n0 = (p0 + v) * NR;
+    const __mmask16 mask = column_mask(a.N - n0);
+    const T* b = a.bias != nullptr ? a.bias + n0 : nullptr;
+#pragma GCC unroll 32
+    for (int i = 0; i < MR; ++i) E::store(acc[i][v], b, a.y + (m0 + i) * a.N + n0, mask);
+  }
+}
+
+// `rows` (< MR) remaining rows: the tile instantiated for exactly that many.
+template <class E, int MR, int NV>
+void tail(const Args<E>& a, int64_t m0, int64_t p0, int64_t rows, const typename E::T* next) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return tile<E, MR, NV>(a, m0, p0, next);
+    tail<E, MR - 1, NV>(a, m0, p0, rows, next);
+  }
+}
+
+// All M rows against NV panels from p0; the first pass prefetches `next`.
+template <class E, int MR, int NV>
+void rows_of(const Args<E>& a, int64_t M, int64_t p0, const typename E::T* next) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR, next = nullptr) tile<E, MR, NV>(a, m, p0, next);
+  if (m < M) tail<E, MR - 1, NV>(a, m, p0, M - m, next);
+}
+
+// Every panel in groups of NV (the last panels, fewer than NV, one at a time), in parallel over groups.
+template <class E, int MR, int NV>
+void run_groups(const Args<E>& a, int64_t M, int64_t P) {
+  const int64_t groups = P / NV;
+  const typename E::T* end = a.w + P * a.pstride;
+  at::parallel_for(0, groups, std::max<int64_t>(1, 16 / NV), [&](int64_t begin, int64_t stop) {
+    for (int64_t g = begin; g < stop; ++g) {
+      const typename E::T* next = a.w + (g + 1) * NV * a.pstride;
+      rows_of<E, MR, NV>(a, M, g * NV, g + 1 < stop && next < end ? next : nullptr);
+    }
+  });
+  for (int64_t p = groups * NV; p < P; ++p) rows_of<E, MR, 1>(a, M, p, nullptr);
+}
+
+template <class E>
+void run(const Args<E>& a, int64_t M, int64_t P) {
+  if (M <= 4) return run_groups<E, 4, 4>(a, M, P);
+  if (M <= 8) return run_groups<E, 8, 2>(a, M, P);
+  if (M <= 16) return run_groups<E, 16, 1>(a, M, P);
+  run_groups<E, 12, 2>(a, M, P);
+}
+
+}  // namespace
+
+void panel_linear_avx512(const float* x, int64_t M, int64_t K, const float* w, int64_t P, int64_t N,
+                         const float* bias, float* y) {
+  run<F32>(Args<F32>{x, K, w, K * NR, bias, y, N}, M, P);
+}
+
+#if defined(__AVX512BF16__)
+void panel_linear_bf16(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* w, int64_t P, int64_t N,
+                       const c10::BFloat16* bias, c10::BFloat16* y) {
+  run<BF16>(Args<BF16>{x, K, w, (K + 1) / 2 * 2 * NR, bias, y, N}, M, P);
+}
+#endif
+
+#endif  // __AVX512F__

@@ -1,0 +1,204 @@
+"""The panel GEMM's linears (csrc/panel_gemm*.cpp, cpu_linear.PanelLinear): fp32 equal to F.linear to float
+rounding at every row count and column tail, bf16 within one bf16 rounding of the exact sum, the choice
+rule per CPU kind and row count, and whole engines on the panels generating oneDNN's greedy tokens.
+
+The bf16 kernel exists only in builds for CPUs with AVX512-BF16: its tests skip elsewhere, naming why."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference.engine.cpu_linear import (
+    ALL_ROWS,
+    PANEL_ROWS,
+    PANEL_SWITCH,
+    PanelLinear,
+    PrepackedLinear,
+    cpu_kind,
+    panel_rows_limit,
+    prepacked_linear_available,
+)
+
+from .conftest import TinyModel
+
+CPU = torch.device("cpu")
+# Tiles of 4 / 8 / 16 / 12 rows and their tails, one panel group and more.
+ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 23, 24, 25, 64, 70]
+# 33: two whole panels and one of a single column (no group of 2 or 4 panels); 200: 13 panels (groups of
+# 4 and 2 with panels left over, the last partial).
+OUT_FEATURES = [33, 200]
+
+
+def _kernels():  # type: ignore[no-untyped-def]
+    from inference.engine.cpu_kernels import load_kernels
+
+    ops = load_kernels()
+    if ops is None:
+        pytest.skip("CPU kernels unavailable here (no compiler or the build failed)")
+    return ops
+
+
+def _bf16_kernels():  # type: ignore[no-untyped-def]
+    ops = _kernels()
+    if "bfloat16" not in ops.panel_variants():
+        pytest.skip(f"no bf16 panel kernel on this CPU (needs AVX512-BF16; this build: {ops.panel_variants()})")
+    return ops
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("out_features", OUT_FEATURES)
+def test_fp32_panel_linear_close_to_linear(bias: bool, rows: int, out_features: int) -> None:
+    """fp32: each output a sequential fp32 FMA sum over k, as oneDNN's and MKL's: equal to float rounding."""
+    ops = _kernels()
+    torch.manual_seed(rows)
+    lin = nn.Linear(96, out_features, bias=bias)
+    packed = PanelLinear(lin, ops)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), lin(x), atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(packed(x.view(1, rows, 96)), lin(x).view(1, rows, out_features),
+                                   atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(packed(x[:, ::2].repeat(1, 2)), lin(x[:, ::2].repeat(1, 2)), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("in_features", "out_features"), [(96, 33), (97, 200), (576, 200)])
+def test_bf16_panel_linear_within_one_rounding(bias: bool, rows: int, in_features: int, out_features: int) -> None:
+    """bf16 (an odd in_features too: the last k pairs with 0): products of bf16 inputs summed in fp32 and
+    rounded to bf16 once, so each output is within one bf16 rounding (2^-8 relative) of the fp32 sum of
+    the same bf16 inputs; oneDNN's bf16 output is too."""
+    ops = _bf16_kernels()
+    torch.manual_seed(rows + in_features)
+    lin = nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
+    packed = PanelLinear(lin, ops)
+    x = torch.randn(rows, in_features).to(torch.bfloat16)
+    exact = F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
+    with torch.inference_mode():
+        got = packed(x)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), exact, rtol=2**-8, atol=1e-4)
+        torch.testing.assert_close(packed(x.view(1, rows, in_features)), got.view(1, rows, out_features),
+                                   rtol=0, atol=0)
+
+
+def test_panel_linear_refuses_mismatched_inputs() -> None:
+    ops = _kernels()
+    panels = ops.pack_panels(torch.randn(40, 24))
+    with pytest.raises(RuntimeError, match="panels do not match"):
+        ops.panel_linear(torch.randn(2, 32), panels, 40)
+    with pytest.raises(RuntimeError, match="panels do not match"):
+        ops.panel_linear(torch.randn(2, 24), panels, 60)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.panel_linear(torch.randn(2, 24), panels, 40, torch.randn(39))
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.panel_linear(torch.randn(2, 24).to(torch.bfloat16), panels, 40)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.pack_panels(torch.randn(40, 24).half())
+    if "bfloat16" not in ops.panel_variants():
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            ops.pack_panels(torch.randn(40, 24).to(torch.bfloat16))
+
+
+def test_panel_variants_follow_the_cpu() -> None:
+    """The build's kernels are the CPU's: 16-wide fp32 with AVX-512, bf16 panels with AVX512-BF16."""
+    ops = _kernels()
+    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    variants = ops.panel_variants()
+    assert variants[0] == ("float32x16" if "avx512f" in flags else "float32x8")
+    assert ("bfloat16" in variants) == ("avx512_bf16" in flags and "avx512f" in flags)
+
+
+def test_choice_rule_per_cpu_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Panels up to the measured row limit of this CPU kind and dtype; none without the kernels or a
+    bf16 kernel; the switch forces every row count on or off."""
+    ops = _kernels()
+    monkeypatch.delenv(PANEL_SWITCH, raising=False)
+    assert panel_rows_limit(torch.float32, None) == 0
+    assert panel_rows_limit(torch.float16, ops) == 0
+    kind = cpu_kind()
+    assert panel_rows_limit(torch.float32, ops) == PANEL_ROWS.get((kind, torch.float32), 0)
+    bf16 = PANEL_ROWS.get((kind, torch.bfloat16), 0) if "bfloat16" in ops.panel_variants() else 0
+    assert panel_rows_limit(torch.bfloat16, ops) == bf16
+    if kind == "avx2":
+        assert panel_rows_limit(torch.float32, ops) == ALL_ROWS
+    if kind == "avx512":  # the AMD EPYC Zen 4 figures: decode batches on the panels, prefill on oneDNN
+        assert panel_rows_limit(torch.float32, ops) == 32
+        assert bf16 in (0, 64)
+    monkeypatch.setenv(PANEL_SWITCH, "0")
+    assert panel_rows_limit(torch.float32, ops) == panel_rows_limit(torch.bfloat16, ops) == 0
+    monkeypatch.setenv(PANEL_SWITCH, "1")
+    assert panel_rows_limit(torch.float32, ops) == ALL_ROWS
+    assert panel_rows_limit(torch.bfloat16, ops) == (ALL_ROWS if "bfloat16" in ops.panel_variants() else 0)
+
+
+def test_cpu_kind_sets_amx_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AVX-512 CPUs with AMX tiles are their own kind (no panel rows: oneDNN's AMX kernels)."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr("inference.engine.cpu_linear._cpu_flags", lambda: {"avx512f", "amx_tile", "amx_bf16"})
+    assert cpu_kind() == "avx512-amx"
+    assert not any(kind == "avx512-amx" for kind, _ in PANEL_ROWS)
+    monkeypatch.setattr("inference.engine.cpu_linear._cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert cpu_kind() == "avx512"
+
+
+@pytest.mark.skipif(not prepacked_linear_available(torch.float32, CPU), reason="torch built without oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_above_the_limit_run_on_onednn(dtype: torch.dtype) -> None:
+    """With a row limit, more rows give exactly oneDNN's prepacked output, up to it the panel kernel's."""
+    ops = _bf16_kernels() if dtype == torch.bfloat16 else _kernels()
+    if not prepacked_linear_available(dtype, CPU):
+        pytest.skip("oneDNN has no bf16 kernels on this CPU")
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48).to(dtype)
+    hybrid = PanelLinear(lin, ops, max_rows=8)
+    onednn, panels = PrepackedLinear(lin, batch_hint=32), PanelLinear(lin, ops)
+    with torch.inference_mode():
+        for rows in (1, 8, 9, 40):
+            x = torch.randn(rows, 64).to(dtype)
+            expected = onednn(x) if rows > 8 else panels(x)
+            assert torch.equal(hybrid(x), expected)
+    assert PanelLinear(lin, ops).packed_weight is None  # no oneDNN copy without a limit
+
+
+def _engine_tokens(path: str, prompts: list[list[int]], dtype: str) -> tuple[list[list[int]], list[PanelLinear]]:
+    """Greedy tokens of a fresh engine and its panel linears."""
+    from inference.engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine(path, num_blocks=64, dtype=dtype)
+    assert engine.model.lm_head.weight is engine.model.embed_tokens.weight  # the tie is kept
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    panels = [m for m in engine.model.modules() if isinstance(m, PanelLinear)]
+    return [r.token_ids for r in engine.generate(prompts, params)], panels
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_on_panels_generates_onednns_tokens(llama_variant: TinyModel, monkeypatch: pytest.MonkeyPatch,
+                                                   dtype: str) -> None:
+    """A whole engine (biases, a tied LM head) with its linears on the panel kernel at every row count,
+    and with the rule's row limit (prefill on oneDNN, decode on the panels), gives the greedy tokens of
+    the same engine on oneDNN alone: fp32 to float rounding, bf16 within its rounding (the tiny model's
+    logits are well separated, so no token flips)."""
+    if dtype == "bfloat16":
+        _bf16_kernels()
+        if not prepacked_linear_available(torch.bfloat16, CPU):
+            pytest.skip("oneDNN has no bf16 kernels on this CPU")
+    else:
+        _kernels()
+    prompts = llama_variant.prompts
+    monkeypatch.setenv(PANEL_SWITCH, "0")
+    reference, none = _engine_tokens(llama_variant.path, prompts, dtype)
+    assert none == []
+    monkeypatch.setenv(PANEL_SWITCH, "1")
+    everywhere, panels = _engine_tokens(llama_variant.path, prompts, dtype)
+    assert panels and all(p.max_rows is None for p in panels)
+    assert everywhere == reference
+    monkeypatch.delenv(PANEL_SWITCH)
+    limit = panel_rows_limit(getattr(torch, dtype), _kernels())
+    if 0 < limit < ALL_ROWS:
+        by_rule, panels = _engine_tokens(llama_variant.path, prompts, dtype)
+        assert panels and all(p.max_rows == limit for p in panels)
+        assert by_rule == reference
