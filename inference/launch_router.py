@@ -22,6 +22,7 @@ from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
+from inference.gateway import acceptor_process
 from inference.router.endpoint import normalize_url
 from inference.router.policies import canonical_policy_name, policy_names
 
@@ -118,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a decode worker with at most N prompt tokens left to compute prefills the prompt itself "
         "(default: ROUTER_LOCAL_PREFILL_TOKENS or 0: always a prefill worker)",
     )
+    parser.add_argument(
+        "--acceptor", action=argparse.BooleanOptionalAction, default=None,
+        help="a separate acceptor process owns the port, answers GET /health from the router processes' "
+        "snapshots (whatever the generation load) and hands every other connection to them "
+        "(default: ROUTER_ACCEPTOR, or on); --no-acceptor: gunicorn's processes accept themselves",
+    )
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")
     return parser
 
@@ -202,15 +209,31 @@ class RouterApplication(BaseApplication):  # type: ignore[misc]
         return application
 
 
+def acceptor_enabled(args: argparse.Namespace) -> bool:
+    """--acceptor/--no-acceptor, else ROUTER_ACCEPTOR (on unless 0/false/no/off)."""
+    if args.acceptor is not None:
+        return bool(args.acceptor)
+    return os.environ.get("ROUTER_ACCEPTOR", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse the flags, export them to the environment and run gunicorn until it stops."""
+    """Parse the flags, export them to the environment and run gunicorn until it stops (behind the
+    acceptor process unless --no-acceptor: inference/gateway/acceptor_process.py)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     os.environ.update(router_environment(args))
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     host = f"[{args.host}]" if ":" in args.host and not args.host.startswith("[") else args.host
+    if acceptor_process.is_child():
+        bind = os.environ["ROUTER_BIND"]  # the acceptor's private socket: only it accepts from the network
+    elif acceptor_enabled(args):
+        logging.getLogger(__name__).info("router acceptor on %s:%s", host, args.listen_port)
+        return acceptor_process.serve(host, args.listen_port, [sys.executable, "-m", "inference.launch_router", *argv])
+    else:
+        bind = f"{host}:{args.listen_port}"
     options = {
-        "bind": [f"{host}:{args.listen_port}"],
+        "bind": [bind],
         "workers": args.workers,
         "worker_class": "inference.gateway.http_protocol.RouterUvicornWorker",
         "loglevel": args.log_level,

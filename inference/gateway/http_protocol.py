@@ -18,9 +18,11 @@ Used by the router's gunicorn worker class, `RouterUvicornWorker`.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from gunicorn.arbiter import Arbiter
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn_worker import UvicornWorker
 
@@ -50,6 +52,17 @@ def health_report() -> dict[str, Any] | None:
     return health_body(service)
 
 
+def snapshot_health() -> dict[str, Any] | None:
+    """GET /health's body for the acceptor's snapshot (any thread): None until the router was built
+    by a request and every endpoint was checked (until then a router process answers probes)."""
+    from inference.gateway.service import built_router  # Django settings: only once serving
+
+    service = built_router()
+    if service is None or any(e.last_health_at is None for e in service.pool.all_endpoints()):
+        return None
+    return health_body(service)
+
+
 def health_body(service: RouterService) -> dict[str, Any]:
     """GET /health's answer: the router is up; `ready` and each worker's health as last checked."""
     pool = service.pool
@@ -74,7 +87,25 @@ def health_body(service: RouterService) -> dict[str, Any]:
 
 
 class RouterHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, answering GET /health itself."""
+    """uvicorn's httptools protocol, answering GET /health itself.
+
+    A connection handed over by the router's acceptor (inference/gateway/handoff.py) comes with the
+    bytes the acceptor read of it (`pre_read`), fed to the parser as the connection's first data.
+    One that comes without any (its client was silent) gets the keep-alive timeout at once, so that
+    a client that never sends a request does not hold the connection forever.
+    """
+
+    pre_read: bytes | None = None  # None: accepted by this process itself
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        """uvicorn's, then the handed-over bytes (before anything the transport reads itself)."""
+        super().connection_made(transport)
+        pre_read, self.pre_read = self.pre_read, None
+        if pre_read:
+            self.data_received(pre_read)
+        elif pre_read is not None:
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
 
     def data_received(self, data: bytes) -> None:
         """A lone `GET /health` between requests is answered here; everything else as uvicorn does."""
@@ -111,6 +142,18 @@ class RouterHttpProtocol(HttpToolsProtocol):
 
 
 class RouterUvicornWorker(UvicornWorker):  # type: ignore[misc]
-    """The router's gunicorn worker: uvicorn with `RouterHttpProtocol`."""
+    """The router's gunicorn worker: uvicorn with `RouterHttpProtocol`, served by `RouterServer`
+    (linked to the router's acceptor when there is one)."""
 
     CONFIG_KWARGS: dict[str, Any] = {"loop": "auto", "http": "inference.gateway.http_protocol:RouterHttpProtocol"}
+
+    async def _serve(self) -> None:
+        """uvicorn_worker's `_serve` with the router's server class."""
+        from inference.gateway.handoff import RouterServer
+
+        self.config.app = self.wsgi
+        server = RouterServer(config=self.config)
+        self._install_sigquit_handler()
+        await server.serve(sockets=self.sockets)
+        if not server.started:
+            sys.exit(Arbiter.WORKER_BOOT_ERROR)

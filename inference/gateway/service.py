@@ -217,6 +217,12 @@ def get_router() -> RouterService:
     return service
 
 
+def built_router() -> RouterService | None:
+    """This process's router if it was built already, else None; builds nothing, starts nothing (for
+    threads that only report on it, such as the acceptor's snapshots)."""
+    return _service
+
+
 def set_router(service: RouterService | None) -> None:
     """Replace (or with None, forget) this process's router; for tests and a future control plane."""
     global _service
