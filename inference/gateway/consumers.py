@@ -240,7 +240,8 @@ class GenerationConsumer(GatewayConsumer):
             if self.kind != "generate":  # the seed's /generate ignores `model`; OpenAI clients rely on it
                 service.check_model(parsed.model)
             model = parsed.model or service.model_hint() or "unknown"
-            events = generate_choices(service.client, parsed.request, parsed.choices.n, self.arrived)
+            events = generate_choices(service.client, parsed.request, parsed.choices.n, self.arrived,
+                                      parsed.choices.best_of)
             if not parsed.stream:
                 async with aclosing(events):
                     result = await collect(events)

@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from inference.router.events import DoneEvent, ErrorEvent, Event, GenerateRequest
+from inference.router.events import DoneEvent, ErrorEvent, Event, GenerateRequest, TokenEvent
 from inference.router.pin import Pin
 
 if TYPE_CHECKING:
@@ -42,12 +42,52 @@ def choice_request(req: GenerateRequest, index: int) -> GenerateRequest:
 
 
 def generate_choices(
-    client: DisaggregatedClient, req: GenerateRequest, n: int, arrived: float | None = None
+    client: DisaggregatedClient, req: GenerateRequest, n: int, arrived: float | None = None, best_of: int = 1
 ) -> AsyncGenerator[Event, None]:
-    """The events of `n` choices of `req` (`client.generate`'s own stream when n is 1)."""
+    """The events of `n` choices of `req` (`client.generate`'s own stream when n is 1); with `best_of` > n,
+    the n most likely of `best_of` choices (`_best`)."""
+    if best_of > n:
+        return _best(client, req, n, best_of, arrived)
     if n == 1:
         return client.generate(req, arrived)
     return _merged(client, req, n, arrived)
+
+
+async def _best(
+    client: DisaggregatedClient, req: GenerateRequest, n: int, best_of: int, arrived: float | None
+) -> AsyncGenerator[Event, None]:
+    """`best_of` choices run as for `n` (one pinned prompt), then the `n` whose tokens have the highest
+    cumulative log-probability, most likely first and indexed 0..n-1 (as vLLM's `best_of`). The
+    log-probabilities are the workers' raw ones of each sampled token (the request asks them; the
+    protocol shows them only when the client did). Nothing is sent before the end (the protocol refuses
+    to stream `best_of` > n); usage counts every generated token, the ones of the choices dropped too."""
+    events: list[TokenEvent] = []
+    scores = [0.0] * best_of
+    done: DoneEvent | None = None
+    stream = _merged(client, req, best_of, arrived)
+    try:
+        async for event in stream:  # bounded: every run's waits time out
+            if isinstance(event, ErrorEvent):
+                yield event
+                return
+            if isinstance(event, DoneEvent):
+                done = event
+                break
+            events.append(event)
+            scores[event.index] += sum(p.logprob for p in event.logprobs or ()
+                                       if p is not None and p.logprob is not None)
+    finally:
+        await stream.aclose()
+    assert done is not None and done.choices is not None  # _merged ends with its combined event
+    # Stable: of equally likely choices the lower index wins.
+    kept = {old: new for new, old in enumerate(sorted(range(best_of), key=lambda i: -scores[i])[:n])}
+    for event in events:
+        if event.index in kept:
+            event.index = kept[event.index]
+            yield event
+    choices = sorted((replace(c, index=kept[c.index]) for c in done.choices if c.index in kept),
+                     key=lambda c: c.index)
+    yield replace(done, choices=choices, finish_reason=choices[0].finish_reason)
 
 
 async def _merged(

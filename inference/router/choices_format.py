@@ -44,22 +44,30 @@ class ChoiceFields:
     n: int = 1
     logprobs: bool = False
     echo: bool = False
+    # Choices generated, of which the `n` most likely are returned (choices.py); `n` unless asked.
+    best_of: int = 1
 
     @property
     def rich(self) -> bool:
         """Whether the answer needs this module's formatting (else the plain, faster path)."""
-        return self.n > 1 or self.logprobs or self.echo
+        return self.n > 1 or self.logprobs or self.echo or self.best_of > self.n
 
 
 def parse_choice_fields(data: dict[str, Any], kind: Literal["completion", "chat"], sampling: Sampling,
-                        prompt_is_text: bool = True) -> ChoiceFields:
+                        prompt_is_text: bool = True, stream: bool = False) -> ChoiceFields:
     """`n`, `best_of`, `logprobs`, `top_logprobs` and `echo` of an OpenAI body; sets `sampling`'s
-    `logprobs` (and `prompt_logprobs` for an echo that needs the prompt's tokens)."""
+    `logprobs` (and `prompt_logprobs` for an echo that needs the prompt's tokens). `best_of` > `n`
+    cannot be streamed (OpenAI's rule: the best are known only at the end) and asks the workers for
+    the sampled tokens' log-probabilities, which rank the choices."""
     n = _int_field(data, "n", 1, MAX_N) or 1
-    best_of = data.get("best_of")
-    if best_of is not None and best_of != n:
-        raise _bad("'best_of' is only supported equal to 'n' (every choice is returned)")
-    fields = ChoiceFields(n=n)
+    best_of = _int_field(data, "best_of", 1, MAX_N) or n
+    if best_of < n:
+        raise _bad(f"'best_of' ({best_of}) must be at least 'n' ({n})")
+    if best_of > n and stream:
+        raise _bad(f"'best_of' greater than 'n' ({best_of} > {n}) cannot be streamed: set 'stream': false")
+    fields = ChoiceFields(n=n, best_of=best_of)
+    if best_of > n and sampling.logprobs is None:
+        sampling.logprobs = 0  # the sampled tokens' own, for the ranking (shown only if asked below)
     if kind == "chat":
         wants = data.get("logprobs")
         if wants is not None and not isinstance(wants, bool):

@@ -214,7 +214,7 @@ def parse_completion(data: Any) -> ParsedRequest:
         stream=stream,
         include_usage=_stream_options(data, stream),
         model=_get_model(data),
-        choices=parse_choice_fields(data, "completion", sampling, prompt_is_text=text is not None),
+        choices=parse_choice_fields(data, "completion", sampling, prompt_is_text=text is not None, stream=stream),
     )
 
 
@@ -254,7 +254,7 @@ def parse_chat(data: Any) -> ParsedRequest:
         if sampling.grammar is not None:
             raise bad_request("'response_format' cannot be combined with a 'tool_choice' of required or a function")
         sampling.grammar = tools.grammar()  # valid arguments guaranteed
-    choices = parse_choice_fields(data, "chat", sampling)
+    choices = parse_choice_fields(data, "chat", sampling, stream=stream)
     if tools is not None and choices.rich:
         raise bad_request("'n' > 1 and 'logprobs' are not supported together with 'tools'")
     return ParsedRequest(

@@ -158,3 +158,31 @@ def test_n_choices_share_one_prompt_streamed_and_not(client: openai.OpenAI, clus
                 finished[part.index] = part.finish_reason
     assert set(texts) == {0, 1} and set(finished) == {0, 1}
     assert usage is not None and usage.completion_tokens <= 10
+
+
+def test_best_of_returns_the_most_likely_choices(client: openai.OpenAI) -> None:
+    prompt = "best of: " + " ".join(f"b{i}" for i in range(12))
+    common: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 1.5, "seed": 5,
+                              "extra_body": {"ignore_eos": True}}
+    # All four choices (choice i is seeded 5 + i, so best_of=4 generates these same four).
+    every = client.completions.create(n=4, logprobs=0, **common)
+    totals = []
+    for c in every.choices:
+        assert c.logprobs is not None and c.logprobs.token_logprobs is not None
+        totals.append(sum(c.logprobs.token_logprobs))
+    ranked = sorted(range(4), key=lambda i: -totals[i])
+    print(f"best_of: cumulative log-probabilities {totals}")
+    # With this seed the most likely two are not choices 0 and 1: returning the first n would fail below.
+    assert ranked[:2] != [0, 1], totals
+    best = client.completions.create(n=2, best_of=4, logprobs=0, **common)
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.text for c in best.choices] == [every.choices[i].text for i in ranked[:2]]
+    assert best.choices[0].logprobs is not None and best.choices[0].logprobs.token_logprobs is not None
+    assert abs(sum(best.choices[0].logprobs.token_logprobs) - totals[ranked[0]]) < TOL
+    assert best.usage is not None and best.usage.completion_tokens == 24  # every generated token counts
+    # Without logprobs asked: the ranking still uses them, the answer shows none.
+    one = client.completions.create(best_of=4, **common)
+    assert len(one.choices) == 1 and one.choices[0].text == every.choices[ranked[0]].text
+    assert one.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(n=1, best_of=2, stream=True, **common)

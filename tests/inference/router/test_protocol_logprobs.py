@@ -79,6 +79,17 @@ def test_parsing_sets_the_wire_fields() -> None:
     assert "logprobs" not in plain.request.sampling.to_json()
 
 
+def test_best_of_asks_the_sampled_tokens_logprobs_for_the_ranking_only() -> None:
+    parsed = parse_completion({"prompt": "hi", "n": 2, "best_of": 4})
+    assert (parsed.choices.n, parsed.choices.best_of) == (2, 4) and parsed.choices.rich
+    assert parsed.request.sampling.logprobs == 0 and not parsed.choices.logprobs  # not shown
+    asked = parse_completion({"prompt": "hi", "best_of": 3, "logprobs": 2})
+    assert asked.request.sampling.logprobs == 2 and asked.choices.logprobs
+    same = parse_completion({"prompt": "hi", "n": 2, "best_of": 2, "stream": True})  # best_of = n streams
+    assert same.choices.best_of == 2 and same.request.sampling.logprobs is None
+    assert parse_completion({"prompt": "hi"}).choices.best_of == 1
+
+
 @pytest.mark.parametrize(
     ("parser", "body", "named"),
     [(parse_completion, {"prompt": "hi", "logprobs": 21}, "logprobs"),
@@ -86,7 +97,10 @@ def test_parsing_sets_the_wire_fields() -> None:
      (parse_completion, {"prompt": "hi", "echo": "yes"}, "echo"),
      (parse_completion, {"prompt": "hi", "n": 0}, "n"),
      (parse_completion, {"prompt": "hi", "n": 17}, "n"),
-     (parse_completion, {"prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
+     (parse_completion, {"prompt": "hi", "n": 3, "best_of": 2}, "best_of"),
+     (parse_completion, {"prompt": "hi", "best_of": 17}, "best_of"),
+     (parse_completion, {"prompt": "hi", "n": 2, "best_of": 3, "stream": True}, "best_of"),
+     (parse_chat, {**CHAT, "best_of": 2, "stream": True}, "best_of"),
      (parse_chat, {**CHAT, "top_logprobs": 2}, "top_logprobs"),
      (parse_chat, {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
      (parse_chat, {**CHAT, "logprobs": 3}, "logprobs")],
