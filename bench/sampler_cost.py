@@ -6,8 +6,10 @@ sampling per step, logprobs=5 at most 1.05x).
 tokens; rounds alternate the configurations so that load from other jobs hits them alike. The
 processed configuration sets frequency, presence and repetition penalties and a 10-token logit_bias
 on every row (the worst case: every row pays); the logprobs configurations add what the model runner
-does after sampling when every row asks `logprobs=5` (`logprobs.attach_sampled`: one log-softmax,
-one top-5, the per-row entries). No model is run: the forward pass is the same with or without
+does after sampling when every row asks `logprobs=5` (`logprobs.attach_sampled`: on a CPU with the
+kernels built, each row's log-sum-exp and top-5 logits from csrc/row_logprobs.cpp; the `logprobs_torch`
+configurations run the torch path instead, a log-softmax and a chunked top-5: the A/B of the kernel;
+then the per-row entries). No model is run: the forward pass is the same with or without
 them, so the sampler's time is what they add. Times are the sampling thread's CPU
 time (`time.thread_time`; one torch thread, so torch works in it): on a shared machine wall time
 mostly measures the other jobs.
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(p, argv)
     import torch
 
-    from inference.engine import SamplingParams
+    from inference.engine import SamplingParams, logprobs
     from inference.engine.logprobs import attach_sampled
     from inference.engine.sampler import sample
 
@@ -82,7 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         "greedy+penalties": penalized(greedy),
         "temperature+logprobs": replace(temperature, logprobs=5),
         "top_p+logprobs": replace(top_p, logprobs=5),
+        "temperature+logprobs_torch": replace(temperature, logprobs=5),
+        "top_p+logprobs_torch": replace(top_p, logprobs=5),
     }
+    kernel_lookup = logprobs._row_kernel
+    kernel = kernel_lookup(logits) is not None
+    log(f"row_lse_topk kernel: {'yes' if kernel else 'no (torch path in both logprobs configurations)'}")
     times: dict[str, list[float]] = {name: [] for name in configs}
     step_ids = list(range(args.batch))
     for _ in range(rounds):
@@ -90,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             batch = [params] * args.batch
             for h in histories:
                 h.params = params
+            # The torch path of the logprobs: the kernel lookup answers None for these configurations.
+            logprobs._row_kernel = (lambda _: None) if name.endswith("_torch") else kernel_lookup  # type: ignore[assignment]
             for _ in range(steps):
                 started = time.thread_time()
                 sampled = sample(logits, batch, step_ids, histories)
@@ -101,15 +110,19 @@ def main(argv: list[str] | None = None) -> int:
     med = {k: statistics.median(v) for k, v in times.items()}
     ratios = {f"{base}+penalties / {base}": med[f"{base}+penalties"] / med[base]
               for base in ("temperature", "top_p", "greedy")}
+    logprobs._row_kernel = kernel_lookup  # type: ignore[assignment]
     for base in ("temperature", "top_p"):
         ratios[f"{base}+logprobs / {base}"] = med[f"{base}+logprobs"] / med[base]
+        ratios[f"{base}+logprobs_torch / {base}"] = med[f"{base}+logprobs_torch"] / med[base]
     for base in ("temperature", "top_p", "greedy"):
         log(f"{base}: {med[base]:.2f} ms, with penalties {med[base + '+penalties']:.2f} ms, "
             f"ratio {ratios[f'{base}+penalties / {base}']:.3f}")
     for base in ("temperature", "top_p"):
         log(f"{base}: with logprobs=5 {med[base + '+logprobs']:.2f} ms, "
-            f"ratio {ratios[f'{base}+logprobs / {base}']:.3f}")
-    result = {"clock": "thread CPU time", "batch": args.batch, "vocab": args.vocab, "prompt_tokens": args.prompt,
+            f"ratio {ratios[f'{base}+logprobs / {base}']:.3f} (torch path "
+            f"{med[base + '+logprobs_torch']:.2f} ms, {ratios[f'{base}+logprobs_torch / {base}']:.3f})")
+    result = {"clock": "thread CPU time", "row_lse_topk_kernel": kernel,
+              "batch": args.batch, "vocab": args.vocab, "prompt_tokens": args.prompt,
               "generated_tokens": args.generated, "threads": args.threads, "step_ms": med, "ratios": ratios,
               "raw_ms": times}
     name = "sampler_cost" + ("_quick" if args.quick else "")

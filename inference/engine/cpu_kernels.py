@@ -44,6 +44,8 @@ ENV_DIR = "INFERENCE_KERNELS_DIR"
 # -ffast-math lets the compiler vectorize exp (glibc's vector math, only under finite math) and the fp32
 # reductions; the kernels keep every intermediate finite (softmax exponents are <= 0, SiLU's clamped).
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
+# The raw log-probabilities' reductions (logprobs.py), bound in cpu_ops.cpp like the others.
+SOURCES.append(SOURCES[0].with_name("row_logprobs.cpp"))
 
 # How long a start waits for another process's build (one takes ~30-90 s on a busy 2-core host) before
 # giving up on the kernels (torch ops); a live builder this slow is stuck.

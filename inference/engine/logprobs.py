@@ -3,16 +3,19 @@
 They are raw: the log-softmax of the model's logits (fp32) before any logits processor,
 temperature or top-k/top-p/min-p filter, as vLLM's default (`raw_logprobs`) and what
 evaluation harnesses compare against the model itself. A step computes them only for the rows
-whose request asks (`SamplingParams.logprobs`, `prompt_logprobs`): one log-softmax over those rows
-and one top-k for the widest request among them (`row_topk`), then one `tolist` each, so the
-per-row Python only slices lists.
+whose request asks (`SamplingParams.logprobs`, `prompt_logprobs`): on a CPU each row's log-sum-exp
+and top-k logits in one C++ call (csrc/row_logprobs.cpp, no [rows, vocab] log-softmax written),
+elsewhere one log-softmax over those rows and one top-k for the widest request among them
+(`row_topk`); then one `tolist` each, so the per-row Python only slices lists.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .cpu_kernels import load_kernels
 
 if TYPE_CHECKING:
     from .sequence import Sequence
@@ -50,20 +53,46 @@ def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values, cols.gather(1, picked)
 
 
+def _row_kernel(logits: torch.Tensor) -> Any:
+    """The C++ `row_lse_topk` (csrc/row_logprobs.cpp) when it applies to `logits`: CPU, fp32 or bf16, a
+    contiguous last dim, and the kernels built here; None otherwise (the torch path)."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16) or logits.stride(-1) != 1:
+        return None
+    kernels = load_kernels()  # loaded once per process (the model runner's CPU kernels)
+    return getattr(kernels, "row_lse_topk", None)
+
+
+def _reduced(logits: torch.Tensor, ids: torch.Tensor, widest: int) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                           torch.Tensor | None]:
+    """The log-probabilities of `ids` (one per row) and the `widest` largest of each row with their
+    indices (None when `widest` is 0). With the kernel no [rows, vocab] log-softmax is written: the
+    log-sum-exp and the top logits come from two passes over the rows, and logprob = logit - lse."""
+    kernel = _row_kernel(logits)
+    if kernel is not None:
+        lse, values, indices = kernel(logits, widest)
+        chosen = logits.gather(1, ids[:, None])[:, 0].float() - lse
+        return chosen, (values - lse[:, None] if widest else None), (indices if widest else None)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, ids[:, None])[:, 0]
+    if not widest:
+        return chosen, None, None
+    top_values, top_indices = row_topk(logp, widest)
+    return chosen, top_values, top_indices
+
+
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
     """Row i's log-probability of `token_ids[i]` and its `num_top[i]` most likely tokens.
 
-    `logits` `[rows, vocab]` in any float dtype (cast to fp32 here); the rows are the ones that asked.
+    `logits` `[rows, vocab]` in any float dtype (fp32 arithmetic); the rows are the ones that asked.
     """
     if not token_ids:
         return []
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    ids = torch.tensor(token_ids, dtype=torch.int64, device=logp.device)
-    chosen: list[float] = logp.gather(1, ids[:, None])[:, 0].tolist()
-    widest = min(max(num_top), logp.shape[-1])
-    if widest <= 0:
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
+    widest = max(0, min(max(num_top), logits.shape[-1]))
+    found, values, indices = _reduced(logits, ids, widest)
+    chosen: list[float] = found.tolist()
+    if values is None or indices is None:
         return [TokenLogprobs(t, lp, []) for t, lp in zip(token_ids, chosen, strict=True)]
-    values, indices = row_topk(logp, widest)
     top_ids: list[list[int]] = indices.tolist()
     top_lps: list[list[float]] = values.tolist()
     return [

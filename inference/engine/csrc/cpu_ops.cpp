@@ -11,6 +11,7 @@
 #include <limits>
 #include <vector>
 
+std::vector<torch::Tensor> row_lse_topk(torch::Tensor logits, int64_t k);  // row_logprobs.cpp
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, torch::Tensor rows,
                            torch::Tensor slots, torch::Tensor ctx_lens, int64_t layer_offset, int64_t v_offset,
                            double scale);
@@ -220,6 +221,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("paged_decode", &paged_decode, "paged decode attention over the KV cache (CPU)", release());
   m.def("rms_norm", &rms_norm, "RMSNorm of [rows, dim] (CPU)", release());
+  m.def("row_lse_topk", &row_lse_topk, "each row's log-sum-exp and k largest values with their indices (CPU)",
+        release());
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rms_norm(residual), in place (CPU)",
         release());
   m.def("rope_inplace", &rope_inplace, "rotary embedding of the first heads of each row, in place (CPU)", release());
