@@ -7,6 +7,7 @@ from .engine import CompletionResult, LLMEngine
 from .kv_cache import KVCache
 from .sampling_params import SamplingParams
 from .sequence import RequestOutput, Sequence, SequenceStatus
+from .speculative import SpeculativeConfig
 from .tokenizer import Tokenizer
 
 __all__ = [
@@ -21,5 +22,6 @@ __all__ = [
     "SamplingParams",
     "Sequence",
     "SequenceStatus",
+    "SpeculativeConfig",
     "Tokenizer",
 ]

@@ -85,6 +85,9 @@ class BatchMetadata:
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
     decode_slots: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
+    # A verify step (speculative decoding): several rows of one sequence attend to each other's new
+    # keys, so every row's K/V is written before any row attends (see `verify_metadata`).
+    prewrite: bool = False
 
     @property
     def is_prefill(self) -> bool:
@@ -200,6 +203,36 @@ def kernel_decode_metadata(
         last_index = torch.arange(len(seqs))
     meta = BatchMetadata(positions=pos, write_rows=pos, last_index=last_index, decode_slots=slots, decode_lens=ctx_t)
     return both[1], meta
+
+
+def verify_metadata(
+    seqs: list[Sequence], proposals: list[list[int]], slots: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, BatchMetadata]:
+    """Input ids and metadata of a verify step (speculative decoding) over `seqs` with their `slots`
+    (`DecodeSlotCache.get(seqs)`): each sequence's last token followed by its proposed tokens, each
+    one a decode row of its own that shares the sequence's slot rows and sees one more key than the
+    row before it (its position + 1), so rows attend causally to the sequence's cache and to the
+    rows before them. In the CPU decode kernel's form (`decode_slots` / `decode_lens`, any order);
+    models without the kernel turn it into a bucket (`attention_window.bucketed`).
+    Logits come out for every row (`last_index`), in this order."""
+    ids: list[int] = []
+    lens: list[int] = []
+    counts: list[int] = []
+    for s, proposal in zip(seqs, proposals, strict=True):
+        n = s.num_tokens
+        ids.append(s.last_token_id)
+        ids.extend(proposal)
+        lens.extend(range(n, n + len(proposal) + 1))
+        counts.append(len(proposal) + 1)
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    rows = slots.repeat_interleave(torch.tensor(counts), dim=0)
+    pos = lens_t - 1
+    write_rows = rows.gather(1, pos[:, None])[:, 0]
+    meta = BatchMetadata(
+        positions=pos.to(device), write_rows=write_rows.to(device), last_index=torch.arange(len(ids), device=device),
+        decode_slots=rows.to(device), decode_lens=lens_t.to(device), prewrite=True,
+    )
+    return torch.tensor(ids, dtype=torch.int64, device=device), meta
 
 
 def decode_metadata(

@@ -25,6 +25,7 @@ from .outputs import OutputProcessor, eos_token_ids
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceStatus
+from .speculative import NgramSpeculator, SpeculativeConfig, accepted_tokens
 from .status import EngineStatus
 from .tokenizer import Tokenizer
 
@@ -75,6 +76,7 @@ class LLMEngine(KVHandover):
         max_queued_kv_fraction: float = DEFAULT_MAX_QUEUED_KV_FRACTION,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         """Load config, weights (and the tokenizer, if the folder has one) and allocate the KV pool.
 
@@ -92,6 +94,8 @@ class LLMEngine(KVHandover):
         `enable_chunked_prefill`: a prompt longer than `max_num_batched_tokens` is computed in chunks
         of that many tokens, alternating with decode steps. `max_queued_kv_fraction` bounds the
         blocks held by reserved and ready (not yet running) sequences together, see `reserve`.
+        `speculative`: n-gram speculative decoding (speculative.py; None, the default: off): decode
+        steps verify proposed tokens in the same forward; outputs are distributed as without it.
         """
         _check_limits(block_size, max_num_seqs, max_queued_kv_fraction)
         self.model_path = model_path
@@ -112,6 +116,11 @@ class LLMEngine(KVHandover):
         self.kv_cache: KVCache = self.runner.kv_cache
         self.dtype = self.runner.dtype
         self._build_scheduling(max_batched, max_queued_kv_fraction, enable_prefix_caching, enable_chunked_prefill)
+        if speculative is not None:
+            speculative.validate()  # before anything else is built on it: a ValueError naming the field
+        self.speculator = (
+            NgramSpeculator(speculative, self.block_manager, block_size) if speculative is not None else None
+        )
         self._init_request_state()
         logger.info(
             "engine ready: %s (%s), %d KV blocks x %d tokens (%.1f MiB), max_model_len %d, batch %d",
@@ -346,10 +355,30 @@ class LLMEngine(KVHandover):
 
     def _execute(self, batch: list[Sequence], is_prefill: bool) -> list[RequestOutput]:
         """Run the forward pass for `batch`, sample, and apply the results."""
+        if not is_prefill and self.speculator is not None:
+            proposals = self.speculator.propose(batch)
+            if proposals is not None:
+                return self._execute_verify(batch, proposals)
         tokens = self.runner.run(batch, is_prefill)
         if is_prefill:
             return self.outputs.apply(batch, tokens, True)
         return self.outputs.apply_decode(batch, tokens)
+
+    def _execute_verify(self, batch: list[Sequence], proposals: list[list[int]]) -> list[RequestOutput]:
+        """A decode step that verifies `proposals` (speculative.py): keep each sequence's accepted
+        tokens, then free the lookahead blocks that rejected proposals had reserved."""
+        assert self.speculator is not None
+        sampled, logprobs = self.runner.run_verify(batch, proposals)
+        emitted: list[list[int]] = []
+        for seq, proposal, rows in zip(batch, proposals, sampled, strict=True):
+            tokens = accepted_tokens(proposal, rows)
+            self.speculator.record(seq, len(proposal), len(tokens) - 1)
+            emitted.append(tokens)
+        outputs = self.outputs.apply_verify(batch, emitted, logprobs)
+        for seq in batch:
+            if seq.block_ids and not seq.is_finished:
+                self.speculator.trim(seq)
+        return outputs
 
     # ---------------------------------------------------------------------------------------- helpers
 

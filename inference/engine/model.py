@@ -90,6 +90,8 @@ class Attention(nn.Module):
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         if meta.decode_slots is not None and meta.decode_lens is not None and kv_cache is not None:
+            if meta.prewrite:  # a verify step: a row may attend to keys of rows another thread writes
+                self._write_kv(k, v, meta, kv_cache)
             # Writes this token's K/V into its slot and attends over each sequence's own rows.
             out = ops.paged_decode(q, k, v, kv_cache.rows, meta.decode_slots, meta.decode_lens,
                                    self.layer_idx * kv_cache.layer_stride, kv_cache.block_size, self.scale)
@@ -101,9 +103,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Write k/v into the cache, attend (prefill groups or decode buckets) and project the output."""
         if kv_cache is not None:
-            k_rows = meta.write_rows + self.layer_idx * kv_cache.layer_stride
-            kv_cache.rows.index_copy_(0, k_rows, k.to(kv_cache.dtype))
-            kv_cache.rows.index_copy_(0, k_rows + kv_cache.block_size, v.to(kv_cache.dtype))
+            self._write_kv(k, v, meta, kv_cache)
 
         if meta.is_prefill:
             out = self._prefill(q, k, v, meta, kv_cache)
@@ -112,6 +112,12 @@ class Attention(nn.Module):
                 raise ValueError("attention over cached context needs a KV cache")
             out = self._decode(q, meta, kv_cache)
         return self.o_proj(out)
+
+    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, meta: BatchMetadata, kv_cache: KVCache) -> None:
+        """Store the new tokens' keys and values in their slots (`meta.write_rows`) of this layer."""
+        k_rows = meta.write_rows + self.layer_idx * kv_cache.layer_stride
+        kv_cache.rows.index_copy_(0, k_rows, k.to(kv_cache.dtype))
+        kv_cache.rows.index_copy_(0, k_rows + kv_cache.block_size, v.to(kv_cache.dtype))
 
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

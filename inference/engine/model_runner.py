@@ -12,7 +12,14 @@ from typing import Any
 
 import torch
 
-from .batch import BatchMetadata, DecodeSlotCache, build_metadata, decode_metadata, kernel_decode_metadata
+from .batch import (
+    BatchMetadata,
+    DecodeSlotCache,
+    build_metadata,
+    decode_metadata,
+    kernel_decode_metadata,
+    verify_metadata,
+)
 from .compile import check_compile_available, compile_model
 from .config import ModelConfig
 from .cpu_kernels import load_kernels
@@ -20,7 +27,7 @@ from .cpu_linear import ALL_ROWS, panel_rows_limit, prepack_linears, prepacked_l
 from .dtypes import dtype_name, resolve_dtype
 from .grammar import prefetch_masks
 from .kv_cache import KVCache
-from .logprobs import attach_prompt, attach_sampled, prefill_rows
+from .logprobs import TokenLogprobs, attach_prompt, attach_sampled, prefill_rows, token_logprobs
 from .memory import (
     AUTO_BATCH_CAP,
     CPU_KV_FRACTION,
@@ -34,6 +41,7 @@ from .model import LlamaForCausalLM
 from .sampler import row_argmax, sample
 from .sampling_params import SamplingParams
 from .sequence import Sequence
+from .speculative import row_histories
 from .weights import load_model
 
 logger = logging.getLogger(__name__)
@@ -285,3 +293,67 @@ class ModelRunner:
         for pos, i in enumerate(order):
             tokens[i] = sampled[pos]
         return tokens
+
+    @torch.inference_mode()
+    def run_verify(
+        self, batch: list[Sequence], proposals: list[list[int]]
+    ) -> tuple[list[list[int]], list[list[TokenLogprobs]] | None]:
+        """A decode step that also verifies proposed tokens (speculative decoding, see speculative.py):
+        every sequence's last token and its proposals (`proposals[i]`, maybe empty) run as rows of one
+        forward over the paged KV, and every row is sampled as the plain decode step for that output
+        index would be (its history extended by the proposals before it, its seed's step).
+
+        Returns per sequence, in `batch` order, the `1 + len(proposals[i])` sampled tokens, and when a
+        sequence asks for log-probabilities, per sequence the entries of those tokens (empty lists for
+        the others; None when none asks)."""
+        self._next_decode = None
+        slots = self._slots.get(batch)
+        input_ids, meta = verify_metadata(batch, proposals, slots, self.device)
+        # What later plain decode steps of this batch reuse (see `run`): the slot cache now holds it.
+        greedy = self._batch_greedy = all(s.params.greedy and not s.params.has_processors for s in batch)
+        wants_logprobs = self._batch_logprobs = any(s.params.logprobs is not None for s in batch)
+        counts = [1 + len(p) for p in proposals]
+        if not greedy:
+            prefetch_masks(batch)  # constrained sequences never propose: one row each, as in `run`
+        logits = self.model(input_ids, meta, self.kv_cache)
+        if greedy:
+            ops = self.model.cpu_ops
+            sampled: list[int] = (row_argmax(logits) if ops is None else ops.argmax_rows(logits)).tolist()
+        else:
+            params = [s.params for s, c in zip(batch, counts, strict=True) for _ in range(c)]
+            steps = [s.params.seed_offset + len(s.output_token_ids) + j
+                     for s, c in zip(batch, counts, strict=True) for j in range(c)]
+            sampled = sample(logits, params, steps, row_histories(batch, proposals))
+        per_seq: list[list[int]] = []
+        start = 0
+        for c in counts:
+            per_seq.append(sampled[start : start + c])
+            start += c
+        if not wants_logprobs:
+            return per_seq, None
+        return per_seq, self._verify_logprobs(batch, counts, logits, sampled)
+
+    @staticmethod
+    def _verify_logprobs(
+        batch: list[Sequence], counts: list[int], logits: torch.Tensor, sampled: list[int]
+    ) -> list[list[TokenLogprobs]]:
+        """The log-probability entries of every row's sampled token, per asking sequence (one
+        batched pass over their rows; the caller keeps those of the tokens it emits)."""
+        rows: list[int] = []
+        tops: list[int] = []
+        start = 0
+        for s, c in zip(batch, counts, strict=True):
+            if s.params.logprobs is not None:
+                rows.extend(range(start, start + c))
+                tops.extend([s.params.logprobs] * c)
+            start += c
+        found = token_logprobs(logits[rows], [sampled[r] for r in rows], tops)
+        out: list[list[TokenLogprobs]] = []
+        taken = 0
+        for s, c in zip(batch, counts, strict=True):
+            if s.params.logprobs is None:
+                out.append([])
+                continue
+            out.append(found[taken : taken + c])
+            taken += c
+        return out

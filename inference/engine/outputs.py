@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from .config import ModelConfig
 from .detokenizer import IncrementalDetokenizer
+from .logprobs import TokenLogprobs
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceStatus
 from .tokenizer import Tokenizer
@@ -164,4 +165,33 @@ class OutputProcessor:
             out_ids.append(tok)
             text = detok.append_plain(tok) if detok is not None else ""
             emit(RequestOutput(seq.request_id, [tok], text, False, None, n_prompt, len(out_ids)))
+        return outputs
+
+    def apply_verify(
+        self, batch: list[Sequence], emitted: list[list[int]], logprobs: list[list[TokenLogprobs]] | None
+    ) -> list[RequestOutput]:
+        """Apply a verify step (speculative decoding): each sequence's accepted tokens one at a time,
+        exactly as that many decode steps would (cached counts, full blocks registered under the
+        accepted tokens' hashes only, stop checks per token), stopping at the first token that ends it
+        (EOS, a stop string, max_tokens or the context length): the tokens after it are dropped.
+        `logprobs[i][j]`: the entry of sequence i's j-th token, when it asks. One output per sequence."""
+        outputs: list[RequestOutput] = []
+        sch = self.scheduler
+        caching = sch.enable_prefix_caching
+        bs = sch.block_size
+        for i, (seq, tokens) in enumerate(zip(batch, emitted, strict=True)):
+            entries = logprobs[i] if logprobs is not None else None
+            for j, tok in enumerate(tokens):
+                n = seq.num_tokens  # tokens before `tok`: their KV was written by this step
+                before, seq.num_cached = seq.num_cached, n
+                if caching and n // bs > before // bs:
+                    sch.register_blocks(seq, before)
+                if entries:
+                    seq.pending_logprobs.append(entries[j])
+                self.append_token(seq, tok)
+                if seq.finish_reason is not None:
+                    sch.remove(seq)
+                    self.finish(seq, seq.finish_reason)
+                    break
+            outputs.append(seq.take_output())
         return outputs

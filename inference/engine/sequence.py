@@ -88,6 +88,9 @@ class Sequence:
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False
+    # Speculative decoding: the sequence's n-gram lookup state (speculative.NgramState; None until it
+    # first may propose, and always without speculation).
+    spec_state: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -17,6 +17,11 @@ SUGGESTED_STREAM_WINDOW = 8
 # from there because the agent imports this module, and importing the engine package loads torch).
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
+# --num-speculative-tokens: default and bound (the engine's speculative.SpeculativeConfig checks the
+# same bound; not imported from there for the same reason).
+DEFAULT_SPECULATIVE_TOKENS = 4
+MAX_SPECULATIVE_TOKENS = 16
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -85,6 +90,9 @@ class ServerArgs:
     # Decode: engine outputs a stream may have waiting before its sequence pauses (0: off).
     stream_window: int = 0
     nice: int = 0
+    # Speculative decoding (decode steps): "ngram" or None (off), and the tokens proposed per step.
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
 
     @property
     def kv_cache_bytes(self) -> int | None:
@@ -260,6 +268,23 @@ def build_parser() -> argparse.ArgumentParser:
         "leads one, as agent-launched workers do), so that a router, agent and admin sharing the host's "
         "CPUs stay responsive: on a 2-core host it cut a hang-up's waste from ~20 to 7 tokens (default 0)",
     )
+    p.add_argument(
+        "--speculative",
+        choices=["ngram"],
+        default=None,
+        help="speculative decoding without a draft model: ngram proposes the tokens that followed the latest "
+        "match of the last 2-4 tokens in the request's own prompt and output, verified in the decode step's "
+        "forward (greedy output identical, sampled output distributed as without it; a request whose "
+        "proposals are mostly rejected stops proposing). Pays on answers that repeat their prompt (editing, "
+        "summarising, code); default off",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help=f"with --speculative: at most this many tokens proposed per request and step, 1-{MAX_SPECULATIVE_TOKENS} "
+        f"(default {DEFAULT_SPECULATIVE_TOKENS})",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -301,6 +326,14 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         parser.error("--kv-lease-timeout must be > 0")
     if ns.stream_window < 0 or ns.stream_window == 1:
         parser.error(f"--stream-window must be 0 (off) or >= 2, got {ns.stream_window}")
+    if ns.num_speculative_tokens is not None:
+        if ns.speculative is None:
+            parser.error("--num-speculative-tokens needs --speculative ngram")
+        if not 1 <= ns.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            parser.error(
+                f"--num-speculative-tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, "
+                f"got {ns.num_speculative_tokens}"
+            )
     if not 0 <= ns.nice <= 19:
         parser.error(f"--nice must be between 0 and 19, got {ns.nice}")
     if ns.base_cpu_id is not None:
@@ -359,4 +392,6 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         log_level=ns.log_level,
         stream_window=ns.stream_window,
         nice=ns.nice,
+        speculative=ns.speculative,
+        num_speculative_tokens=ns.num_speculative_tokens,
     )

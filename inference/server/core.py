@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 
-from inference.engine import AsyncEngine, LLMEngine, SamplingParams
+from inference.engine import AsyncEngine, LLMEngine, SamplingParams, SpeculativeConfig
 from inference.engine.compile import CompileUnavailable
 from inference.engine.kv_events import KVEventLog
 from inference.engine.memory import KVPoolTooSmall
 from inference.engine.sampling_params import load_sampling_defaults
 from inference.kv_transfer import KVLayout
 from inference.kv_transfer.verbs import VerbsDevice
-from inference.server.args import ServerArgs
+from inference.server.args import DEFAULT_SPECULATIVE_TOKENS, ServerArgs
 from inference.server.errors import StartupError, WorkerError, bad_request
 from inference.server.kv_events import KVEventSource
 from inference.server.load import LoadSignals
@@ -55,6 +55,10 @@ def load_engine(args: ServerArgs, device: torch.device) -> LLMEngine:
             gpu_memory_utilization=args.gpu_memory_utilization,
             use_compile=args.compile,
             device=device,
+            speculative=SpeculativeConfig(
+                method=args.speculative,
+                num_speculative_tokens=args.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS,
+            ) if args.speculative else None,
         )
     except (KVPoolTooSmall, CompileUnavailable) as exc:  # their messages name the flag to change
         raise StartupError(str(exc)) from exc
@@ -159,6 +163,9 @@ class WorkerCore:
             "dtype": self.layout.dtype,
             "prefix_caching": self.args.prefix_caching,
             "chunked_prefill": self.args.chunked_prefill,
+            "speculative": self.args.speculative,
+            "num_speculative_tokens": (self.args.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
+            if self.args.speculative else None,
             "device": str(self.device),
             "cpus": self.cpus,
             "started_at": self.started_at,

@@ -1,0 +1,261 @@
+"""Speculative decoding without a draft model: n-gram prompt lookup (vLLM's `ngram` method).
+
+Per running sequence, the last `n` tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`)
+are looked up in the sequence's own prompt + output; the up to `k` tokens that followed the latest
+longest match are proposed. The engine verifies every proposal of a decode batch in one forward
+(each speculating sequence contributes its last token plus its proposals as query rows over its
+paged KV, see `ModelRunner.run_verify`), samples every row as a plain decode step would, and keeps
+the longest prefix of the proposal that the samples agree with, plus the sample after it.
+
+Why this is exact. Row `j` of a sequence's rows holds the target's distribution `p_j` of the next
+token given the context extended by the first `j` proposed tokens. Sampling `x_j ~ p_j` and
+accepting proposal `t = proposals[j]` iff `x_j == t` accepts `t` with probability `p_j(t)`; when it
+rejects, `x_j` is distributed as `p_j` with `t` removed and renormalised, and `x_j` is what is
+emitted. That is the rejection-sampling rule for a point-mass draft (vLLM's `min(1, p/q)` with
+`q = one-hot(t)`, residual `max(0, p - q)`), so the output is distributed as without speculation;
+greedy rows take the argmax, so greedy output is identical. Each row draws its noise exactly as the
+non-speculative step for that output index would (a seeded request's noise is a function of its seed
+and the output index), so a seeded stream is token for token the one a plain decode draws, which
+keeps a migrated seeded stream's continuation exact too.
+
+Automatic off: a sequence whose proposals are mostly rejected (random text) stops proposing for a
+cool-down that doubles each time it fails again, so it runs as plain decode steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .block_manager import BlockManager
+    from .sequence import Sequence
+
+SPECULATIVE_METHODS = ("ngram",)
+
+# Acceptance bookkeeping per sequence (automatic off): once at least MIN_PROPOSED proposed tokens
+# count in the decayed window, a sequence whose share of accepted proposals is below MIN_ACCEPT_RATE stops
+# proposing for COOLDOWN_STEPS decode steps, doubled at each further failure up to MAX_COOLDOWN_STEPS.
+# A verify row costs about a decode row, so at 0.3 the proposals pay back only their own cost: below
+# it speculating is a loss.
+MIN_PROPOSED = 8
+MIN_ACCEPT_RATE = 0.3
+WINDOW_DECAY = 0.75  # the counters decay by this factor per verify step (a window of ~4 steps)
+COOLDOWN_STEPS = 16
+MAX_COOLDOWN_STEPS = 512
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How the engine speculates: `method` "ngram" (prompt lookup), at most `num_speculative_tokens`
+    proposed tokens per sequence and step, matching the last `prompt_lookup_max` down to
+    `prompt_lookup_min` tokens."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field that no engine can run with."""
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, "
+                f"{self.prompt_lookup_max}"
+            )
+
+
+def find_ngram_proposal(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+    """The up to `k` tokens that followed the latest occurrence of the longest suffix of `tokens`
+    (between `min_n` and `max_n` tokens long) found earlier in `tokens`; empty when none is.
+
+    Vectorised: the positions holding the last token are found in one comparison over the array,
+    then the candidates are extended backwards one token at a time (at most `max_n - 1` small
+    comparisons), so a step costs a few microseconds per sequence even at thousands of tokens.
+    """
+    size = tokens.shape[0]
+    if k <= 0 or size <= min_n:
+        return tokens[:0]
+    # Candidate ends c (c <= size - 2: the suffix itself is not a match) with tokens[c] == last.
+    cand = np.flatnonzero(tokens[: size - 1] == tokens[size - 1])
+    if cand.size == 0:
+        return tokens[:0]
+    n = 1
+    for j in range(1, min(max_n, size - 1)):
+        longer = cand[cand >= j]
+        longer = longer[tokens[longer - j] == tokens[size - 1 - j]]
+        if longer.size == 0:
+            break
+        cand, n = longer, j + 1
+    if n < min_n:
+        return tokens[:0]
+    start = int(cand[-1]) + 1  # the latest among the longest matches
+    return tokens[start : start + k]
+
+
+@dataclass
+class NgramState:
+    """One sequence's token array (appended as it grows) and acceptance statistics."""
+
+    buffer: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    size: int = 0
+    proposed: float = 0.0  # decayed counts over the recent verify steps
+    accepted: float = 0.0
+    off_until: int = 0  # decode step (the speculator's counter) before which it does not propose
+    cooldown: int = COOLDOWN_STEPS
+    total_proposed: int = 0
+    total_accepted: int = 0
+
+    def tokens(self, seq: Sequence) -> np.ndarray:
+        """`seq`'s prompt + output as an int64 array, appending only what is new since the last call."""
+        prompt, out = seq.prompt_token_ids, seq.output_token_ids
+        total = len(prompt) + len(out)
+        if total < self.size:  # cannot happen to a live sequence; rebuild rather than be wrong
+            self.size = 0
+        if total > self.buffer.shape[0]:
+            grown = np.empty(max(total + 64, 2 * self.buffer.shape[0]), dtype=np.int64)
+            grown[: self.size] = self.buffer[: self.size]
+            self.buffer = grown
+        if self.size < len(prompt):
+            self.buffer[self.size : len(prompt)] = prompt[self.size :]
+            self.size = len(prompt)
+        if self.size < total:
+            self.buffer[self.size : total] = out[self.size - len(prompt) :]
+            self.size = total
+        return self.buffer[:total]
+
+    def record(self, proposed: int, accepted: int, step: int) -> None:
+        """Count one verify step's outcome; switch proposing off for a while when it does not pay."""
+        self.proposed = self.proposed * WINDOW_DECAY + proposed
+        self.accepted = self.accepted * WINDOW_DECAY + accepted
+        self.total_proposed += proposed
+        self.total_accepted += accepted
+        if self.proposed >= MIN_PROPOSED and self.accepted < MIN_ACCEPT_RATE * self.proposed:
+            self.off_until = step + self.cooldown
+            self.cooldown = min(2 * self.cooldown, MAX_COOLDOWN_STEPS)
+            self.proposed = self.accepted = 0.0
+        elif accepted >= MIN_ACCEPT_RATE * proposed and self.cooldown > COOLDOWN_STEPS:
+            self.cooldown = max(COOLDOWN_STEPS, self.cooldown // 2)
+
+
+def accepted_tokens(proposal: list[int], sampled: list[int]) -> list[int]:
+    """The tokens a verified sequence emits: the samples up to and including the first one that
+    disagrees with the proposal (all `len(proposal) + 1` when every proposed token is confirmed)."""
+    for j, tok in enumerate(proposal):
+        if sampled[j] != tok:
+            return sampled[: j + 1]
+    return sampled[: len(proposal) + 1]
+
+
+def can_speculate(seq: Sequence) -> bool:
+    """Whether `seq` may propose: not a prefill-only request, and no structured output (its grammar
+    matcher would have to advance through tokens that may be rejected; such a sequence decodes one
+    token per step). Penalties, logit bias, min_tokens, seeds and logprobs are exact under
+    speculation (each row sees the history its position would have)."""
+    return seq.params.grammar is None and not seq.prefill_only
+
+
+class NgramSpeculator:
+    """Proposes tokens for a decode batch, reserving the KV slots they need, and learns per sequence
+    whether proposing pays (`record`)."""
+
+    def __init__(self, config: SpeculativeConfig, block_manager: BlockManager, block_size: int) -> None:
+        """Proposals per `config`; lookahead blocks come from `block_manager`."""
+        config.validate()
+        self.config = config
+        self.block_manager = block_manager
+        self.block_size = block_size
+        self.steps = 0  # decode steps seen (the clock of the per-sequence cool-downs)
+        self.num_proposed = 0  # totals, for metrics and the benchmark
+        self.num_accepted = 0
+        self.num_verify_steps = 0
+
+    def propose(self, batch: list[Sequence]) -> list[list[int]] | None:
+        """Each sequence's proposed tokens (empty: it decodes one token) with the KV blocks for them
+        allocated; None when no sequence of `batch` proposes (a plain decode step).
+
+        A proposal never needs a block the pool lacks: it is shortened to the slots the sequence
+        already holds instead (speculation never preempts), and never runs past the sequence's
+        token limit (max_tokens or the context length)."""
+        self.steps += 1
+        cfg = self.config
+        bs = self.block_size
+        bm = self.block_manager
+        out: list[list[int]] | None = None
+        for i, seq in enumerate(batch):
+            state = seq.spec_state
+            if state is None:
+                if not can_speculate(seq):
+                    continue
+                state = seq.spec_state = NgramState()
+            if state.off_until > self.steps:
+                continue
+            n = seq.num_tokens
+            # Emitting a+1 tokens after a accepted ones: never propose past the last token allowed.
+            limit = (seq.token_limit or n + cfg.num_speculative_tokens + 1) - n - 1
+            k = min(cfg.num_speculative_tokens, limit)
+            if k <= 0:
+                continue
+            found = find_ngram_proposal(state.tokens(seq), cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
+            if found.shape[0] == 0:
+                continue
+            proposal: list[int] = found.tolist()
+            need = -(-(n + len(proposal)) // bs) - len(seq.block_ids)
+            if need > 0:
+                if bm.can_allocate(need):
+                    seq.block_ids.extend(bm.allocate(need))
+                else:
+                    proposal = proposal[: len(seq.block_ids) * bs - n]
+                    if not proposal:
+                        continue
+            if out is None:
+                out = [[] for _ in batch]
+            out[i] = proposal
+        return out
+
+    def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """One verify step's outcome for `seq` (automatic off, totals)."""
+        self.num_proposed += proposed
+        self.num_accepted += accepted
+        if seq.spec_state is not None and proposed:
+            seq.spec_state.record(proposed, accepted, self.steps)
+
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks `seq` holds past the one its next token goes into (the lookahead slots of
+        rejected proposals): block bookkeeping stays exactly what a plain decode would hold."""
+        keep = -(-seq.num_tokens // self.block_size)
+        if len(seq.block_ids) > keep:
+            self.block_manager.free(seq.block_ids[keep:])
+            del seq.block_ids[keep:]
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Share of proposed tokens accepted so far (0.0 before any)."""
+        return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
+
+
+@dataclass(slots=True)
+class RowHistory:
+    """The token history a verify row samples under (the logits processors' `TokenHistory`): its
+    sequence's, extended by the proposed tokens before the row."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    stop_ids: frozenset[int] | None
+
+
+def row_histories(batch: list[Sequence], proposals: list[list[int]]) -> list[Sequence | RowHistory]:
+    """One history per verify row, in row order: the sequence itself for its first row (grammar
+    matchers and every processor read it as in a plain decode step), a `RowHistory` for the rows
+    after proposed tokens."""
+    out: list[Sequence | RowHistory] = []
+    for seq, proposal in zip(batch, proposals, strict=True):
+        out.append(seq)
+        for j in range(1, len(proposal) + 1):
+            out.append(RowHistory(seq.prompt_token_ids, seq.output_token_ids + proposal[:j], seq.stop_ids))
+    return out
