@@ -88,6 +88,7 @@ class DeploymentAdmin(admin.ModelAdmin):
         "status",
         "prefill",
         "decode",
+        "both",
         "router_policy",
         "kv_transport",
         "metrics_link",
@@ -102,6 +103,11 @@ class DeploymentAdmin(admin.ModelAdmin):
         (None, {"fields": ["name", "model", "status", "router_policy", "kv_transport"]}),
         ("Prefill replicas", {"fields": [("prefill_replicas", "prefill_min", "prefill_max")]}),
         ("Decode replicas", {"fields": [("decode_replicas", "decode_min", "decode_max")]}),
+        (
+            "Prefill + decode replicas (--service-type both: no hop, for one host)",
+            {"fields": [("both_replicas", "both_min", "both_max")]},
+        ),
+        ("Router", {"fields": [("kv_token_weight", "kv_load_weight"), "local_prefill_tokens"]}),
         (
             "Worker flags",
             {"fields": ["context_length", "max_sequence_length", "batch_size", "block_size", "threads_per_worker"]},
@@ -135,6 +141,11 @@ class DeploymentAdmin(admin.ModelAdmin):
     def prefill(self, deployment: Deployment) -> str:
         """Desired prefill replicas, bounds and running workers."""
         return self._role_cell(deployment, "prefill")
+
+    @admin.display(description="prefill + decode (desired [min–max])")
+    def both(self, deployment: Deployment) -> str:
+        """Desired `both` (colocated) replicas, bounds and running workers."""
+        return self._role_cell(deployment, "both")
 
     @admin.display(description="decode (desired [min–max])")
     def decode(self, deployment: Deployment) -> str:

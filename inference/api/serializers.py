@@ -128,7 +128,8 @@ class DeploymentSerializer(ModelCleanMixin):
         fields = [
             "id", "name", "model", "model_name", "status", "overrides",
             "prefill_replicas", "prefill_min", "prefill_max", "decode_replicas", "decode_min", "decode_max",
-            "router_policy", "context_length", "max_sequence_length", "batch_size", "block_size",
+            "both_replicas", "both_min", "both_max", "router_policy", "kv_token_weight", "kv_load_weight",
+            "local_prefill_tokens", "context_length", "max_sequence_length", "batch_size", "block_size",
             "kv_transport", "threads_per_worker", "created_at", "updated_at",
         ]  # fmt: skip
         read_only_fields = ["id", "created_at", "updated_at"]

@@ -1,9 +1,10 @@
 """Managed router mode: keep the router's pool equal to a deployment's RUNNING workers.
 
 `python -m inference.launch_router --deployment NAME` sets ROUTER_DEPLOYMENT; the router then reads
-the deployment's healthy workers and policy from the control-plane database every
-ROUTER_FOLLOW_INTERVAL_S seconds and applies changes without a restart (scale-ups join, drained and
-dead workers leave).
+the deployment's healthy workers, policy, kv-aware weights and local prefill threshold from the
+control-plane database every ROUTER_FOLLOW_INTERVAL_S seconds and applies changes without a restart
+(scale-ups join, drained and dead workers leave). `both` workers join the decode endpoints: they
+prefill their own prompts.
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from inference.router import WorkerPool
 
 logger = logging.getLogger(__name__)
 
+# A `both` worker is a decode endpoint that prefills every prompt itself.
+BOTH_JOINS = {"both": "decode"}
+
 
 @dataclass(frozen=True)
 class DeploymentView:
@@ -29,6 +33,10 @@ class DeploymentView:
     policy: str
     prefill: list[str]
     decode: list[str]
+    # The deployment's router settings; None (no deployment): the process's own ROUTER_* settings.
+    kv_token_weight: float | None = None
+    kv_load_weight: float | None = None
+    local_prefill_tokens: int | None = None
 
 
 def read_deployment(name: str) -> DeploymentView:
@@ -42,13 +50,18 @@ def read_deployment(name: str) -> DeploymentView:
     workers = Worker.objects.filter(deployment=deployment, status=WorkerStatus.RUNNING).select_related("node")
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     for worker in workers:
-        urls.setdefault(worker.role, []).append(worker.url)
-    return DeploymentView(True, deployment.router_policy, sorted(urls["prefill"]), sorted(urls["decode"]))
+        urls.setdefault(BOTH_JOINS.get(worker.role, worker.role), []).append(worker.url)
+    return DeploymentView(True, deployment.router_policy, sorted(urls["prefill"]), sorted(urls["decode"]),
+                          kv_token_weight=deployment.kv_token_weight, kv_load_weight=deployment.kv_load_weight,
+                          local_prefill_tokens=deployment.local_prefill_tokens)
 
 
 def apply_view(pool: WorkerPool, view: DeploymentView) -> None:
     """Make the pool route to exactly the view's workers with its policy."""
     pool.set_policy(view.policy)
+    if view.kv_token_weight is not None and view.kv_load_weight is not None:
+        pool.set_kv_weights(view.kv_token_weight, view.kv_load_weight)
+    pool.local_prefill_tokens = view.local_prefill_tokens
     pool.set_endpoints("prefill", view.prefill)
     pool.set_endpoints("decode", view.decode)
 

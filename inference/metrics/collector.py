@@ -321,6 +321,8 @@ def collect(*, now: datetime | None = None) -> int:
         for role in WorkerRole.values:
             items = per_role.get((deployment.pk, role), [])
             running_workers = sum(1 for w in workers if w.deployment_id == deployment.pk and w.role == role)
+            if role == WorkerRole.BOTH and not running_workers and not deployment.both_replicas:
+                continue  # a disaggregated deployment has no `both` workers: no series for them
             sample_actions.record_metric_sample(deployment, role, at=now, workers=running_workers,
                                          load=role_load(deployment, role, now=now) or 0.0, **aggregate(items))
             recorded += 1

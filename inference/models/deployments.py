@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 
@@ -54,7 +55,8 @@ class DeploymentStatus(models.TextChoices):
 
 
 class Deployment(models.Model):
-    """A model served disaggregated: desired prefill/decode replicas within min/max, and worker flags."""
+    """A model served disaggregated: desired prefill/decode (and colocated `both`) replicas within min/max,
+    worker flags, and the managed routers' kv-aware weights and local prefill threshold."""
 
     name = models.SlugField(max_length=100, unique=True)
     model = models.ForeignKey(Model, on_delete=models.PROTECT, related_name="deployments")
@@ -65,7 +67,22 @@ class Deployment(models.Model):
     decode_replicas = models.PositiveIntegerField(default=1)
     decode_min = models.PositiveIntegerField(default=1)
     decode_max = models.PositiveIntegerField(default=4)
+    # Workers that prefill and decode (`--service-type both`): a one-host deployment without the hop.
+    both_replicas = models.PositiveIntegerField(default=0)
+    both_min = models.PositiveIntegerField(default=0)
+    both_max = models.PositiveIntegerField(default=4)
     router_policy = models.CharField(max_length=32, choices=RouterPolicy.choices, default=RouterPolicy.ROUND_ROBIN)
+    # The managed routers' kv-aware cost weights and per-request disaggregation threshold (README, router).
+    kv_token_weight = models.FloatField(
+        default=1.0, validators=[MinValueValidator(0.0)],
+        help_text="kv-aware: cost of a prompt token the worker would still compute (ROUTER_KV_TOKEN_WEIGHT)")
+    kv_load_weight = models.FloatField(
+        default=64.0, validators=[MinValueValidator(0.0)],
+        help_text="kv-aware: cost of a request in flight on the worker, in prompt tokens (ROUTER_KV_LOAD_WEIGHT)")
+    local_prefill_tokens = models.PositiveIntegerField(
+        default=0, validators=[MaxValueValidator(1_000_000)],
+        help_text="a decode worker with at most this many prompt tokens left to compute prefills the prompt "
+        "itself; 0: always a prefill worker (ROUTER_LOCAL_PREFILL_TOKENS)")
     context_length = models.PositiveIntegerField(default=2048)
     max_sequence_length = models.PositiveIntegerField(null=True, blank=True)
     batch_size = models.PositiveIntegerField(default=32)
@@ -82,8 +99,8 @@ class Deployment(models.Model):
         return self.name
 
     def clean(self) -> None:
-        """min <= replicas <= max for both roles."""
-        for role in ("prefill", "decode"):
+        """min <= replicas <= max for every role."""
+        for role in ("prefill", "decode", "both"):
             low, want, high = (getattr(self, f"{role}_{k}") for k in ("min", "replicas", "max"))
             if low > high:
                 raise ValidationError({f"{role}_min": f"{role}_min ({low}) exceeds {role}_max ({high})"})

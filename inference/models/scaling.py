@@ -6,7 +6,7 @@ from django.core.exceptions import ValidationError
 from django.db import models
 
 from inference.models.deployments import Deployment
-from inference.models.workers import Worker
+from inference.models.workers import Worker, WorkerRole
 
 
 class RuleKind(models.TextChoices):
@@ -46,7 +46,7 @@ class ScalingRule(models.Model):
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="rules")
     name = models.CharField(max_length=100)
     kind = models.CharField(max_length=16, choices=RuleKind.choices)
-    role = models.CharField(max_length=16, choices=[("prefill", "Prefill"), ("decode", "Decode")])
+    role = models.CharField(max_length=16, choices=WorkerRole.choices)
     enabled = models.BooleanField(default=True)
     threshold = models.FloatField(null=True, blank=True)
     comparison = models.CharField(max_length=8, choices=Comparison.choices, default=Comparison.ABOVE)
@@ -173,7 +173,7 @@ class ScaleOverride(models.Model):
     """
 
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="scale_overrides")
-    role = models.CharField(max_length=16, choices=[("prefill", "Prefill"), ("decode", "Decode")])
+    role = models.CharField(max_length=16, choices=WorkerRole.choices)
     replicas = models.PositiveIntegerField()
     ends_at = models.DateTimeField(db_index=True)
     rule = models.ForeignKey(

@@ -13,10 +13,12 @@ from nodes.models import Node
 
 
 class WorkerRole(models.TextChoices):
-    """The two halves of a disaggregated deployment."""
+    """The two halves of a disaggregated deployment, and a worker that is both (`--service-type both`:
+    it prefills every prompt itself; the router lists it with the decode workers)."""
 
     PREFILL = "prefill", "Prefill"
     DECODE = "decode", "Decode"
+    BOTH = "both", "Prefill + decode"
 
 
 class WorkerStatus(models.TextChoices):

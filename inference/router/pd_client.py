@@ -161,8 +161,11 @@ class DisaggregatedClient:
         if self.pool.colocated:
             # No prefill pool: the decode worker prefills every prompt (`both` workers do anyway).
             body["local_prefill_max_tokens"] = EVERY_PROMPT
-        elif self.local_prefill_tokens:
-            body["local_prefill_max_tokens"] = self.local_prefill_tokens
+        else:
+            limit = self.pool.local_prefill_tokens  # a managed router: its deployment's setting
+            limit = self.local_prefill_tokens if limit is None else limit
+            if limit:
+                body["local_prefill_max_tokens"] = limit
         return orjson.dumps(body)
 
     def remaining(self, deadline: float, bound: float | None = None) -> float:

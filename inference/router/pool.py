@@ -67,6 +67,8 @@ class WorkerPool:
             raise ValueError("kv-aware weights must be >= 0")
         self.kv_token_weight = kv_token_weight
         self.kv_load_weight = kv_load_weight
+        # The local prefill threshold of the deployment a managed router follows (None: the client's own).
+        self.local_prefill_tokens: int | None = None
         # Where the workers' prefix caches are (kv_index.py), fed by their KV event streams while a
         # `kv-aware` policy is in use (kv_events.py).
         self.kv_index = KVIndex()
@@ -133,6 +135,15 @@ class WorkerPool:
             self.policy_name = name
             if self._started:
                 self._follow_kv_events()
+
+    def set_kv_weights(self, token_weight: float, load_weight: float) -> None:
+        """The kv-aware cost's weights (both >= 0, ValueError otherwise), applied to the running policies."""
+        if token_weight < 0 or load_weight < 0:
+            raise ValueError("kv-aware weights must be >= 0")
+        self.kv_token_weight, self.kv_load_weight = token_weight, load_weight
+        for policy in self._policies.values():
+            if isinstance(policy, KVAware):
+                policy.configure(self.kv_index, token_weight, load_weight)
 
     def _make_policies(self, name: str) -> dict[str, Policy]:
         """A policy per role; a `kv-aware` one reads the pool's KV index with the pool's weights."""

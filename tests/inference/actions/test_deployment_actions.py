@@ -309,7 +309,7 @@ def test_prune_metric_samples(settings: Any) -> None:
 def test_record_metric_sample_validates_role() -> None:
     deployment = make_deployment()
     with pytest.raises(ValueError):
-        sample_actions.record_metric_sample(deployment, "both")
+        sample_actions.record_metric_sample(deployment, "neither")
     sample = sample_actions.record_metric_sample(deployment.pk, "decode", load=0.5)
     assert sample.deployment_id == deployment.pk and sample.at is not None
 

@@ -49,13 +49,13 @@ def _deployment_form(deployment: Deployment, **changes: Any) -> dict[str, Any]:
     data: dict[str, Any] = {}
     for field in [
         "name", "status", "router_policy", "kv_transport", "prefill_replicas", "prefill_min", "prefill_max",
-        "decode_replicas", "decode_min", "decode_max", "context_length", "batch_size", "block_size",
-        "threads_per_worker",
+        "decode_replicas", "decode_min", "decode_max", "both_replicas", "both_min", "both_max", "context_length",
+        "batch_size", "block_size", "threads_per_worker", "kv_token_weight", "kv_load_weight", "local_prefill_tokens",
     ]:  # fmt: skip
         data[field] = getattr(deployment, field)
     data["model"] = deployment.model_id
     data["max_sequence_length"] = deployment.max_sequence_length or ""
-    for role in ("prefill", "decode"):  # the hidden inputs holding the counts the page showed
+    for role in ("prefill", "decode", "both"):  # the hidden inputs holding the counts the page showed
         data[f"initial-{role}_replicas"] = deployment.replicas(role)
     data.update(_management("rules"))
     data.update(_management("routers"))
@@ -310,3 +310,17 @@ def test_deployment_page_queries_do_not_grow_with_workers_events_or_routers(clie
 
     small = statements(workers=1, events=1, routers=1, rules=1)
     assert statements(workers=12, events=25, routers=3, rules=4) == small
+
+
+def test_change_form_sets_the_router_settings_and_both_replicas(client_root: Client, populated: Deployment) -> None:
+    page = client_root.get(reverse("admin:inference_deployment_change", args=[populated.pk])).content.decode()
+    for field in ("kv_token_weight", "kv_load_weight", "local_prefill_tokens", "both_replicas"):
+        assert f'name="{field}"' in page
+    url = reverse("admin:inference_deployment_change", args=[populated.pk])
+    bad = client_root.post(url, _deployment_form(populated, kv_load_weight=-1))
+    assert bad.status_code == 200 and "kv_load_weight" in bad.context["adminform"].form.errors
+    form = _deployment_form(populated, kv_token_weight=2.5, kv_load_weight=16, local_prefill_tokens=32, both_max=2)
+    response = client_root.post(url, form)
+    assert response.status_code == 302, response.context["adminform"].form.errors if response.context else ""
+    fresh = Deployment.objects.get(pk=populated.pk)
+    assert (fresh.kv_token_weight, fresh.kv_load_weight, fresh.local_prefill_tokens, fresh.both_max) == (2.5, 16, 32, 2)

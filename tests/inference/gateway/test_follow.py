@@ -54,3 +54,40 @@ def test_launch_router_flags_for_managed_mode(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         parse_args(["--listen-port", "8000"])
     assert "--prefill-endpoint" in capsys.readouterr().err
+
+
+@pytest.mark.django_db(transaction=True)
+def test_both_workers_are_decode_endpoints_and_router_settings_follow() -> None:
+    from inference.router import DisaggregatedClient
+    from inference.router.events import GenerateRequest
+    from inference.router.policies import KVAware
+    from inference.wire.sampling import Sampling
+
+    deployment = make_deployment(name="one-host", router_policy="kv-aware", prefill_replicas=0, prefill_min=0,
+                                 decode_replicas=0, decode_min=0, both_replicas=1, both_min=1,
+                                 kv_token_weight=2.0, kv_load_weight=128.0, local_prefill_tokens=40)
+    host = make_node(name="host-c", address="10.9.0.4")
+    make_worker(deployment, host, role="both", port=30010, status=WorkerStatus.RUNNING)
+
+    pool = WorkerPool(policy="round-robin")
+    client = DisaggregatedClient(pool)
+    load_now(pool, "one-host")
+    assert urls(pool, "prefill") == [] and urls(pool, "decode") == ["http://10.9.0.4:30010"]
+    assert pool.colocated  # no prefill pool: every prompt is offered to the decode (both) worker
+    policy = pool._policies["decode"]
+    assert isinstance(policy, KVAware) and (policy.token_weight, policy.load_weight) == (2.0, 128.0)
+    assert pool.local_prefill_tokens == 40
+
+    # Edited in the admin or API: the router takes the new values on its next read.
+    deployment.kv_load_weight, deployment.local_prefill_tokens = 8.0, 0
+    deployment.save()
+    make_worker(deployment, host, role="prefill", port=30011, status=WorkerStatus.RUNNING)
+    apply_view(pool, read_deployment("one-host"))
+    assert policy.load_weight == 8.0 and not pool.colocated
+    body = client.encode_decode_body(GenerateRequest(sampling=Sampling(max_tokens=1), input_ids=[1, 2]), "r")
+    assert b"local_prefill_max_tokens" not in body  # the deployment's 0 wins over the client's own
+    deployment.local_prefill_tokens = 24
+    deployment.save()
+    apply_view(pool, read_deployment("one-host"))
+    body = client.encode_decode_body(GenerateRequest(sampling=Sampling(max_tokens=1), input_ids=[1, 2]), "r")
+    assert b'"local_prefill_max_tokens":24' in body
