@@ -121,3 +121,46 @@ def test_invalid_schema_and_tools_are_400_before_any_worker(client: openai.OpenA
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[bad_tool])
     assert "tools[0].function.parameters" in str(caught.value)
+
+
+def test_auto_tool_choice_parses_the_models_tool_call_streamed_and_not(client: openai.OpenAI) -> None:
+    # A random model calls no tool on its own: guided_choice makes its text one Hermes-format call (the
+    # format the tool prompt asks for). The tool choice stays "auto": no grammar comes from the tools, and
+    # the router finds the call in the model's free text with the parser a real model's output goes through.
+    said = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+    forced: Any = {"guided_choice": [said]}
+    answer = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
+                                            tools=[WEATHER], tool_choice="auto", extra_body=forced)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    calls = choice.message.tool_calls
+    assert calls is not None and len(calls) == 1 and calls[0].id
+    assert calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "days": 2}
+    # The tools were rendered into the prompt (the decode worker's tool prompt) on this path.
+    bare = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, temperature=0)
+    assert answer.usage is not None and bare.usage is not None
+    assert answer.usage.prompt_tokens > bare.usage.prompt_tokens + 20
+    # Streamed: the call comes as tool_calls deltas (its name first, then the arguments), no content.
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
+                                            tools=[WEATHER], tool_choice="auto", extra_body=forced, stream=True)
+    names, arguments, content, reasons = [], "", "", []
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        reasons.append(chunk.choices[0].finish_reason)
+        content += chunk.choices[0].delta.content or ""
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            assert delta.index == 0
+            if delta.function and delta.function.name:
+                names.append(delta.function.name)
+            if delta.function and delta.function.arguments:
+                arguments += delta.function.arguments
+    assert names == ["get_weather"] and reasons[-1] == "tool_calls" and not content.strip()
+    assert json.loads(arguments) == {"city": "Paris", "days": 2}
+    # Text without a call stays content under "auto".
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
+                                           tools=[WEATHER], tool_choice="auto",
+                                           extra_body={"guided_choice": ["It is sunny in Paris."]})
+    assert plain.choices[0].message.content == "It is sunny in Paris."
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "stop"
