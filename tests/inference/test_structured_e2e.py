@@ -134,9 +134,10 @@ def test_auto_tool_choice_parses_the_models_tool_call_streamed_and_not(client: o
     choice = answer.choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content
     calls = choice.message.tool_calls
-    assert calls is not None and len(calls) == 1 and calls[0].id
-    assert calls[0].function.name == "get_weather"
-    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "days": 2}
+    assert calls is not None and len(calls) == 1
+    call = calls[0]
+    assert call.type == "function" and call.id and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
     # The tools were rendered into the prompt (the decode worker's tool prompt) on this path.
     bare = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, temperature=0)
     assert answer.usage is not None and bare.usage is not None
