@@ -1,6 +1,7 @@
 """A stream with log-probabilities whose decode worker is SIGKILLed mid-stream moves to the other decode
 worker and keeps one log-probability per token, equal to an unbroken run's (issue 23 item 7): the
-token it resumes with is sampled by a prefill worker, whose answer carries that token's entry."""
+token it resumes with is sampled by a prefill worker, whose answer carries that token's entry. The
+same drill under a JSON schema and penalties keeps the grammar and the penalties' counts."""
 from __future__ import annotations
 
 import json
@@ -10,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 
-from tests.support.processes import start_router, start_worker
+from tests.support.processes import start_router, start_worker, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 CONTEXT = 256
@@ -85,3 +87,59 @@ def test_a_moved_stream_keeps_its_logprobs(cluster: tuple[dict[str, Any], str, s
     assert tokens == reference["tokens"]
     assert all(v is not None for v in values)
     assert all(abs(v - ref) < TOL for v, ref in zip(values, reference["token_logprobs"], strict=True))
+
+
+LIST_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                             "minItems": 16, "maxItems": 16}},
+    "required": ["items"],
+    "additionalProperties": False,
+}
+
+
+def _healthy(router: str, url: str) -> bool:
+    status = httpx.get(router + "/router/status", timeout=30).json()
+    return bool(next(e for e in status["decode"] if e["url"] == url)["healthy"])
+
+
+def test_a_moved_stream_keeps_its_grammar_and_penalties(cluster: tuple[dict[str, Any], str, str],
+                                                        tiny_model_dir: Path, log_dir: Path) -> None:
+    """The same drill under a JSON schema and the three penalties (issue 23 item 7): the surviving decode
+    worker's matcher replays the streamed tokens and its penalties count them, so the answer still
+    validates and equals the unbroken run's."""
+    procs, router, victim = cluster
+    if not procs["V"].alive():  # the drill above killed it: a fresh victim at the same URL
+        procs["V"].stop()
+        common = ["--context-length", str(CONTEXT), "--block-size", "8", "--dtype", "float32"]
+        procs["V"], _ = start_worker("decode", tiny_model_dir, log_dir, port=int(victim.rsplit(":", 1)[1]),
+                                     extra=[*common, "--max-sequence-length", str(CONTEXT)], name="victim2")
+        wait_until("the router takes the restarted victim back", lambda: _healthy(router, victim), 60,
+                   [procs["R"], procs["V"]])
+    body = {"model": "tiny-llama", "prompt": "A list:", "max_tokens": 200, "temperature": 0,
+            "frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "list", "schema": LIST_SCHEMA}}}
+    reference = httpx.post(router + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    jsonschema.validate(json.loads(reference), LIST_SCHEMA)
+    for _ in range(4):  # round robin: the stream lands on the victim within two tries
+        with httpx.stream("POST", router + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            assert r.status_code == 200
+            events = _events(r.iter_lines())
+            first = next(events)
+            procs["V"].kill(signal.SIGSTOP)
+            if _inflight(router, victim) != 1:
+                procs["V"].kill(signal.SIGCONT)
+                list(events)
+                continue
+            procs["V"].kill()
+            rest = list(events)
+            break
+    else:
+        pytest.fail("no stream landed on the victim decode worker")
+    assert rest[-1] == "[DONE]", rest[-3:]
+    chunks = [first, *[e for e in rest[:-1] if e.get("choices")]]
+    assert all("error" not in c for c in chunks), chunks[-1]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert len(first["choices"][0]["text"]) < len(text) // 4  # the kill came early in the answer
+    assert text == reference
+    jsonschema.validate(json.loads(text), LIST_SCHEMA)
