@@ -256,7 +256,7 @@ def parse_chat(data: Any) -> ParsedRequest:
         sampling.grammar = tools.grammar()  # valid arguments guaranteed
     choices = parse_choice_fields(data, "chat", sampling, stream=stream)
     if tools is not None and choices.rich:
-        raise bad_request("'n' > 1 and 'logprobs' are not supported together with 'tools'")
+        raise bad_request("'n' > 1, 'best_of' > 'n' and 'logprobs' are not supported together with 'tools'")
     return ParsedRequest(
         kind="chat",
         request=GenerateRequest(sampling=sampling, messages=normalized,

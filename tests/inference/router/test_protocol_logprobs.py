@@ -101,6 +101,7 @@ def test_best_of_asks_the_sampled_tokens_logprobs_for_the_ranking_only() -> None
      (parse_completion, {"prompt": "hi", "best_of": 17}, "best_of"),
      (parse_completion, {"prompt": "hi", "n": 2, "best_of": 3, "stream": True}, "best_of"),
      (parse_chat, {**CHAT, "best_of": 2, "stream": True}, "best_of"),
+     (parse_chat, {**CHAT, "best_of": 2, "tools": [{"type": "function", "function": {"name": "f"}}]}, "best_of"),
      (parse_chat, {**CHAT, "top_logprobs": 2}, "top_logprobs"),
      (parse_chat, {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
      (parse_chat, {**CHAT, "logprobs": 3}, "logprobs")],
