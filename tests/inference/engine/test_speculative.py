@@ -82,25 +82,18 @@ def test_config_validation_names_the_field() -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_tokens_identical_with_most_proposals_accepted(copying_model: Path, dtype: str) -> None:
+@pytest.mark.parametrize(("model", "min_rate"), [("copying_model", 0.8), ("tiny_model_dir", 0.0)])
+def test_greedy_tokens_identical(request: pytest.FixtureRequest, model: str, min_rate: float, dtype: str) -> None:
+    """On the copying model most proposals are accepted; on the random one most are rejected (its
+    text does not repeat). Either way the tokens are plain decoding's and the pool ends empty."""
+    path = request.getfixturevalue(model)
     ps = prompts(12, seed=1)
     params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
-    plain = [r.token_ids for r in engine(copying_model, dtype, None).generate(ps, params)]
-    spec_engine = engine(copying_model, dtype)
-    spec = [r.token_ids for r in spec_engine.generate(ps, params)]
-    assert spec == plain
-    s = spec_engine.speculator
-    assert s is not None and s.num_accepted > 300 and s.acceptance_rate > 0.8
-    assert spec_engine.num_free_blocks == 256
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_tokens_identical_on_text_that_does_not_repeat(tiny_model_dir: Path, dtype: str) -> None:
-    ps = prompts(12, seed=2)
-    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    plain = [r.token_ids for r in engine(tiny_model_dir, dtype, None).generate(ps, params)]
-    spec_engine = engine(tiny_model_dir, dtype)
+    plain = [r.token_ids for r in engine(path, dtype, None).generate(ps, params)]
+    spec_engine = engine(path, dtype)
     assert [r.token_ids for r in spec_engine.generate(ps, params)] == plain
+    s = spec_engine.speculator
+    assert s is not None and s.acceptance_rate >= min_rate and (min_rate == 0 or s.num_accepted > 300)
     assert spec_engine.num_free_blocks == 256
 
 

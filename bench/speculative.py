@@ -1,0 +1,166 @@
+"""Speculative decoding (n-gram prompt lookup) against plain decoding, side by side in one process.
+
+Two engines over the same checkpoint (one torch thread, prefix caching off so every round computes
+the same thing), one with `SpeculativeConfig(num_speculative_tokens=K)`, measured alternately in
+each round (the order flips every round), on two greedy workloads:
+
+- repetitive: chat requests that ask the model to rewrite a given paragraph, fixing mistakes (the
+  answer repeats most of the prompt: what prompt lookup is for);
+- random: prompts of random token ids (nothing the answer repeats; automatic off has to keep the
+  cost of failed proposals small).
+
+Each at 1 in flight (4 requests one after another) and at 8 in flight (8 requests at once). Reported per workload and
+level: output tok/s of each engine, the ratio speculative / plain per round and its median, the
+acceptance rate, and whether the greedy tokens were identical (they must be).
+
+    flock /tmp/bench.lock .venv/bin/python -m bench.speculative               # SmolLM2 if prepared, 3 rounds
+    .venv/bin/python -m bench.speculative --quick                             # tiny model, one short round
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from bench import common
+
+MODULE = "bench.speculative"
+
+# Paragraphs the repetitive workload asks to rewrite (a few spelling slips each, so the answer is an
+# edit of the text rather than a copy the model might refuse to make).
+PARAGRAPHS = [
+    "The capital of France is Paris. Paris sits on the river Seine and is known for its musems, its cafes and "
+    "the tall iron tower built for the world fair of 1889. Many travellers arrive by train and walk along the "
+    "river in the evening.",
+    "A language model reads text as a sequence of tokens and predicts the next token, one step at a time. "
+    "During prefill the model procesess the whole prompt in parallel and stores the keys and values of every "
+    "layer in a cache.",
+    "To bake bread, mix four cups of flour with water, salt and a little yeast. Knead the dough for ten minutes "
+    "until it is smooth, cover the bowl and let it rise for two hours in a warm place before you bake it.",
+    "The weather today is cold and windy, with rain expected in the afternon. Tomorrow will be sunny and warmer, "
+    "although clouds may return over the weekend. Farmers hope for a dry week to bring in the harvest.",
+    "Our team meets every Monday at nine to plan the week. Each person says what they finished, what they will "
+    "work on next and what is blocking them, and the meeting ends after fifteen minutes at most.",
+    "The library opens at eight in the morning and closes at six in the evening. Books can be borrowed for "
+    "three weeks, and a book that comes back late costs ten cents for every day it is overdue.",
+    "To reset your password, open the settings page, choose security and press the button that says reset. "
+    "You will recieve an email with a link that is valid for one hour; follow it and enter a new password.",
+    "The train to the coast leaves from platform four every hour. The journey takes two hours and a half, and "
+    "the last train back to the city leaves the coast at ten in the evening on weekdays.",
+]
+INSTRUCTION = "Rewrite this text, fixing any mistakes:\n\n"
+
+
+def repetitive_prompts(tokenizer: Any, count: int) -> list[list[int]]:
+    """Chat prompts asking to rewrite one paragraph each (plain text when there is no chat template)."""
+    out = []
+    for i in range(count):
+        text = INSTRUCTION + PARAGRAPHS[i % len(PARAGRAPHS)]
+        if tokenizer.has_chat_template:
+            out.append(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+        else:
+            out.append(tokenizer.encode(text + "\n\n"))
+    return out
+
+
+def measure(engine: Any, prompts: list[list[int]], level: int, params: Any) -> tuple[float, list[list[int]]]:
+    """Output tok/s with `level` requests in flight (1: one after another) and the tokens."""
+    tokens: list[list[int]] = []
+    start = time.perf_counter()
+    for i in range(0, len(prompts), level):
+        tokens += [r.token_ids for r in engine.generate(prompts[i : i + level], params)]
+    elapsed = time.perf_counter() - start
+    return sum(map(len, tokens)) / elapsed, tokens
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the comparison and print one table per workload."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = common.base_parser(__doc__ or "")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="K (default 4)")
+    p.add_argument("--max-tokens", type=int, default=160, help="output tokens per request at most (default 160)")
+    p.add_argument("--dtype", default="auto", help="engine dtype (default auto: bf16 where measured faster)")
+    p.add_argument("--levels", default="1,8", help="requests in flight (default 1,8)")
+    args = common.parse_args(p, argv)
+    import torch
+
+    from inference.engine import LLMEngine, SamplingParams, SpeculativeConfig
+
+    torch.set_num_threads(args.threads)
+    model = args.model_dir or (None if args.quick else common.smollm2_dir()) or common.tiny_model_dir()
+    levels = [int(x) for x in args.levels.split(",")]
+    rounds = 1 if args.quick else args.rounds
+    max_tokens = 24 if args.quick else args.max_tokens
+    k = args.num_speculative_tokens
+    engine_kw = {"max_num_seqs": max(levels), "max_model_len": 1024, "dtype": args.dtype,
+              "enable_prefix_caching": False, "num_blocks": 64 * max(levels)}
+    engines = {"plain": LLMEngine(str(model), **engine_kw),
+               "spec": LLMEngine(str(model), speculative=SpeculativeConfig(num_speculative_tokens=k), **engine_kw)}
+    tokenizer = engines["plain"].tokenizer
+    assert tokenizer is not None, "the benchmark needs a checkpoint with a tokenizer"
+    n_prompts = max(levels)
+    workloads = {
+        "repetitive": (repetitive_prompts(tokenizer, n_prompts),
+                       SamplingParams(max_tokens=max_tokens, temperature=0.0)),
+        "random": (common.synthetic_prompts(n_prompts, 64, engines["plain"].config.vocab_size, seed=3),
+                   SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)),
+    }
+    for eng in engines.values():  # warm-up: kernels, allocator, first-step caches
+        eng.generate(workloads["repetitive"][0][:2], SamplingParams(max_tokens=8, temperature=0.0))
+    results: dict[str, dict[int, dict[str, Any]]] = {w: {lv: {"plain": [], "spec": [], "ratio": [],
+                                                              "identical": True} for lv in levels}
+                                                     for w in workloads}
+    speculator = engines["spec"].speculator
+    assert speculator is not None
+    accept: dict[str, list[float]] = {w: [] for w in workloads}
+    for rnd in range(rounds):
+        for name, (prompts, params) in workloads.items():
+            for level in levels:
+                before = (speculator.num_proposed, speculator.num_accepted)
+                order = ["plain", "spec"] if rnd % 2 == 0 else ["spec", "plain"]
+                got: dict[str, tuple[float, list[list[int]]]] = {}
+                batch = prompts[: max(level, min(4, len(prompts)))]  # 1 in flight: 4 requests in a row
+                for side in order:
+                    got[side] = measure(engines[side], batch, level, params)
+                cell = results[name][level]
+                cell["plain"].append(got["plain"][0])
+                cell["spec"].append(got["spec"][0])
+                cell["ratio"].append(got["spec"][0] / got["plain"][0])
+                cell["identical"] = cell["identical"] and got["plain"][1] == got["spec"][1]
+                proposed = speculator.num_proposed - before[0]
+                accepted = speculator.num_accepted - before[1]
+                accept[name].append(accepted / proposed if proposed else 0.0)
+                common.log(f"round {rnd + 1} {name} c{level}: plain {got['plain'][0]:.1f} "
+                           f"spec {got['spec'][0]:.1f} tok/s ({cell['ratio'][-1]:.2f}x), proposed {proposed}, "
+                           f"accepted {accepted}, load {os.getloadavg()[0]:.1f}")
+    summary: dict[str, Any] = {}
+    for name in workloads:
+        common.print_header(f"{name}: speculative (K={k}) vs plain, {model.name}, {engines['plain'].dtype}, "
+                            f"load {os.getloadavg()[0]:.1f}")
+        rows = []
+        for level in levels:
+            cell = results[name][level]
+            rows.append([level, f"{common.median(cell['plain']):.1f}", f"{common.median(cell['spec']):.1f}",
+                         f"{common.median(cell['ratio']):.2f}", ", ".join(f"{r:.2f}" for r in cell["ratio"]),
+                         "yes" if cell["identical"] else "NO"])
+            summary[f"{name}_c{level}"] = {"plain_tok_s": cell["plain"], "spec_tok_s": cell["spec"],
+                                           "ratio": cell["ratio"], "median_ratio": common.median(cell["ratio"]),
+                                           "greedy_identical": cell["identical"]}
+        summary[f"{name}_acceptance"] = accept[name]
+        print(common.markdown_table(["in flight", "plain tok/s", "spec tok/s", "ratio (median)", "per round",
+                              "greedy identical"], rows))
+        print(f"acceptance per measurement: {', '.join(f'{a:.2f}' for a in accept[name])}")
+    name = "speculative_quick" if args.quick else "speculative"
+    path = common.write_result(args.out_dir, name, MODULE, argv, {
+        "model": str(model), "dtype": str(engines["plain"].dtype), "num_speculative_tokens": k,
+        "rounds": rounds, "max_tokens": max_tokens, "levels": levels, "results": summary,
+    })
+    common.log(f"wrote {path}")
+    return 0 if all(results[w][lv]["identical"] for w in workloads for lv in levels) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
