@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from .dtypes import _cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -155,17 +156,6 @@ def cpu_kind() -> str:
     if capability.startswith("avx512"):
         return "avx512-amx" if "amx_tile" in _cpu_flags() else "avx512"
     return capability
-
-
-def _cpu_flags() -> set[str]:
-    """The CPU's feature flags (/proc/cpuinfo; empty where unreadable)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def panel_rows_limit(dtype: torch.dtype, ops: Any) -> int:
