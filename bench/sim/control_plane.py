@@ -13,6 +13,8 @@ For each size (nodes, workers) on PostgreSQL + Redis:
   RUNNING (ScaleEvent.time_to_run_s: placed, started by their agents, healthy);
 - collector: `--rounds` scrape rounds of inference.metrics.collector.collect (in this process, as the
   controller's task runs it) with their time and statements;
+- control queue: the latency of no-op scale tasks through the controller's queue, idle and beside the
+  periodic tasks beat would send (bench/sim/queue_latency.py), `--queue-seconds` each;
 - database: `--raw-hours` of raw samples and `--rollup-hours` of minute rollups written for the
   workers (bench/sim/db_load.py), bytes per row from PostgreSQL, a day's size under the default
   retention and under the old one (raw samples kept METRICS_RETENTION_HOURS);
@@ -98,7 +100,7 @@ def run_size(nodes: int, workers: int, step: int, args: Any, log_dir: Path) -> d
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    from bench.sim import db_load, page_timing
+    from bench.sim import db_load, page_timing, queue_latency
     from inference.actions.scale import scale_deployment
     from inference.metrics import collector
     from inference.models import Deployment, Model, ScaleEvent, Worker, WorkerStatus
@@ -168,8 +170,12 @@ def run_size(nodes: int, workers: int, step: int, args: Any, log_dir: Path) -> d
                                "rows_per_round": workers + 2, "client_ab": scrape_ab(deployment)}
         log(f"  collector rounds: {[round(r['round_s'], 2) for r in rounds]}")
 
+        result["queue_latency"] = queue_latency.measure(deployment, seconds=args.queue_seconds)
+        log(f"  control queue latency p95 idle / loaded: {result['queue_latency']['idle']['p95_s']} / "
+            f"{result['queue_latency']['loaded']['p95_s']} s")
         result["database"] = db_load.measure(deployment, raw_hours=args.raw_hours, rollup_hours=args.rollup_hours)
         log(f"  database: {result['database']['per_day']}")
+        page_timing.add_history(deployment)
         result["pages"] = page_timing.measure(deployment, repeats=args.repeats)
         log(f"  pages p95: { {k: round(v['p95_ms']) for k, v in result['pages'].items()} }")
     finally:
@@ -190,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agent-processes", type=int, default=2)
     p.add_argument("--first-port", type=int, default=11000, help="below the ephemeral ports")
     p.add_argument("--rounds", type=int, default=None, help="collector rounds (default 3; quick 2)")
+    p.add_argument("--queue-seconds", type=float, default=None,
+                   help="seconds of control-queue probes, idle then under the periodic tasks (default 30; quick 3)")
     p.add_argument("--raw-hours", type=float, default=None, help="raw samples loaded (default 2: the retention)")
     p.add_argument("--rollup-hours", type=float, default=None, help="minute rollups loaded (default 24)")
     p.add_argument("--repeats", type=int, default=None, help="requests per page (default 20; quick 3)")
@@ -206,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--sizes {args.sizes!r}: expected NODES:WORKERS,...")
     args.step = args.step or (4 if args.quick else 100)
     args.rounds = args.rounds or (2 if args.quick else 3)
+    args.queue_seconds = args.queue_seconds if args.queue_seconds is not None else (3.0 if args.quick else 30.0)
     args.raw_hours = args.raw_hours if args.raw_hours is not None else (0.05 if args.quick else 2.0)
     args.rollup_hours = args.rollup_hours if args.rollup_hours is not None else (0.5 if args.quick else 24.0)
     args.repeats = args.repeats or (3 if args.quick else 20)

@@ -46,6 +46,11 @@ def test_quick_harness_writes_a_well_formed_result(tmp_path: Path, log_dir: Path
     assert len(rounds) == 2 and all(r["statements"] > 0 for r in rounds)
     ab = size["collector"]["client_ab"]
     assert ab["client_per_scrape_failed"] == 0 and ab["shared_client_failed"] == 0  # every simulated worker answered
+    queue = size["queue_latency"]
+    for phase in ("idle", "loaded"):  # every probe went through the controller's queue and was done
+        assert queue[phase]["probes"] > 0 and queue[phase]["not_done"] == 0 and queue[phase]["p95_s"] > 0
+    assert queue["loaded"]["periodic_sent"]["inference.tasks.collect_metrics"] >= 1
+    assert not queue["idle"]["periodic_sent"]
     db = size["database"]
     assert db["workers"] == 12 and db["loaded"]["raw_rows"] > 0 and db["downsample"]["minute_rollups"] > 0
     assert db["bytes_per_row"]["raw"] > 0 and db["bytes_per_row"]["rollup"] > 0
