@@ -53,13 +53,11 @@ def _inflight(router: str, url: str) -> int:
     return int(next(e for e in status["decode"] if e["url"] == url)["inflight"])
 
 
-def test_a_moved_stream_keeps_its_logprobs(cluster: tuple[dict[str, Any], str, str]) -> None:
-    procs, router, victim = cluster
-    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "logprobs": 2}
-    reference = httpx.post(router + "/v1/completions", json=body, timeout=120).json()["choices"][0]["logprobs"]
-    assert len(reference["tokens"]) == MAX_TOKENS
-    for _ in range(4):  # round robin: the stream lands on the victim within two tries
+def _moved_stream(procs: dict[str, Any], router: str, victim: str, body: dict[str, Any]) -> list[Any]:
+    """The chunks of `body` streamed until its first chunk, then its decode worker (the victim) killed:
+    round robin puts every other stream on the victim; the rest comes from the other one. A try whose
+    stream the victim finished before it was frozen (a quiet machine) is tried again."""
+    for _ in range(8):
         with httpx.stream("POST", router + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
             assert r.status_code == 200
             events = _events(r.iter_lines())
@@ -67,6 +65,7 @@ def test_a_moved_stream_keeps_its_logprobs(cluster: tuple[dict[str, Any], str, s
             procs["V"].kill(signal.SIGSTOP)  # frozen first: it cannot finish while we look where it runs
             if _inflight(router, victim) != 1:
                 procs["V"].kill(signal.SIGCONT)
+                list(events)
                 continue
             procs["V"].kill()
             rest = list(events)
@@ -76,6 +75,16 @@ def test_a_moved_stream_keeps_its_logprobs(cluster: tuple[dict[str, Any], str, s
     assert rest[-1] == "[DONE]", rest[-3:]
     chunks = [first, *[e for e in rest[:-1] if e.get("choices")]]
     assert all("error" not in c for c in chunks), chunks[-1]
+    return chunks
+
+
+def test_a_moved_stream_keeps_its_logprobs(cluster: tuple[dict[str, Any], str, str]) -> None:
+    procs, router, victim = cluster
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "logprobs": 2}
+    reference = httpx.post(router + "/v1/completions", json=body, timeout=120).json()["choices"][0]["logprobs"]
+    assert len(reference["tokens"]) == MAX_TOKENS
+    chunks = _moved_stream(procs, router, victim, body)
     tokens: list[str] = []
     values: list[float] = []
     for chunk in chunks:
@@ -121,25 +130,8 @@ def test_a_moved_stream_keeps_its_grammar_and_penalties(cluster: tuple[dict[str,
             "response_format": {"type": "json_schema", "json_schema": {"name": "list", "schema": LIST_SCHEMA}}}
     reference = httpx.post(router + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
     jsonschema.validate(json.loads(reference), LIST_SCHEMA)
-    for _ in range(4):  # round robin: the stream lands on the victim within two tries
-        with httpx.stream("POST", router + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
-            assert r.status_code == 200
-            events = _events(r.iter_lines())
-            first = next(events)
-            procs["V"].kill(signal.SIGSTOP)
-            if _inflight(router, victim) != 1:
-                procs["V"].kill(signal.SIGCONT)
-                list(events)
-                continue
-            procs["V"].kill()
-            rest = list(events)
-            break
-    else:
-        pytest.fail("no stream landed on the victim decode worker")
-    assert rest[-1] == "[DONE]", rest[-3:]
-    chunks = [first, *[e for e in rest[:-1] if e.get("choices")]]
-    assert all("error" not in c for c in chunks), chunks[-1]
+    chunks = _moved_stream(procs, router, victim, body)
     text = "".join(c["choices"][0]["text"] for c in chunks)
-    assert len(first["choices"][0]["text"]) < len(text) // 4  # the kill came early in the answer
+    assert len(chunks[0]["choices"][0]["text"]) < len(text) // 4  # the kill came early in the answer
     assert text == reference
     jsonschema.validate(json.loads(text), LIST_SCHEMA)

@@ -46,6 +46,26 @@ def client(openai_deployment: OpenAIDeployment) -> openai.OpenAI:
     return openai.OpenAI(base_url=openai_deployment.router + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def streamed_call(stream: Any) -> tuple[list[str], str, str, list[str | None]]:
+    """A chat stream's one tool call: the names its deltas carry, its arguments put together, the content
+    streamed beside it and each chunk's finish reason."""
+    names: list[str] = []
+    arguments = content = ""
+    reasons: list[str | None] = []
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        reasons.append(chunk.choices[0].finish_reason)
+        content += chunk.choices[0].delta.content or ""
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            assert delta.index == 0
+            if delta.function and delta.function.name:
+                names.append(delta.function.name)
+            if delta.function and delta.function.arguments:
+                arguments += delta.function.arguments
+    return names, arguments, content, reasons
+
+
 def test_json_schema_answers_validate_streamed_and_not(client: openai.OpenAI) -> None:
     for seed in range(6):
         answer = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS,
@@ -79,17 +99,7 @@ def test_a_named_tool_gets_valid_arguments_streamed_and_not(client: openai.OpenA
         jsonschema.validate(json.loads(call.function.arguments), parameters)
     stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, seed=4,
                                             temperature=1.0, tools=[WEATHER], tool_choice=NAMED, stream=True)
-    names, arguments, reasons = [], "", []
-    for chunk in stream:
-        if not chunk.choices:
-            continue
-        reasons.append(chunk.choices[0].finish_reason)
-        for delta in chunk.choices[0].delta.tool_calls or []:
-            assert delta.index == 0
-            if delta.function and delta.function.name:
-                names.append(delta.function.name)
-            if delta.function and delta.function.arguments:
-                arguments += delta.function.arguments
+    names, arguments, _, reasons = streamed_call(stream)
     assert names == ["get_weather"] and reasons[-1] == "tool_calls"
     jsonschema.validate(json.loads(arguments), parameters)
 
@@ -145,18 +155,7 @@ def test_auto_tool_choice_parses_the_models_tool_call_streamed_and_not(client: o
     # Streamed: the call comes as tool_calls deltas (its name first, then the arguments), no content.
     stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
                                             tools=[WEATHER], tool_choice="auto", extra_body=forced, stream=True)
-    names, arguments, content, reasons = [], "", "", []
-    for chunk in stream:
-        if not chunk.choices:
-            continue
-        reasons.append(chunk.choices[0].finish_reason)
-        content += chunk.choices[0].delta.content or ""
-        for delta in chunk.choices[0].delta.tool_calls or []:
-            assert delta.index == 0
-            if delta.function and delta.function.name:
-                names.append(delta.function.name)
-            if delta.function and delta.function.arguments:
-                arguments += delta.function.arguments
+    names, arguments, content, reasons = streamed_call(stream)
     assert names == ["get_weather"] and reasons[-1] == "tool_calls" and not content.strip()
     assert json.loads(arguments) == {"city": "Paris", "days": 2}
     # Text without a call stays content under "auto".
