@@ -192,6 +192,8 @@ ROUTER_HEALTH_INTERVAL_S = env_float("ROUTER_HEALTH_INTERVAL_S", 2.0)
 # its requests in flight (a request in flight costs as much as computing that many prompt tokens).
 ROUTER_KV_TOKEN_WEIGHT = env_float("ROUTER_KV_TOKEN_WEIGHT", 1.0)
 ROUTER_KV_LOAD_WEIGHT = env_float("ROUTER_KV_LOAD_WEIGHT", 64.0)
+# kv-aware decode choice with remote prefill: a cached token saves only its KV transfer (this share).
+ROUTER_KV_REMOTE_DECODE_SHARE = env_float("ROUTER_KV_REMOTE_DECODE_SHARE", 1 / 16)
 # Per-request disaggregation: a decode worker with at most this many prompt tokens left to compute (its
 # prefix cache holding the rest) prefills the prompt itself, without the hop; 0: always a prefill worker.
 ROUTER_LOCAL_PREFILL_TOKENS = env_int("ROUTER_LOCAL_PREFILL_TOKENS", 0, minimum=0)

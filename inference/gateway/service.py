@@ -168,6 +168,7 @@ def build_service() -> RouterService:
         headers={"X-Platform-Secret": secret} if secret else None,
         kv_token_weight=float(settings.ROUTER_KV_TOKEN_WEIGHT),
         kv_load_weight=float(settings.ROUTER_KV_LOAD_WEIGHT),
+        kv_remote_decode_share=float(settings.ROUTER_KV_REMOTE_DECODE_SHARE),
     )
     admission = Admission(
         pool,

@@ -108,6 +108,7 @@ class DisaggregatedClient:
         # Per-request disaggregation: a decode worker that would have at most this many prompt tokens
         # left to compute (its prefix cache holds the rest) prefills the prompt itself; 0: always remote.
         self.local_prefill_tokens = local_prefill_tokens
+        pool.default_local_prefill_tokens = local_prefill_tokens  # the decode choice weighs cached tokens by it
         # Acknowledge every half credit: a router that keeps up never stalls a stream.
         self.ack_every = max(1, stream_credit // 2)
         self.inflight = 0

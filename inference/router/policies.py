@@ -163,6 +163,10 @@ class PowerOfTwo:
 
 # A request in flight on a worker costs as much as computing this many prompt tokens there (default).
 DEFAULT_KV_LOAD_WEIGHT = 64.0
+# The decode choice's share of the token weight when prompts are prefilled remotely: a decode worker's
+# cached prefix then saves only the KV transfer of those blocks, not their computation (SmolLM2 fp32:
+# ~90 KB a token, tens of ms per 1,000 tokens over loopback TCP against most of a second of prefill).
+DEFAULT_REMOTE_DECODE_SHARE = 1 / 16
 
 
 class KVAware:
@@ -185,6 +189,9 @@ class KVAware:
         self.index = KVIndex()
         self.token_weight = 1.0
         self.load_weight = DEFAULT_KV_LOAD_WEIGHT
+        # Called per choice: what a cached token saves on this role now, as a share of its computation
+        # (the pool's decode policy: 1 when decode workers prefill, the transfer's share otherwise).
+        self.token_share: Callable[[], float] | None = None
         # What the choices predicted, for /router/status and /metrics: prompt tokens routed and those
         # the chosen workers held the KV of.
         self.prompt_tokens = 0
@@ -207,6 +214,8 @@ class KVAware:
         """The cheapest accepted endpoint (one pass over all of them)."""
         prompt = CURRENT_PROMPT.get()
         index, token_weight, load_weight = self.index, self.token_weight, self.load_weight
+        if self.token_share is not None:
+            token_weight *= self.token_share()
         total = len(prompt.token_ids) if prompt is not None else 0
         best: list[Endpoint] = []
         best_cost = 0.0

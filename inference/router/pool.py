@@ -24,6 +24,7 @@ from inference.router.kv_events import KVFeed
 from inference.router.kv_index import KVIndex
 from inference.router.policies import (
     DEFAULT_KV_LOAD_WEIGHT,
+    DEFAULT_REMOTE_DECODE_SHARE,
     Accept,
     KVAware,
     Policy,
@@ -60,6 +61,7 @@ class WorkerPool:
         headers: Mapping[str, str] | None = None,
         kv_token_weight: float = 1.0,
         kv_load_weight: float = DEFAULT_KV_LOAD_WEIGHT,
+        kv_remote_decode_share: float = DEFAULT_REMOTE_DECODE_SHARE,
     ) -> None:
         if failure_threshold < 1:
             raise ValueError("failure_threshold must be >= 1")
@@ -67,8 +69,13 @@ class WorkerPool:
             raise ValueError("kv-aware weights must be >= 0")
         self.kv_token_weight = kv_token_weight
         self.kv_load_weight = kv_load_weight
-        # The local prefill threshold of the deployment a managed router follows (None: the client's own).
+        # The local prefill threshold of the deployment a managed router follows (None: the client's own,
+        # `default_local_prefill_tokens`, which the client sets).
         self.local_prefill_tokens: int | None = None
+        self.default_local_prefill_tokens = 0
+        if not 0 <= kv_remote_decode_share <= 1:
+            raise ValueError("kv_remote_decode_share must be within [0, 1]")
+        self.kv_remote_decode_share = kv_remote_decode_share
         # Where the workers' prefix caches are (kv_index.py), fed by their KV event streams while a
         # `kv-aware` policy is in use (kv_events.py).
         self.kv_index = KVIndex()
@@ -148,10 +155,24 @@ class WorkerPool:
     def _make_policies(self, name: str) -> dict[str, Policy]:
         """A policy per role; a `kv-aware` one reads the pool's KV index with the pool's weights."""
         policies = {role: make_policy(name) for role in ROLES}
-        for policy in policies.values():
+        for role, policy in policies.items():
             if isinstance(policy, KVAware):
                 policy.configure(self.kv_index, self.kv_token_weight, self.kv_load_weight)
+                if role == "decode":
+                    policy.token_share = self.decode_token_share
         return policies
+
+    def decode_prefills(self) -> bool:
+        """Whether decode workers prefill prompts themselves (a colocated pool, or local prefill offered)."""
+        limit = self.local_prefill_tokens
+        return self.colocated or bool(self.default_local_prefill_tokens if limit is None else limit)
+
+    def decode_token_share(self) -> float:
+        """What a token cached on a decode worker saves, as a share of computing it: all of it when the
+        decode worker may prefill the prompt itself, else only its KV transfer (`kv_remote_decode_share`):
+        a decode choice that weighed a remote prompt's cached tokens fully kept conversations on the
+        worker that held them and piled their streams up there, for a saving of a few ms of transfer."""
+        return 1.0 if self.decode_prefills() else self.kv_remote_decode_share
 
     def _follow_kv_events(self) -> None:
         """Subscribe to the workers' KV event streams while the policy reads them (idempotent)."""

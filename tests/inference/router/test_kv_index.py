@@ -102,3 +102,28 @@ def test_kv_aware_without_a_prompt_or_index_goes_by_load_with_random_ties() -> N
     policy = KVAware(random.Random(3))
     chosen = {policy.choose([a, b, c]).url for _ in range(40)}
     assert chosen == {a.url, b.url}
+
+
+def test_the_decode_choice_weighs_cached_tokens_by_what_they_save_there() -> None:
+    from inference.router.pool import WorkerPool
+
+    pool = WorkerPool(["http://p:1"], ["http://d:1", "http://d:2"], "kv-aware", kv_remote_decode_share=1 / 16)
+    holder, other = pool.endpoints("decode")
+    prompt = list(range(3, 403))  # 400 tokens, 396 cached on the holder
+    index = pool.kv_index
+    index.apply_snapshot(holder.url, KVSnapshot(role="decode", block_size=4, epoch="e", seq=0,
+                                                hashes=block_hashes(prompt, 4)))
+    holder.inflight = 2  # 2 x 64 in load against 396 cached tokens
+    token = CURRENT_PROMPT.set(PromptBlocks(prompt))
+    try:
+        # Remote prefill: the holder's prefix saves only its transfer (396 / 16 < 128): the lighter one.
+        assert pool.choose("decode") is other
+        # Decode workers that may prefill (local prefill offered, by the client or the deployment): the holder.
+        pool.default_local_prefill_tokens = 64
+        assert pool.choose("decode") is holder
+        pool.local_prefill_tokens = 0  # a managed router's deployment turned it off
+        assert pool.choose("decode") is other
+        pool.set_endpoints("prefill", [])  # colocated: every prompt is prefilled where it lands
+        assert pool.choose("decode") is holder
+    finally:
+        CURRENT_PROMPT.reset(token)
