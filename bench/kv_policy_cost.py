@@ -3,7 +3,14 @@
 Per request the kv-aware policy hashes the prompt's blocks (once per block size) and looks each
 candidate's longest held prefix up in the index; round-robin only moves a cursor. Measured for a
 1,000-token prompt (block size 16, the workers' default) over 2 and 4 candidates that hold half of
-it, one choice for prefill and one for decode per request, alternating the two policies in rounds.
+it, one choice for prefill and one for decode per request, alternating the variants in rounds.
+
+With the workers' tokenizer (SmolLM2's when prepared, else the tiny model's) two more variants: the
+router tokenizes the prompt before the choices (inference/router/prompt_tokens.py), a fresh 1,000-token
+text prompt per request (`kv-aware+text`: no cache can help), and a chat turn (`kv-aware+chat`: a
+conversation's history of about 1,000 tokens whose earlier messages were seen before, plus a new
+user message). `worker text encode` is what the decode worker no longer spends: the engine's own
+`Tokenizer.encode` of the same text prompts.
 
     .venv/bin/python -m bench.kv_policy_cost
 """
@@ -12,21 +19,81 @@ from __future__ import annotations
 import random
 import sys
 import time
+from pathlib import Path
 
-from bench.common import base_parser, log, median, parse_args, print_header, write_result
+from bench.common import base_parser, log, median, parse_args, print_header, smollm2_dir, tiny_model_dir, write_result
 
 MODULE = "bench.kv_policy_cost"
+VARIANTS = ("round-robin", "kv-aware", "kv-aware+text", "kv-aware+chat")
 
 
-def _per_request_us(policy_name: str, candidates: int, prompt_tokens: int, requests: int) -> float:
-    """Thread CPU microseconds per request: one decode and one prefill choice, as the router makes them."""
+WORDS = ("the of and to in is was for on that with as by at from his her an it which are be this or have had not "
+         "but they were one their all has been more also who its after first new two would other when into time "
+         "can only some may most over about up out so these could than then made used them world many such").split()
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+class Prompts:
+    """The requests' prompts for the tokenizing variants: distinct text prompts of about `tokens` tokens,
+    and chat turns of one conversation-shaped history with a new last user message each."""
+
+    def __init__(self, model: Path, tokens: int, requests: int) -> None:
+        from inference.engine.tokenizer import Tokenizer
+        from inference.router.prompt_tokens import PromptTokenizer
+        from inference.server.tokenizer_spec import tokenizer_spec
+
+        self.worker = Tokenizer.from_pretrained(str(model))
+        spec = tokenizer_spec(model.name, self.worker)
+        assert spec is not None
+        self.router = PromptTokenizer(spec)
+        rng = random.Random(2)
+        words = tokens
+        while len(self.worker.encode(_text(random.Random(0), words))) > tokens:
+            words -= tokens // 50
+        self.texts = [f"{i} {_text(rng, words)}" for i in range(requests)]
+        history: list[dict[str, str]] = [{"role": "system", "content": _text(rng, 250)}]
+        while len(self.worker.apply_chat_template(history)) < tokens - 64:
+            history += [{"role": "user", "content": _text(rng, 60)}, {"role": "assistant", "content": _text(rng, 40)}]
+        self.chats = [[*history, {"role": "user", "content": f"{i} {_text(rng, 50)}"}] for i in range(requests)]
+        self.text_tokens = len(self.worker.encode(self.texts[0]))
+        self.calls = 0
+        self.chat_tokens = len(self.worker.apply_chat_template(self.chats[0]))
+
+
+def _worker_encode_us(prompts: Prompts, requests: int) -> float:
+    started = time.thread_time()
+    for text in prompts.texts[:requests]:
+        prompts.worker.encode(text)
+    return (time.thread_time() - started) / requests * 1e6
+
+
+def _per_request_us(variant: str, candidates: int, prompt_tokens: int, requests: int,
+                    prompts: Prompts | None = None) -> float:
+    """Thread CPU microseconds per request: one decode and one prefill choice, as the router makes them
+    (after tokenizing the prompt, for the `+text` and `+chat` variants)."""
     from inference.router.endpoint import Endpoint
+    from inference.router.events import GenerateRequest
     from inference.router.kv_index import CURRENT_PROMPT, KVIndex, PromptBlocks
     from inference.router.policies import KVAware, make_policy
     from inference.wire.kv_events import KVSnapshot, block_hashes
+    from inference.wire.sampling import Sampling
 
+    policy_name, _, tokenize = variant.partition("+")
     rng = random.Random(1)
     prompt = [rng.randrange(3, 49000) for _ in range(prompt_tokens)]
+    requests_in: list[GenerateRequest] = []
+    if tokenize:
+        assert prompts is not None
+        sampling = Sampling.from_json({})
+        prompts.calls += 1  # a text never seen before, in every call: the router's text cache never hits
+        requests_in = [GenerateRequest(sampling=sampling, prompt=f"{prompts.calls} {text}")
+                       for text in prompts.texts[:requests]] if tokenize == "text" else \
+            [GenerateRequest(sampling=sampling, messages=chat) for chat in prompts.chats[:requests]]
+        prompts.router.request_ids(GenerateRequest(sampling=sampling, messages=prompts.chats[-1]))  # history seen
+        prompt = prompts.router.request_ids(requests_in[0]) or []
     index = KVIndex()
     endpoints = {role: [Endpoint(f"http://10.0.0.{i}:800{n}", role) for i in range(candidates)]
                  for n, role in enumerate(("prefill", "decode"))}
@@ -39,12 +106,16 @@ def _per_request_us(policy_name: str, candidates: int, prompt_tokens: int, reque
         if isinstance(policy, KVAware):
             policy.configure(index, 1.0, 64.0)
     started = time.thread_time()
-    for _ in range(requests):
+    for i in range(requests):
+        ids = prompt
+        if tokenize:
+            # As pd_client does: the router's ids for the text or chat (every text is new: no cache hit).
+            ids = prompts.router.request_ids(requests_in[i]) or []  # type: ignore[union-attr]
         # As the router does: the decode choice hashes the client's ids; the prefill choice compares
         # the descriptor's ids with them and, equal, reuses their hashes.
-        token = CURRENT_PROMPT.set(PromptBlocks(list(prompt)))
+        token = CURRENT_PROMPT.set(PromptBlocks(list(ids)))
         policies["decode"].choose_where(endpoints["decode"], lambda e: True)
-        descriptor_ids = list(prompt)
+        descriptor_ids = list(ids)
         current = CURRENT_PROMPT.get()
         if current is None or current.token_ids != descriptor_ids:
             CURRENT_PROMPT.set(PromptBlocks(descriptor_ids))
@@ -62,20 +133,29 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(p, argv)
     rounds, requests = (2, 200) if args.quick else (args.rounds, args.requests)
-    rows = {}
+    model = args.model_dir or smollm2_dir() or tiny_model_dir()
+    prompts = Prompts(Path(model), args.prompt_tokens, requests)
+    log(f"tokenizer of {Path(model).name}: text prompts of {prompts.text_tokens} tokens, "
+        f"chat turns of {prompts.chat_tokens} (piecewise: {prompts.router.piecewise})")
+    rows: dict[int, dict[str, float | None]] = {}
     for candidates in (2, 4):
-        samples: dict[str, list[float]] = {"round-robin": [], "kv-aware": []}
+        samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        samples["worker text encode"] = []
         for _ in range(rounds):
-            for name in samples:
-                samples[name].append(_per_request_us(name, candidates, args.prompt_tokens, requests))
+            for name in VARIANTS:
+                samples[name].append(_per_request_us(name, candidates, args.prompt_tokens, requests, prompts))
+            samples["worker text encode"].append(_worker_encode_us(prompts, requests))
         rows[candidates] = {name: median(values) for name, values in samples.items()}
         log(f"{candidates} candidates per role: {rows[candidates]}")
     print_header(f"router CPU per request, {args.prompt_tokens}-token prompt (prefill + decode choice)")
     for candidates, row in rows.items():
-        print(f"{candidates} candidates: round-robin {row['round-robin']:.1f} us, kv-aware {row['kv-aware']:.1f} us, "
-              f"+{(row['kv-aware'] or 0) - (row['round-robin'] or 0):.1f} us")
+        base = row["round-robin"] or 0.0
+        print(f"{candidates} candidates: round-robin {base:.1f} us; "
+              + "; ".join(f"{name} {row[name] or 0:.1f} us (+{(row[name] or 0) - base:.1f})" for name in VARIANTS[1:])
+              + f"; the worker's own encode of the text {row['worker text encode'] or 0:.1f} us")
     write_result(args.out_dir, "kv_policy_cost_quick" if args.quick else "kv_policy_cost", MODULE, argv,
-                 {"prompt_tokens": args.prompt_tokens, "rows": rows})
+                 {"prompt_tokens": args.prompt_tokens, "model": str(model), "text_tokens": prompts.text_tokens,
+                  "chat_tokens": prompts.chat_tokens, "rows": rows})
     return 0
 
 

@@ -6,6 +6,11 @@ gets a fresh deployment (workers and router started for it, so the caches start 
 same conversations. Reported per policy: the prefill workers' own prefix-cache hit ratio (their
 /metrics), what the router predicted (kv-aware), TTFT p50/p90 as the client sees it, output tok/s.
 
+`--prompts chat` sends the same shape as OpenAI chat instead (`/v1/chat/completions`, streamed: a
+system message, user messages of random words, the replies' text as assistant messages), which the
+router must tokenize itself to route by KV (inference/router/prompt_tokens.py); "same prefill" is then
+not known (the chat stream does not name the workers).
+
     .venv/bin/python -m bench.kv_routing            # SmolLM2 if prepared, else the tiny model
     .venv/bin/python -m bench.kv_routing --quick    # tiny model, a few short conversations
 """
@@ -39,10 +44,14 @@ from bench.common import (
 )
 
 MODULE = "bench.kv_routing"
+CHAT_MODE = False  # --prompts chat
 # (name, router policy, router environment): the third offers local prefill to the decode workers.
 VARIANTS: tuple[tuple[str, str, dict[str, str]], ...] = (
     ("round-robin", "round-robin", {}),
     ("kv-aware", "kv-aware", {}),
+    # The decode choice weighing a remotely prefilled prompt's cached tokens fully (as before
+    # ROUTER_KV_REMOTE_DECODE_SHARE).
+    ("kv-aware-sticky", "kv-aware", {"ROUTER_KV_REMOTE_DECODE_SHARE": "1"}),
     ("kv-aware+local", "kv-aware", {"ROUTER_LOCAL_PREFILL_TOKENS": "128"}),
 )
 
@@ -88,10 +97,74 @@ async def _turn(client: Any, router: str, ids: list[int], max_tokens: int, rec: 
                 rec.prefill, rec.decode = str(obj["prefill"]), str(obj.get("decode", ""))
 
 
+async def _chat_turn(client: Any, router: str, messages: list[dict[str, str]], max_tokens: int,
+                     rec: Turn) -> str:
+    """One streamed /v1/chat/completions; fills `rec` (output: one entry per content delta); the reply text."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    text = []
+    async with client.stream("POST", router + "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            rec.error = f"http {response.status_code}: {(await response.aread())[:200]!r}"
+            return ""
+        async for line in response.aiter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            obj = json.loads(line[5:].strip())
+            if obj.get("error"):
+                rec.error = str(obj["error"])
+                return ""
+            for choice in obj.get("choices") or []:
+                delta = (choice.get("delta") or {}).get("content")
+                if delta:
+                    if rec.ttft_s is None:
+                        rec.ttft_s = time.perf_counter() - start
+                    text.append(delta)
+            usage = obj.get("usage")
+            if usage:
+                rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                rec.output = [0] * int(usage.get("completion_tokens") or 0)
+    return "".join(text)
+
+
+def _words(ids: list[int]) -> str:
+    """A token-id list as text of as many words (the chat mode's stand-in for the same prompt)."""
+    return " ".join(WORDS[i % len(WORDS)] for i in ids)
+
+
+WORDS = ("the of and to in is was for on that with as by at from his her an it which are be this or have had "
+         "not but they were one their all has been more also who its after first new two would other when into "
+         "time can only some may most over about up out so these could than then made used them world many").split()
+
+
+async def _chat_conversation(client: Any, router: str, index: int, system: list[int], users: list[list[int]],
+                             max_tokens: int) -> list[Turn]:
+    import httpx
+
+    messages = [{"role": "system", "content": _words(system)}]
+    turns: list[Turn] = []
+    for k, user in enumerate(users):
+        messages.append({"role": "user", "content": _words(user)})
+        rec = Turn(conversation=index, turn=k, prompt_tokens=0)
+        try:
+            reply = await _chat_turn(client, router, list(messages), max_tokens, rec)
+        except (httpx.HTTPError, ValueError) as exc:
+            rec.error = f"{type(exc).__name__}: {exc}"
+            reply = ""
+        turns.append(rec)
+        if rec.error:
+            break
+        messages.append({"role": "assistant", "content": reply})
+    return turns
+
+
 async def _conversation(client: Any, router: str, index: int, system: list[int], users: list[list[int]],
                         max_tokens: int) -> list[Turn]:
     import httpx
 
+    if CHAT_MODE:
+        return await _chat_conversation(client, router, index, system, users, max_tokens)
     history = list(system)
     turns: list[Turn] = []
     for k, user in enumerate(users):
@@ -160,10 +233,20 @@ def _run_policy(variant: tuple[str, str, dict[str, str]], model: Path, log_dir: 
                 if len(kv.get("index", {}).get("workers", {})) == 4:
                     break
                 time.sleep(0.5)
+            if CHAT_MODE:  # the router fetches the workers' tokenizer on its first text request
+                httpx.post(router_url + "/v1/chat/completions", timeout=60,
+                           json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+                while time.monotonic() < deadline + 60:  # bounded
+                    kv = httpx.get(router_url + "/router/status", timeout=30).json().get("kv", {})
+                    if kv.get("tokenizer", {}).get("models"):
+                        break
+                    time.sleep(0.5)
         turns, wall = asyncio.run(_chat(router_url, system, users, max_tokens))
         status = httpx.get(router_url + "/router/status", timeout=30).json()
         hit = [_metric(u, "worker_prefix_cache_hit_ratio") for u in urls[:2]]
         decode_hit = [_metric(u, "worker_prefix_cache_hit_ratio") for u in urls[2:]]
+        # How evenly the decode workers shared the streams: the tokens each generated.
+        decode_tokens = [_metric(u, "worker_generation_tokens_total") for u in urls[2:]]
         where = {w: _metric(router_url, f'router_prefill_where_total{{where="{w}"}}') for w in ("local", "remote")}
     finally:
         for proc in reversed(procs):
@@ -184,8 +267,10 @@ def _run_policy(variant: tuple[str, str, dict[str, str]], model: Path, log_dir: 
         "errors": [t.error for t in turns if t.error][:5],
         "prefill_hit_ratio": [h for h in hit if h is not None],
         "decode_hit_ratio": [h for h in decode_hit if h is not None],
+        "decode_generated_tokens": decode_tokens,
         "predicted": predicted,
-        "same_prefill_as_previous_turn": len(same) / len(later) if later else None,
+        "same_prefill_as_previous_turn": len(same) / len(later) if later and not CHAT_MODE else None,
+        "router_tokenizer": ((status.get("kv") or {}).get("tokenizer") or {}).get("models"),
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p90_s": percentile(ttfts, 90),
         "later_turns_ttft_p50_s": percentile(later_ttfts, 50),
@@ -208,8 +293,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context-tokens", type=int, default=0,
                    help="a conversation's own context (a document) after the system prompt, in its first turn")
     p.add_argument("--variants", default=",".join(v[0] for v in VARIANTS), help="which variants to run")
+    p.add_argument("--prompts", choices=["ids", "chat"], default="ids",
+                   help="ids: /generate with input_ids; chat: /v1/chat/completions messages (the router tokenizes)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(p, argv)
+    global CHAT_MODE
+    CHAT_MODE = args.prompts == "chat"
     if args.quick:
         args.conversations, args.turns, args.system_tokens, args.user_tokens, args.reply_tokens = 4, 3, 64, 16, 8
     model = args.model_dir or (None if args.quick else smollm2_dir()) or tiny_model_dir()
@@ -241,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         "tok_s_kv_over_rr": ratio(kv.get("output_tok_s"), rr.get("output_tok_s")),
     }
     print_header("KV-aware routing vs round-robin: multi-turn chat, 2 prefill + 2 decode")
-    headers = ["variant", "prefill hit ratio", "decode hit ratio", "local/remote prefills",
+    headers = ["variant", "prefill hit ratio", "decode hit ratio", "decode tokens per worker", "local/remote prefills",
                "same prefill as prev. turn", "TTFT p50 ms", "TTFT p90 ms",
                "later turns p50/p90 ms", "output tok/s", "errors"]
     table = []
@@ -249,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         hits = "/".join(fmt(h, 2) for h in r["prefill_hit_ratio"])
         decode_hits = "/".join(fmt(h, 2) for h in r["decode_hit_ratio"])
         where = r["prefill_where"]
-        table.append([name, hits, decode_hits, f"{fmt(where['local'], 0)}/{fmt(where['remote'], 0)}",
+        spread = "/".join(fmt(t, 0) for t in r.get("decode_generated_tokens", []))
+        table.append([name, hits, decode_hits, spread, f"{fmt(where['local'], 0)}/{fmt(where['remote'], 0)}",
                       fmt(r["same_prefill_as_previous_turn"], 2),
                       fmt((r["ttft_p50_s"] or 0) * 1000, 0), fmt((r["ttft_p90_s"] or 0) * 1000, 0),
                       f"{fmt((r['later_turns_ttft_p50_s'] or 0) * 1000, 0)}/"
@@ -260,11 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average before {load_before}, after {load_after}")
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model_name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "")
-    name = "kv_routing" + ("_context" if args.context_tokens else "") + ("_quick" if args.quick else "")
+    name = ("kv_routing" + ("_chat" if CHAT_MODE else "") + ("_context" if args.context_tokens else "")
+            + ("_quick" if args.quick else ""))
     write_result(args.out_dir, name, MODULE, argv, {
         "model_dir": str(model), "conversations": args.conversations, "turns": args.turns,
         "system_tokens": args.system_tokens, "user_tokens": args.user_tokens, "context_tokens": args.context_tokens,
-        "reply_tokens": args.reply_tokens,
+        "reply_tokens": args.reply_tokens, "prompts": args.prompts,
         "rows": rows, "comparison": comparison, "load_before": load_before, "load_after": load_after,
         "cpu": model_name, "machine": machine_info(),
     })
