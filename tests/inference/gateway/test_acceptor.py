@@ -176,8 +176,9 @@ def test_two_router_processes_share_connections_and_die_with_a_killed_acceptor(
         tree = descendants(proc.popen.pid)
         assert len(tree) == 3  # gunicorn's arbiter and its two router processes
         os.kill(proc.popen.pid, signal.SIGKILL)  # the acceptor only
+        proc.popen.wait(timeout=10)
         host, port = base.removeprefix("http://").split(":")
-        with pytest.raises(OSError):
+        with pytest.raises(ConnectionRefusedError):
             socket.create_connection((host, int(port)), timeout=2).close()  # nothing listens any more
         _, alive = psutil.wait_procs(tree, timeout=40)
         assert not alive, [p.info for p in alive]
