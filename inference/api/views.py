@@ -274,7 +274,10 @@ class DeploymentViewSet(PlatformViewSetMixin, viewsets.ModelViewSet):
         parameters=[
             OpenApiParameter("minutes", OpenApiTypes.INT, description="window back from now (default 60)"),
             _role_param(),
-            OpenApiParameter("max_points", OpenApiTypes.INT, description="points per series (default 600)"),
+            OpenApiParameter("max_points", OpenApiTypes.INT, description="points per series (default 600; a "
+                             "worker's series at most 200)"),
+            OpenApiParameter("max_workers", OpenApiTypes.INT, description="per-worker series of the N most "
+                             "loaded workers (default 20, at most 200, 0: none); workers_total counts them all"),
         ],
         responses={200: OpenApiResponse(OpenApiTypes.OBJECT, description="see deployment_metric_series")},
     )
