@@ -41,6 +41,9 @@ timeout = _env_int("ROUTER_WORKER_TIMEOUT_S", 120)
 # and requests in flight, streams included, get this long to finish before the workers are killed.
 # SIGHUP (graceful reload) starts new workers on the same socket first; the old ones finish what
 # they accepted, bounded by `timeout` above. Signal the master only: SIGHUP kills a worker outright.
+# Under `launch_router` (its acceptor owns the public port, inference/gateway/acceptor_process.py),
+# signal the launch_router process: it forwards these to the master, and ROUTER_BIND is then the
+# acceptor's private Unix socket.
 graceful_timeout = _env_int("ROUTER_GRACEFUL_TIMEOUT_S", 30)
 # Idle keep-alive connections are closed after this long: longer than clients' own idle expiry
 # (httpx 5 s, aiohttp 15 s, load balancers 60 s), so that a client never sends its next request on

@@ -59,6 +59,7 @@ class RouterLink:
     registered_at: float
     pid: int | None = None
     health: dict[str, Any] | None = None
+    loop_lag_s: float = 0.0
     snapshot_at: float | None = None
     leaving: bool = False
     outbox: collections.deque[tuple[bytes, socket.socket | None]] = field(default_factory=collections.deque)
@@ -137,6 +138,8 @@ class Acceptor:
                 body[key] = sum(int((link.health or {}).get(key) or 0) for link in known)
             body["router_processes"] = len(self.links)
             body["snapshot_age_s"] = round(now - (latest.snapshot_at or now), 3)
+            # How long ago a router process's event loop last ran its 0.1 s tick: how far behind it is.
+            body["loop_lag_s"] = max(link.loop_lag_s for link in known)
             return 200, body
         if fresh:
             return None
@@ -319,6 +322,8 @@ class Acceptor:
         link.pid = snapshot.get("pid")
         health = snapshot.get("health")
         link.health = health if isinstance(health, dict) else None
+        lag = snapshot.get("loop_lag_s")
+        link.loop_lag_s = float(lag) if isinstance(lag, (int, float)) else 0.0
         link.snapshot_at = time.monotonic()
         if first:
             logger.info("router process %s serving", link.pid)
