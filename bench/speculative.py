@@ -2,19 +2,20 @@
 
 Two engines over the same checkpoint (one torch thread, prefix caching off so every round computes
 the same thing), one with `SpeculativeConfig(num_speculative_tokens=K)`, measured alternately in
-each round (the order flips every round), on two greedy workloads:
+each round (the order flips every round), on three greedy workloads:
 
 - repetitive: chat requests that ask the model to rewrite a given paragraph, fixing mistakes (the
   answer repeats most of the prompt: what prompt lookup is for);
-- random: prompts of random token ids (nothing the answer repeats; automatic off has to keep the
-  cost of failed proposals small).
+- story: chat requests for a short story (natural text that does not repeat its prompt: automatic
+  off has to keep the cost of failed proposals small);
+- random: prompts of random token ids (the model's answer to them tends to loop).
 
-Each at 1 in flight (4 requests one after another) and at 8 in flight (8 requests at once). Reported per workload and
-level: output tok/s of each engine, the ratio speculative / plain per round and its median, the
+Each at 1 in flight (4 requests one after another) and at 8 in flight (8 requests at once). Reported
+per workload and level: output tok/s of each engine, the ratio speculative / plain per round and its median, the
 acceptance rate, and whether the greedy tokens were identical (they must be).
 
-    flock /tmp/bench.lock .venv/bin/python -m bench.speculative               # SmolLM2 if prepared, 3 rounds
-    .venv/bin/python -m bench.speculative --quick                             # tiny model, one short round
+    flock /tmp/bench.lock .venv/bin/python -m bench.speculative   # SmolLM2 if prepared, 3 rounds
+    .venv/bin/python -m bench.speculative --quick                 # tiny model, one short round
 """
 from __future__ import annotations
 
@@ -51,18 +52,18 @@ PARAGRAPHS = [
     "the last train back to the city leaves the coast at ten in the evening on weekdays.",
 ]
 INSTRUCTION = "Rewrite this text, fixing any mistakes:\n\n"
+# Free writing: answers that do not repeat their prompt (natural text, unlike random token ids, which
+# small models answer with loops that prompt lookup predicts).
+STORIES = ["a fox who learns to swim", "a lighthouse keeper on a stormy night", "a robot that paints",
+           "two friends lost in a market", "a city under the sea", "the last train of the year",
+           "a baker who cannot smell", "a map found in an old book"]
 
 
-def repetitive_prompts(tokenizer: Any, count: int) -> list[list[int]]:
-    """Chat prompts asking to rewrite one paragraph each (plain text when there is no chat template)."""
-    out = []
-    for i in range(count):
-        text = INSTRUCTION + PARAGRAPHS[i % len(PARAGRAPHS)]
-        if tokenizer.has_chat_template:
-            out.append(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
-        else:
-            out.append(tokenizer.encode(text + "\n\n"))
-    return out
+def chat_prompts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """One user message each, in the chat template (plain text when there is none)."""
+    if tokenizer.has_chat_template:
+        return [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    return [tokenizer.encode(t + "\n\n") for t in texts]
 
 
 def measure(engine: Any, prompts: list[list[int]], level: int, params: Any) -> tuple[float, list[list[int]]]:
@@ -103,8 +104,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     assert tokenizer is not None, "the benchmark needs a checkpoint with a tokenizer"
     n_prompts = max(levels)
     workloads = {
-        "repetitive": (repetitive_prompts(tokenizer, n_prompts),
+        "repetitive": (chat_prompts(tokenizer, [INSTRUCTION + PARAGRAPHS[i % len(PARAGRAPHS)]
+                                                for i in range(n_prompts)]),
                        SamplingParams(max_tokens=max_tokens, temperature=0.0)),
+        "story": (chat_prompts(tokenizer, [f"Write a short story about {STORIES[i % len(STORIES)]}."
+                                           for i in range(n_prompts)]),
+                  SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)),
         "random": (common.synthetic_prompts(n_prompts, 64, engines["plain"].config.vocab_size, seed=3),
                    SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)),
     }

@@ -72,7 +72,8 @@ class SpeculativeConfig:
 
 def find_ngram_proposal(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
     """The up to `k` tokens that followed the latest occurrence of the longest suffix of `tokens`
-    (between `min_n` and `max_n` tokens long) found earlier in `tokens`; empty when none is.
+    (between `min_n` and `max_n` tokens long) found earlier in `tokens` and followed by `k` tokens
+    (else its earliest occurrence); empty when there is none.
 
     Vectorised: the positions holding the last token are found in one comparison over the array,
     then the candidates are extended backwards one token at a time (at most `max_n - 1` small
@@ -94,7 +95,10 @@ def find_ngram_proposal(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> n
         cand, n = longer, j + 1
     if n < min_n:
         return tokens[:0]
-    start = int(cand[-1]) + 1  # the latest among the longest matches
+    # The latest of the longest matches whose continuation has all k tokens, else the earliest (the
+    # longest continuation): in a loop the latest match is the previous period, cut short by the end.
+    full = cand[cand <= size - 1 - k]
+    start = int(full[-1] if full.size else cand[0]) + 1
     return tokens[start : start + k]
 
 
@@ -108,6 +112,9 @@ class NgramState:
     accepted: float = 0.0
     off_until: int = 0  # decode step (the speculator's counter) before which it does not propose
     cooldown: int = COOLDOWN_STEPS
+    # Tokens to propose next (at most the configured K): one more than were accepted after a rejection,
+    # doubled after a proposal accepted whole, so rows are spent where the text is being copied.
+    k: int = 0
     total_proposed: int = 0
     total_accepted: int = 0
 
@@ -129,8 +136,10 @@ class NgramState:
             self.size = total
         return self.buffer[:total]
 
-    def record(self, proposed: int, accepted: int, step: int) -> None:
-        """Count one verify step's outcome; switch proposing off for a while when it does not pay."""
+    def record(self, proposed: int, accepted: int, step: int, max_k: int) -> None:
+        """Count one verify step's outcome: the next proposal's length, and switch proposing off for a
+        while when it does not pay."""
+        self.k = min(max_k, 2 * max(self.k, proposed)) if accepted == proposed else accepted + 1
         self.proposed = self.proposed * WINDOW_DECAY + proposed
         self.accepted = self.accepted * WINDOW_DECAY + accepted
         self.total_proposed += proposed
@@ -198,7 +207,7 @@ class NgramSpeculator:
             n = seq.num_tokens
             # Emitting a+1 tokens after a accepted ones: never propose past the last token allowed.
             limit = (seq.token_limit or n + cfg.num_speculative_tokens + 1) - n - 1
-            k = min(cfg.num_speculative_tokens, limit)
+            k = min(state.k or cfg.num_speculative_tokens, limit)
             if k <= 0:
                 continue
             found = find_ngram_proposal(state.tokens(seq), cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
@@ -223,7 +232,7 @@ class NgramSpeculator:
         self.num_proposed += proposed
         self.num_accepted += accepted
         if seq.spec_state is not None and proposed:
-            seq.spec_state.record(proposed, accepted, self.steps)
+            seq.spec_state.record(proposed, accepted, self.steps, self.config.num_speculative_tokens)
 
     def trim(self, seq: Sequence) -> None:
         """Free the blocks `seq` holds past the one its next token goes into (the lookahead slots of

@@ -60,6 +60,10 @@ def test_proposal_follows_the_latest_longest_match() -> None:
     assert find_ngram_proposal(np.array([1, 2, 3, 4, 3], dtype=np.int64), 2, 4, 3).tolist() == []
     assert find_ngram_proposal(np.array([1, 2, 3, 4, 3], dtype=np.int64), 1, 4, 3).tolist() == [4, 3]
     assert find_ngram_proposal(np.array([7], dtype=np.int64), 1, 4, 3).tolist() == []
+    # In a loop the latest match is the previous period, whose continuation the end cuts short: the
+    # latest match followed by all k tokens is taken instead.
+    loop = np.array([9, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2], dtype=np.int64)
+    assert find_ngram_proposal(loop, 2, 4, 4).tolist() == [1, 2, 1, 2]
 
 
 def test_accepted_tokens_stop_at_the_first_disagreement() -> None:
