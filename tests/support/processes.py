@@ -151,6 +151,24 @@ def start_worker(
     return proc, url
 
 
+def start_workers(roles: dict[str, str], model_dir: Path, log_dir: Path, *, extra: list[str] | None = None,
+                  prefix: str = "w") -> dict[str, tuple[Proc, str]]:
+    """Start one worker per `roles` entry (name -> role) in parallel (each takes seconds to load the
+    model); their (process, URL) by name. If any fails to start, the others are stopped and it raises."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(roles)) as pool:
+        futures = {name: pool.submit(start_worker, role, model_dir, log_dir, extra=extra, name=f"{prefix}-{name}")
+                   for name, role in roles.items()}
+    started = {name: future.result() for name, future in futures.items() if future.exception() is None}
+    if len(started) < len(roles):
+        for proc, _url in started.values():
+            proc.stop()
+        for future in futures.values():
+            future.result()  # raises the first failure
+    return started
+
+
 def start_router(
     prefill: list[str],
     decode: list[str],

@@ -127,7 +127,8 @@ def test_the_thread_checks_new_endpoints_at_once_and_drops_gone_ones(stand_ins: 
         pool.set_endpoints("decode", [second.url])
         (b,) = pool.endpoints("decode")
         await asyncio.to_thread(wait_until, lambda: b.last_health is not None, "new endpoint not checked at once")
-        assert isinstance(b, Endpoint) and b.healthy and pool.ready() is False  # no prefill endpoint
+        # No prefill endpoint: a colocated pool (its decode workers prefill), ready on its decode worker.
+        assert isinstance(b, Endpoint) and b.healthy and pool.ready() is True
         calls = first.health_calls
         await asyncio.sleep(0.3)
         assert first.health_calls == calls  # gone from the pool: not checked

@@ -11,14 +11,13 @@ from __future__ import annotations
 import functools
 import random
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.processes import Proc, start_router, start_worker, wait_until
+from tests.support.processes import Proc, start_router, start_workers, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 
@@ -33,15 +32,10 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add tw
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, log_dir: Path) -> Iterator[dict[str, Any]]:
     """One prefill and two decode workers; a kv-aware router (tokenizes) and a round-robin one (does not)."""
-    roles = {"p0": "prefill", "d0": "decode", "d1": "decode"}
-    with ThreadPoolExecutor(len(roles)) as pool:
-        futures = {name: pool.submit(start_worker, role, tiny_model_dir, log_dir, extra=COMMON, name=f"kvt-{name}")
-                   for name, role in roles.items()}
-    started = {name: future.result() for name, future in futures.items() if future.exception() is None}
+    started = start_workers({"p0": "prefill", "d0": "decode", "d1": "decode"}, tiny_model_dir, log_dir,
+                            extra=COMMON, prefix="kvt")
     procs: list[Proc] = [proc for proc, _url in started.values()]
     try:
-        for future in futures.values():
-            future.result()
         urls = {name: url for name, (_proc, url) in started.items()}
         kv, kv_url = start_router([urls["p0"]], [urls["d0"], urls["d1"]], log_dir, policy="kv-aware", env=ROUTER_ENV)
         procs.append(kv)

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.processes import Proc, start_router, start_worker
+from tests.support.processes import Proc, start_router, start_workers
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 
@@ -29,15 +28,10 @@ GREEDY = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, log_dir: Path) -> Iterator[dict[str, str]]:
     """A `both` worker, a prefill and a decode worker; routers: both only, decode only, prefill + decode."""
-    roles = {"both": "both", "prefill": "prefill", "decode": "decode"}
-    with ThreadPoolExecutor(len(roles)) as pool:
-        futures = {name: pool.submit(start_worker, role, tiny_model_dir, log_dir, extra=COMMON, name=f"colo-{name}")
-                   for name, role in roles.items()}
-    started = {name: f.result() for name, f in futures.items() if f.exception() is None}
+    started = start_workers({"both": "both", "prefill": "prefill", "decode": "decode"}, tiny_model_dir, log_dir,
+                            extra=COMMON, prefix="colo")
     procs: list[Proc] = [p for p, _ in started.values()]
     try:
-        for f in futures.values():
-            f.result()
         urls = {name: url for name, (_p, url) in started.items()}
         routers = {"both": ([], [urls["both"]]), "decode_only": ([], [urls["decode"]]),
                    "disagg": ([urls["prefill"]], [urls["decode"]])}
