@@ -142,6 +142,7 @@ def test_deployment_crud_records_scale_events(api: APIClient) -> None:
         ({"prefill_replicas": 9}, {"prefill_replicas"}),
         ({"kv_transport": "carrier-pigeon", "router_policy": "random"}, {"kv_transport", "router_policy"}),
         ({"name": ""}, {"name"}),
+        ({"kv_load_weight": -1, "local_prefill_tokens": -2}, {"kv_load_weight", "local_prefill_tokens"}),
     ],
 )
 def test_deployment_validation_errors_name_fields(api: APIClient, body: dict[str, Any], fields: set[str]) -> None:
@@ -150,6 +151,19 @@ def test_deployment_validation_errors_name_fields(api: APIClient, body: dict[str
     assert response.status_code == 400
     assert set(response.json()) == fields
     assert not Deployment.objects.exists()
+
+
+def test_one_host_deployment_with_router_settings(api: APIClient) -> None:
+    body = {"name": "one-host", "model": make_model().pk, "prefill_replicas": 0, "prefill_min": 0,
+            "decode_replicas": 0, "decode_min": 0, "both_replicas": 1, "both_min": 1, "router_policy": "kv-aware",
+            "kv_token_weight": 2.0, "kv_load_weight": 32.0, "local_prefill_tokens": 48}
+    created = api.post("/api/deployments/", body, format="json")
+    assert created.status_code == 201, created.content
+    data = created.json()
+    assert (data["both_replicas"], data["kv_load_weight"], data["local_prefill_tokens"]) == (1, 32.0, 48)
+    assert ScaleEvent.objects.filter(deployment_id=data["id"], role="both", to_replicas=1).exists()
+    patched = api.patch(f"/api/deployments/{data['id']}/", {"local_prefill_tokens": 0}, format="json")
+    assert patched.status_code == 200 and patched.json()["local_prefill_tokens"] == 0
 
 
 def test_patch_bounds_clamps_replicas(api: APIClient) -> None:
