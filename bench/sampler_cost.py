@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from inference.engine import SamplingParams, logprobs
+    from inference.engine.cpu_kernels import load_kernels
     from inference.engine.logprobs import attach_sampled
     from inference.engine.sampler import sample
 
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         "temperature+logprobs_torch": replace(temperature, logprobs=5),
         "top_p+logprobs_torch": replace(top_p, logprobs=5),
     }
+    load_kernels()  # as a CPU engine's model runner does at its start (None where they do not build)
     kernel_lookup = logprobs._row_kernel
     kernel = kernel_lookup(logits) is not None
     log(f"row_lse_topk kernel: {'yes' if kernel else 'no (torch path in both logprobs configurations)'}")

@@ -160,3 +160,10 @@ def load_kernels() -> Any:
             logger.warning("CPU kernels failed to build (%s); using torch ops", exc)
             _module = None
         return _module
+
+
+def loaded_kernels() -> Any:
+    """The extension when this process has loaded it already (`load_kernels`), else None; never builds.
+    For optional users (logprobs.py) that must not start a build of minutes where the engine chose the
+    torch path (`--compile`, a GPU) or has not started yet."""
+    return _module

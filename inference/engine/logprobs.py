@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .cpu_kernels import load_kernels
+from .cpu_kernels import loaded_kernels
 
 if TYPE_CHECKING:
     from .sequence import Sequence
@@ -55,11 +55,11 @@ def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _row_kernel(logits: torch.Tensor) -> Any:
     """The C++ `row_lse_topk` (csrc/row_logprobs.cpp) when it applies to `logits`: CPU, fp32 or bf16, a
-    contiguous last dim, and the kernels built here; None otherwise (the torch path)."""
+    contiguous last dim, and the CPU kernels loaded in this process (the model runner loads them when it
+    runs on them); None otherwise (the torch path)."""
     if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16) or logits.stride(-1) != 1:
         return None
-    kernels = load_kernels()  # loaded once per process (the model runner's CPU kernels)
-    return getattr(kernels, "row_lse_topk", None)
+    return getattr(loaded_kernels(), "row_lse_topk", None)
 
 
 def _reduced(logits: torch.Tensor, ids: torch.Tensor, widest: int) -> tuple[torch.Tensor, torch.Tensor | None,

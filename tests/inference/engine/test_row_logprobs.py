@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from inference.engine import logprobs
 from inference.engine.cpu_kernels import load_kernels
 from inference.engine.logprobs import token_logprobs
 
@@ -48,6 +49,12 @@ def test_rows_with_a_stride() -> None:
     check(x[::2], 7)  # every other row: stride(0) is twice the vocabulary
 
 
+def test_only_cpu_fp32_bf16_rows_take_the_kernel() -> None:
+    assert logprobs._row_kernel(torch.randn(2, 64)) is not None
+    assert logprobs._row_kernel(torch.randn(2, 64, dtype=torch.float64)) is None
+    assert logprobs._row_kernel(torch.randn(64, 2).t()) is None  # last dim not contiguous
+
+
 def test_refuses_what_it_cannot_read() -> None:
     with pytest.raises(RuntimeError, match="contiguous last dim"):
         ops.row_lse_topk(torch.randn(4, 8).t(), 2)
@@ -58,10 +65,16 @@ def test_refuses_what_it_cannot_read() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_token_logprobs_equal_a_log_softmax(dtype: torch.dtype) -> None:
+def test_token_logprobs_equal_a_log_softmax(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     logits = (torch.randn(5, 49152, generator=torch.Generator().manual_seed(9)) * 3).to(dtype)
     tokens = [0, 17, 49151, 300, 12345]
+    assert logprobs._row_kernel(logits) is not None  # the kernels are loaded (above): it is used
     found = token_logprobs(logits, tokens, [5, 0, 3, 1, 5])
+    monkeypatch.setattr(logprobs, "_row_kernel", lambda _: None)
+    torch_path = token_logprobs(logits, tokens, [5, 0, 3, 1, 5])
+    for ours, theirs in zip(found, torch_path, strict=True):
+        assert [t for t, _ in ours.top] == [t for t, _ in theirs.top]
+        assert abs(ours.logprob - theirs.logprob) < 1e-5
     ref = torch.log_softmax(logits.double(), dim=-1)
     for i, (entry, token) in enumerate(zip(found, tokens, strict=True)):
         assert abs(entry.logprob - float(ref[i, token])) < 1e-5
