@@ -164,7 +164,12 @@ def run_size(nodes: int, workers: int, step: int, args: Any, log_dir: Path) -> d
                 collector.collect()
                 elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
             # CPU seconds of this process (all threads): what the round needs of a core, whatever the load.
-            rounds.append({"round_s": elapsed, "cpu_s": cpu, "statements": len(queries)})
+            # The database's part: every statement's time, and the writes' (the round's one UPDATE of the
+            # workers and INSERTs of its samples), from Django's record of the queries.
+            timed = [(q["sql"].lstrip()[:6].upper(), float(q["time"])) for q in queries.captured_queries]
+            rounds.append({"round_s": elapsed, "cpu_s": cpu, "statements": len(queries),
+                           "db_s": sum(t for _, t in timed),
+                           "write_s": sum(t for verb, t in timed if verb in ("INSERT", "UPDATE"))})
             time.sleep(1.0)
         result["collector"] = {"rounds": rounds, "scrapes_per_round": 2 * workers,
                                "rows_per_round": workers + 2, "client_ab": scrape_ab(deployment)}

@@ -44,6 +44,7 @@ def test_quick_harness_writes_a_well_formed_result(tmp_path: Path, log_dir: Path
     assert 0 < scale["decision_to_all_placed_s"] and scale["decision_to_all_running_s"] > 0
     rounds = size["collector"]["rounds"]
     assert len(rounds) == 2 and all(r["statements"] > 0 for r in rounds)
+    assert all(r["db_s"] >= r["write_s"] > 0 for r in rounds)  # each round wrote its samples
     ab = size["collector"]["client_ab"]
     assert ab["client_per_scrape_failed"] == 0 and ab["shared_client_failed"] == 0  # every simulated worker answered
     queue = size["queue_latency"]
