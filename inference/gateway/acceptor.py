@@ -165,33 +165,36 @@ class Acceptor:
                 return
             sock.setblocking(False)
             pending = _Pending(sock)
+            if self._read(pending):  # with TCP_DEFER_ACCEPT its first bytes are there: done in one pass
+                continue
             self._reading[sock.fileno()] = pending
             self._loop.add_reader(sock.fileno(), self._read, pending)
             pending.timer = self._loop.call_later(self.head_wait_s, self._head_timeout, pending)
-            self._read(pending)  # its request is often there already: no second wake-up
 
     def _resume_accepting(self) -> None:
         if self.listener.fileno() >= 0:
             self._loop.add_reader(self.listener.fileno(), self._accept)
 
-    def _read(self, pending: _Pending) -> None:
+    def _read(self, pending: _Pending) -> bool:
+        """Read what the client sent; True once the connection is dealt with (answered, handed over
+        or gone), False while more of its head is awaited."""
         try:
             chunk = pending.sock.recv(HEAD_LIMIT - len(pending.data))
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError:
             chunk = b""
         if not chunk:  # the client left (or reset) before its request was complete
             self._forget(pending)
-            return
+            return True
         pending.data += chunk
         verdict, probe = classify(pending.data)
         if verdict is Verdict.MORE:
-            return
+            return False
         self._stop_reading(pending)
-        if probe is not None and self._answer(pending, probe):
-            return
-        self._dispatch(pending)
+        if probe is None or not self._answer(pending, probe):
+            self._dispatch(pending)
+        return True
 
     def _head_timeout(self, pending: _Pending) -> None:
         """A client that has not sent a whole head in `head_wait_s`: a router process takes it over
