@@ -260,6 +260,9 @@ async def _run(args: Any, urls: list[str], router_pid: int, keys: dict[str, str]
     return {
         "cpu_ms_per_request": cpu_ms, "cpu_rounds_ms": cpu,
         "cpu_delta_ms": (cpu_ms["limited key"] or 0) - (cpu_ms["env key"] or 0),
+        # The same difference taken round by round (each round's blocks ran back to back), then the median:
+        # less sensitive to the load drifting between rounds.
+        "cpu_delta_paired_ms": median([b - a for a, b in zip(cpu["env key"], cpu["limited key"], strict=True)]),
         "normal_ttft_p50_alone_s": median(alone), "normal_ttft_p50_beside_flood_s": median(beside),
         "normal_requests": {"alone": len(alone), "beside_flood": len(beside)},
         "ttft_ratio": ratio(median(beside), median(alone)), "where_the_flood_hurts": where,
@@ -326,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
          ["router CPU/request, database key without limits (ms)",
           f"{result['cpu_ms_per_request']['database key']:.3f}", ""],
          ["router CPU/request, limited key (ms)", f"{result['cpu_ms_per_request']['limited key']:.3f}", ""],
-         ["difference (ms)", f"{result['cpu_delta_ms']:+.3f}", "<= +0.2"],
+         ["difference (ms): of the medians / median of per-round differences",
+          f"{result['cpu_delta_ms']:+.3f} / {result['cpu_delta_paired_ms'] or 0:+.3f}", "<= +0.2"],
          ["normal key TTFT p50 alone (ms)", f"{1000 * (result['normal_ttft_p50_alone_s'] or 0):.1f}", ""],
          ["normal key TTFT p50 beside flood (ms)", f"{1000 * (result['normal_ttft_p50_beside_flood_s'] or 0):.1f}", ""],
          ["ratio", f"{result['ttft_ratio'] or 0:.2f}", "<= 1.2"],
