@@ -112,12 +112,17 @@ def _token_is_valid(key: str) -> bool:
     return token is not None and bool(token.user.is_active)
 
 
+def is_configured_key(key: str) -> bool:
+    """Whether `key` is one of ROUTER_API_KEYS (compared in constant time)."""
+    return _is_configured_key(key, getattr(settings, "ROUTER_API_KEYS", None) or [])
+
+
 async def authenticate(key: str | None) -> Tenant | None:
     """The tenant `key` stands for: an active API key, a configured key or an active user's DRF
     token; None when it is none of them."""
     if not key:
         return None
-    if _is_configured_key(key, getattr(settings, "ROUTER_API_KEYS", None) or []):
+    if is_configured_key(key):
         return ENV_TENANT
     tenant = await key_cache().lookup(key)
     if tenant is not None:

@@ -20,7 +20,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-from django.conf import settings
 
 from inference.gateway import auth
 from inference.gateway.api_keys import key_cache
@@ -52,7 +51,7 @@ def early_answer(method: str, path: str, headers: list[tuple[bytes, bytes]],
             header = value.decode("latin-1")
             break
     key = auth.bearer_key(header)
-    if key is None or auth._is_configured_key(key, getattr(settings, "ROUTER_API_KEYS", None) or []):
+    if key is None or auth.is_configured_key(key):
         return None
     tenant = key_cache().peek(key)
     if tenant is None or not tenant.limited:
