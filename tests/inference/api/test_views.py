@@ -529,6 +529,27 @@ def test_events_are_read_only_and_filtered(api: APIClient) -> None:
     assert api.post("/api/events/", {}, format="json").status_code == 405
 
 
+def test_events_list_statements_do_not_grow_with_events_or_their_workers(api: APIClient) -> None:
+    """Each event lists its placed workers' ids, read for the whole page at once (one query per event before)."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    def statements(events: int, workers: int) -> int:
+        deployment = make_deployment(decode_max=100)
+        node = make_node()
+        placed = [make_worker(deployment, node, role="decode") for _ in range(workers)]
+        for i in range(events):
+            event = ScaleEvent.objects.create(deployment=deployment, role="decode", from_replicas=i,
+                                              to_replicas=i + 1, source="manual", reason=f"e{i}")  # fmt: skip
+            event.placed_workers.set(placed)
+        with CaptureQueriesContext(connection) as queries:
+            answer = api.get(f"/api/events/?deployment={deployment.pk}").json()["results"]
+        assert len(answer) == events and all(sorted(e["placed_workers"]) == [w.pk for w in placed] for e in answer)
+        return len(queries)
+
+    assert statements(events=12, workers=5) == statements(events=1, workers=1)
+
+
 # --------------------------------------------------------------------------- query parameters
 
 LIST_PATHS = ["/api/nodes/", "/api/models/", "/api/deployments/", "/api/workers/", "/api/rules/", "/api/events/"]
