@@ -5,10 +5,13 @@
 //
 // Blocking: a tile is MR rows x NV panels of accumulators (MR * NV <= 24 of the 32 vector registers).
 // Decode row counts read each weight vector once per MR rows: up to 4 rows, 4 panels side by side (so
-// that even one row has 4 independent dependency chains); up to 8 rows, 2 panels; up to 16 rows, one
-// panel of M rows; above, 12 rows x 2 panels, the micro-tile of a compute-bound GEMM. The first pass over
-// a group of panels prefetches the next group, one 64-byte line per panel and step, so the weights stream
-// from memory while the current group computes.
+// that even one row has 4 independent dependency chains); up to 8 rows, one panel of M rows; up to 16,
+// 8 rows x 2 panels (the second pass reads the group from L2); above, 12 rows x 2 panels, the micro-tile
+// of a compute-bound GEMM. The first pass over a group of panels prefetches the next group, one 64-byte
+// line per panel and step, so the weights stream from memory while the current group computes. Measured
+// on an AMD EPYC Zen 4 (bf16, one SmolLM2 step's projections, 30 distinct layers): without the prefetch
+// 8 rows took 17.7 instead of 9.1 ms; 8 x 1 against 8 x 2 panels at 8 rows 8.3 vs 9.1 ms, 8 x 2 against
+// 16 x 1 at 16 rows 14.1 vs 16.3 ms; 4 x 4, 6 x 4, 8 x 3 and prefetching two groups ahead were slower.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -163,8 +166,8 @@ void run_groups(const Args<E>& a, int64_t M, int64_t P) {
 template <class E>
 void run(const Args<E>& a, int64_t M, int64_t P) {
   if (M <= 4) return run_groups<E, 4, 4>(a, M, P);
-  if (M <= 8) return run_groups<E, 8, 2>(a, M, P);
-  if (M <= 16) return run_groups<E, 16, 1>(a, M, P);
+  if (M <= 8) return run_groups<E, 8, 1>(a, M, P);
+  if (M <= 16) return run_groups<E, 8, 2>(a, M, P);
   run_groups<E, 12, 2>(a, M, P);
 }
 
