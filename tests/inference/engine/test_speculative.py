@@ -31,9 +31,10 @@ def copying_model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     return make_copying_model(tiny_model_dir, tmp_path_factory.mktemp("copying") / "model")
 
 
-def engine(path: Path, dtype: str = "float32", k: int | None = K, **kw: object) -> LLMEngine:
-    """An engine over `path`, speculating with `k` tokens (None: off)."""
-    spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
+def engine(path: Path, dtype: str = "float32", k: int | None = K, row_tile: int = 0, **kw: object) -> LLMEngine:
+    """An engine over `path`, speculating with `k` tokens (None: off); no row budget by default, so
+    that every sequence of a full batch may propose."""
+    spec = SpeculativeConfig(num_speculative_tokens=k, row_tile=row_tile) if k else None
     return LLMEngine(str(path), num_blocks=256, block_size=8, max_num_seqs=8, dtype=dtype, speculative=spec,
                      **kw)  # type: ignore[arg-type]
 
@@ -73,11 +74,32 @@ def test_accepted_tokens_stop_at_the_first_disagreement() -> None:
     assert accepted_tokens([], [3]) == [3]
 
 
+def test_proposals_fill_the_last_row_tile_only(copying_model: Path) -> None:
+    """With row_tile 8: a full batch of 8 runs plain decode steps; 3 sequences share the tile's 5
+    free rows; the tokens stay plain decoding's."""
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    full = engine(copying_model, row_tile=8)
+    ps = cycle_prompts(copying_model, 8)
+    plain = [r.token_ids for r in engine(copying_model, k=None).generate(ps, params)]
+    assert [r.token_ids for r in full.generate(ps, params)] == plain
+    assert full.speculator is not None and full.speculator.num_proposed == 0
+    few = engine(copying_model, row_tile=8)
+    for i, p in enumerate(ps[:3]):
+        few.add_request(f"r{i}", p, params)
+    few.step()  # the prefill
+    seqs = list(few.scheduler.running)
+    proposals = few.speculator.propose(seqs) if few.speculator is not None else None
+    assert proposals is not None and sum(map(len, proposals)) == 5
+    assert [r.token_ids for r in few.generate(ps[3:6], params)] == plain[3:6]
+
+
 def test_config_validation_names_the_field() -> None:
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig(num_speculative_tokens=0).validate()
     with pytest.raises(ValueError, match="method"):
         SpeculativeConfig(method="eagle").validate()
+    with pytest.raises(ValueError, match="row_tile"):
+        SpeculativeConfig(row_tile=-1).validate()
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         SpeculativeConfig(prompt_lookup_min=3, prompt_lookup_max=2).validate()
 
