@@ -313,3 +313,31 @@ def test_proposing_stops_when_proposals_keep_failing(tiny_model_dir: Path) -> No
     s = eng.speculator
     assert s is not None and 0 < s.num_proposed < 0.2 * 300 * len(ps)
     assert s.acceptance_rate < 0.3
+
+
+def test_abort_mid_speculation_frees_every_block(copying_model: Path) -> None:
+    """Aborting speculating requests between steps (holding lookahead-trimmed blocks) and during a
+    run returns the pool whole; the others finish as plain decoding would."""
+    ps = cycle_prompts(copying_model, 4)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    plain = [r.token_ids for r in engine(copying_model, k=None).generate(ps, params)]
+    eng = engine(copying_model)
+    for i, p in enumerate(ps):
+        eng.add_request(f"r{i}", p, params)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(ps))}
+    finished: dict[str, str | None] = {}
+    steps = 0
+    while eng.has_work():
+        for out in eng.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+        steps += 1
+        if steps == 4:
+            eng.abort("r1")
+            eng.abort("r3")
+    assert finished == {"r0": "length", "r1": "abort", "r2": "length", "r3": "abort"}
+    assert tokens["r0"] == plain[0] and tokens["r2"] == plain[2]
+    assert 0 < len(tokens["r1"]) < 60 and tokens["r1"] == plain[1][: len(tokens["r1"])]
+    assert eng.speculator is not None and eng.speculator.num_accepted > 20
+    assert eng.num_free_blocks == 256
