@@ -1,7 +1,8 @@
 """The router's acceptor (inference/gateway/acceptor.py) with real processes: tiny-model prefill and
 decode workers and `python -m inference.launch_router` (acceptor → gunicorn → router processes).
 
-- generation through handed-over connections (streamed and not, keep-alive) works;
+- generation through handed-over connections (streamed and not, keep-alive) works, also on a
+  connection whose first requests were probes the acceptor answered;
 - `/health` is answered by the acceptor while the router process is SIGSTOPped: what the last
   snapshot said, then 503 not-ready once it is stale, then ready again after SIGCONT;
 - silent and slow clients never delay a probe;
@@ -101,6 +102,38 @@ def test_generation_through_handed_over_connections(router: tuple[Proc, str]) ->
     answer = httpx.post(f"{base}/v1/completions", json={"prompt": "hello", "max_tokens": 2, "user": "u" * 40000},
                         timeout=60)
     assert answer.status_code == 200, answer.text
+
+
+def read_answer(sock: socket.socket) -> tuple[bytes, bytes]:
+    """One response with a content-length on a kept connection: (head, body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head, body
+
+
+def test_a_kept_probe_connection_goes_on_to_a_router_process(router: tuple[Proc, str]) -> None:
+    proc, base = router
+    wait_until("the acceptor answering from a snapshot", lambda: "router_processes" in probe(base)[1], 10, [proc])
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        for _ in range(2):  # answered by the acceptor, the connection kept
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+            head, body = read_answer(sock)
+            assert head.startswith(b"HTTP/1.1 200") and "router_processes" in json.loads(body)
+        body_bytes = json.dumps({"prompt": "hello", "max_tokens": 3}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body_bytes), body_bytes))
+        answer = b""
+        while chunk := sock.recv(65536):  # then handed over with those bytes: a router process answers
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    assert b'"object":"text_completion"' in answer
 
 
 def test_health_answers_while_the_router_process_is_stopped(router: tuple[Proc, str]) -> None:
