@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -167,6 +168,14 @@ def start_workers(roles: dict[str, str], model_dir: Path, log_dir: Path, *, extr
         for future in futures.values():
             future.result()  # raises the first failure
     return started
+
+
+def post_json(url: str, body: dict[str, Any], timeout: httpx.Timeout | float = 60.0) -> dict[str, Any]:
+    """POST `body` as JSON; the JSON answer, asserting a 200 (the answer's text shown otherwise)."""
+    response = httpx.post(url, json=body, timeout=timeout)
+    assert response.status_code == 200, response.text
+    answer: dict[str, Any] = response.json()
+    return answer
 
 
 def start_router(

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.processes import Proc, start_router, start_workers, wait_until
+from tests.support.processes import Proc, post_json, start_router, start_workers, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 
@@ -48,9 +48,7 @@ def cluster(tiny_model_dir: Path, log_dir: Path) -> Iterator[dict[str, Any]]:
 
 
 def _post(router: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    response = httpx.post(router + path, json=body, timeout=HTTP_TIMEOUT)
-    assert response.status_code == 200, response.text
-    return response.json()
+    return post_json(router + path, body, HTTP_TIMEOUT)
 
 
 def _kv(router: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.processes import Proc, start_router, start_workers
+from tests.support.processes import Proc, post_json, start_router, start_workers
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 
@@ -46,9 +46,7 @@ def cluster(tiny_model_dir: Path, log_dir: Path) -> Iterator[dict[str, str]]:
 
 
 def _post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    response = httpx.post(url + path, json=body, timeout=HTTP_TIMEOUT)
-    assert response.status_code == 200, response.text
-    return response.json()
+    return post_json(url + path, body, HTTP_TIMEOUT)
 
 
 def _where(router: str) -> dict[str, float]:
