@@ -48,8 +48,8 @@ def _poll_health(url: str, seconds: float, interval_s: float, idle_clients: int,
 
 
 async def _watch(url: str, seconds: float, interval_s: float, idle_clients: int) -> dict[str, Any]:
-    deadline = time.monotonic() + seconds
     health_s: list[float] = []
+    health_at: list[float] = []  # when each answered probe started, seconds into the run
     health_failures: list[str] = []
     idle: dict[str, Any] = {"requests": 0, "answered": 0, "no_answer": 0, "errors": []}
 
@@ -70,16 +70,23 @@ async def _watch(url: str, seconds: float, interval_s: float, idle_clients: int)
                     writer.close()
                 if answer.startswith(b"HTTP/1.1 200"):
                     health_s.append(time.perf_counter() - started)
+                    health_at.append(round(started - run_start, 2))
                 else:
                     health_failures.append(repr(answer[:80]))
             except (OSError, TimeoutError) as exc:
                 health_failures.append(f"{type(exc).__name__}: {exc}"[:160])
             await asyncio.sleep(max(0.0, interval_s - (time.perf_counter() - started)))
 
+    # The idle clients are built before the probes start: each builds an SSL context (~60 ms of this
+    # process's loop), which a probe started meanwhile would count as the router's latency.
+    clients = [httpx.AsyncClient(timeout=30, trust_env=False,
+                                 limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+               for _ in range(idle_clients)]
+    deadline = time.monotonic() + seconds
+
     async def idle_client(seed: int) -> None:
         rng = random.Random(seed)
-        async with httpx.AsyncClient(timeout=30, trust_env=False,
-                                     limits=httpx.Limits(max_connections=1, max_keepalive_connections=1)) as client:
+        async with clients[seed] as client:
             while time.monotonic() < deadline:  # bounded by the run's length
                 idle["requests"] += 1
                 try:
@@ -92,8 +99,11 @@ async def _watch(url: str, seconds: float, interval_s: float, idle_clients: int)
                     idle["errors"].append(f"{type(exc).__name__}: {exc}"[:160])
                 await asyncio.sleep(rng.uniform(3.0, 7.0))
 
+    # The first getaddrinfo starts the loop's executor thread: this process's warm-up, not the router's.
+    await asyncio.get_running_loop().getaddrinfo(host, int(port))
+    run_start = time.perf_counter()
     await asyncio.gather(probe(), *(idle_client(i) for i in range(idle_clients)))
-    return {"health_s": health_s, "health_failures": health_failures, "idle": idle}
+    return {"health_s": health_s, "health_at": health_at, "health_failures": health_failures, "idle": idle}
 
 
 def _load_outcomes(csv_path: Path) -> dict[str, Any]:
@@ -190,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
             "p50_ms": round((percentile(health_s, 50) or 0) * 1000, 1),
             "p99_ms": round((percentile(health_s, 99) or 0) * 1000, 1),
             "max_ms": round(max(health_s, default=0) * 1000, 1),
+            # The five slowest probes: (seconds into the run, ms), to tell a start-up burst from the load's.
+            "slowest": sorted(zip(watch["health_at"], (round(t * 1000, 1) for t in health_s), strict=True),
+                              key=lambda pair: -pair[1])[:5],
         },
         "idle_clients": watch["idle"],
         "load_test": json.loads(summary_path.read_text()),
