@@ -22,8 +22,8 @@ and 16 rows and 1.05-1.1x at 64-256. On AVX-512 CPUs oneDNN's 16-wide kernels st
 Since the seventh session the panel kernel has AVX-512 variants (csrc/panel_gemm512.cpp): 16-wide fp32,
 and bf16 with AVX512-BF16's `vdpbf16ps` (weights packed once in the pair-interleaved layout it reads,
 fp32 accumulation). On an AMD EPYC Zen 4 (AVX512-BF16, no AMX) one SmolLM2 decode step's projections
-ran in 0.5-0.9x oneDNN's time in bf16 up to 64 rows and 0.85x in fp32 up to 32 rows, and about as
-fast or slower above (bench/engine_linears.py, docs/benchmarks.md). So the choice is per row count
+ran in 0.59-0.90x oneDNN's time in bf16 and 0.73-0.91x in fp32 at 1-64 rows, and as fast or slower
+at 256 (bench/engine_linears.py, docs/benchmarks.md). So the choice is per row count
 (`panel_rows_limit`): rows up to the limit run on the panels, more rows (prefill chunks) on oneDNN's
 prepacked copy of the same weight, kept beside the panels only where the limit is finite.
 """
@@ -45,12 +45,12 @@ PANEL_SWITCH = "INFERENCE_PANEL_GEMM"
 ALL_ROWS = 1 << 62
 # Up to how many rows the panel kernel runs, per CPU kind and dtype: the largest measured row count at
 # which it beat oneDNN's prepacked kernel on a whole step's projections (docs/benchmarks.md; absent: never).
-# AVX2 EPYC (sixth session): fp32 faster at every row count measured (8-256). AMD EPYC Zen 4 (seventh):
-# bf16 0.49-0.87x of oneDNN's time at 1-64 rows and 1.0x at 256; fp32 0.83-0.85x at 1-32, 1.0x at 64,
-# 1.14x at 256. CPUs with AMX are left to oneDNN (its AMX kernels, not measured against these).
+# AVX2 EPYC (sixth session): fp32 faster at every row count measured (8-256). AMD EPYC Zen 4 (seventh,
+# the final tiles): bf16 0.59-0.90x of oneDNN's time at 1-64 rows, 1.05x at 256; fp32 0.73-0.91x at 1-64,
+# 1.00x at 256. CPUs with AMX are left to oneDNN (its AMX kernels, not measured against these).
 PANEL_ROWS: dict[tuple[str, torch.dtype], int] = {
     ("avx2", torch.float32): ALL_ROWS,
-    ("avx512", torch.float32): 32,
+    ("avx512", torch.float32): 64,
     ("avx512", torch.bfloat16): 64,
 }
 

@@ -126,7 +126,7 @@ def test_choice_rule_per_cpu_kind(monkeypatch: pytest.MonkeyPatch) -> None:
     if kind == "avx2":
         assert panel_rows_limit(torch.float32, ops) == ALL_ROWS
     if kind == "avx512":  # the AMD EPYC Zen 4 figures: decode batches on the panels, prefill on oneDNN
-        assert panel_rows_limit(torch.float32, ops) == 32
+        assert panel_rows_limit(torch.float32, ops) == 64
         assert bf16 in (0, 64)
     monkeypatch.setenv(PANEL_SWITCH, "0")
     assert panel_rows_limit(torch.float32, ops) == panel_rows_limit(torch.bfloat16, ops) == 0
