@@ -10,6 +10,10 @@ one torch thread, and then the engine's decode throughput at several batch sizes
 - **compute share**: FLOP per second of the engine's projections ÷ the measured peak of a large
   square GEMM in the engine's dtype (oneDNN/MKL through `torch.mm`: the practical peak of one core).
 
+Both from two measurements per batch size: tok/s over whole `generate` calls (prompts prefilled, the
+batch ramping up and draining: what a client sees), and the **steady** decode step (the median
+`engine.step()` with the batch already decoding: the step the limits bound).
+
 The weight bytes and FLOP per token come from the checkpoint's tensor shapes (safetensors headers),
 not from the engine's internals: every linear weight (and the LM head, tied or not) is read once per
 step and costs 2 FLOP per element per sequence; attention's share is left out (short contexts here),
@@ -116,6 +120,30 @@ def engine_decode_tps(model_dir: Path, dtype: str, batch: int, max_tokens: int, 
     return result
 
 
+def engine_steady_step_ms(model_dir: Path, dtype: str, batch: int, steps: int) -> float:
+    """Median ms of one decode step with exactly `batch` sequences decoding (32-token prompts, already
+    prefilled and a few steps in): the step the limits bound, without `generate`'s prefills, ramp-up
+    and drain."""
+    from bench.engine_throughput import _engine
+    from inference.engine import SamplingParams
+
+    engine = _engine(model_dir, max_num_seqs=max(batch, 1), max_len=64 + steps + 16, dtype=dtype)
+    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(synthetic_prompts(batch, 32, vocab, seed=batch)):
+        engine.add_request(f"steady-{i}", prompt, params)
+    while engine.num_running < batch:
+        engine.step()
+    for _ in range(4):  # warm-up: the decode fast path's caches
+        engine.step()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
 def shares(weights: dict[str, int], dtype: str, tps: float, batch: int, bandwidth_gbs: float,
            peak_gflops: float) -> dict[str, float]:
     """The engine's step as a share of the read bandwidth and of the compute peak."""
@@ -147,10 +175,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--waves", type=int, default=2, help="waves of `batch` requests per batch size")
     p.add_argument("--buffer-mb", type=int, default=1024, help="read-bandwidth buffer (far above the L3)")
     p.add_argument("--gemm-n", type=int, default=2048, help="square GEMM size of the peak probe")
+    p.add_argument("--steady-steps", type=int, default=30,
+                   help="decode steps timed per batch size with the batch already decoding (median kept)")
     args = parse_args(p, argv or [])
     argv = list(argv or [])
     if args.quick:
         args.batches, args.max_tokens, args.waves, args.buffer_mb, args.gemm_n = "1,4", 8, 1, 64, 256
+        args.steady_steps = 3
     model_dir = args.model_dir or (None if args.quick else smollm2_dir()) or tiny_model_dir()
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     print_header(f"CPU limits and the decode step ({model_dir.name})")
@@ -162,12 +193,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = []
         for batch in batches:
             run = engine_decode_tps(model_dir, dtype, batch, args.max_tokens, args.waves)
+            step_ms = engine_steady_step_ms(model_dir, dtype, batch, args.steady_steps)
+            steady = shares(weights, dtype, batch * 1e3 / step_ms, batch, bandwidth["gb_per_s"], peak["gflops"])
             rows.append({"batch": batch, **run,
-                         **shares(weights, dtype, run["tokens_per_s"], batch, bandwidth["gb_per_s"], peak["gflops"])})
+                         **shares(weights, dtype, run["tokens_per_s"], batch, bandwidth["gb_per_s"], peak["gflops"]),
+                         "steady_step_ms": step_ms, "steady": steady})
     table = markdown_table(
-        ["batch", "tok/s", "steps/s", "weights GB/s", "share of read bandwidth", "GFLOP/s", "share of GEMM peak"],
+        ["batch", "tok/s", "steps/s", "weights GB/s", "share of read bandwidth", "GFLOP/s", "share of GEMM peak",
+         "steady step ms", "steady: share of read bandwidth", "steady: share of GEMM peak"],
         [[r["batch"], fmt(r["tokens_per_s"], 1), fmt(r["steps_per_s"], 1), fmt(r["weight_gb_per_s"], 2),
-          f"{100 * r['bandwidth_share']:.0f} %", fmt(r["gflops"], 1), f"{100 * r['compute_share']:.0f} %"]
+          f"{100 * r['bandwidth_share']:.0f} %", fmt(r["gflops"], 1), f"{100 * r['compute_share']:.0f} %",
+          fmt(r["steady_step_ms"], 2), f"{100 * r['steady']['bandwidth_share']:.0f} %",
+          f"{100 * r['steady']['compute_share']:.0f} %"]
          for r in rows])
     print(f"read bandwidth {bandwidth['gb_per_s']:.1f} GB/s; {dtype} GEMM peak {peak['gflops']:.1f} GFLOP/s "
           f"(n = {args.gemm_n}, one thread)\n{table}")

@@ -195,3 +195,9 @@ def test_cpu_limits_quick(tmp_path: Path, tiny_model_dir: Path) -> None:
         assert math.isclose(row["bandwidth_share"], expected_gbs / result["read_bandwidth"]["gb_per_s"], rel_tol=1e-9)
         assert math.isclose(row["compute_share"], 2 * elements * row["tokens_per_s"] / 1e9
                             / result["gemm_peak"]["gflops"], rel_tol=1e-9)
+        # The steady decode step: its shares follow from the step time alone (batch tokens per step).
+        steady_gbs = elements * bytes_per_weight * 1e3 / row["steady_step_ms"] / 1e9
+        assert _positive(row["steady_step_ms"])
+        assert math.isclose(row["steady"]["weight_gb_per_s"], steady_gbs, rel_tol=1e-9)
+        assert math.isclose(row["steady"]["bandwidth_share"], steady_gbs / result["read_bandwidth"]["gb_per_s"],
+                            rel_tol=1e-9)
