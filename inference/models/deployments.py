@@ -5,6 +5,8 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
+from inference.models.workers import WorkerRole
+
 
 class ModelSource(models.TextChoices):
     """Where `prepare_model` takes a model's weights from."""
@@ -116,6 +118,13 @@ class Deployment(models.Model):
     def bounds(self, role: str) -> tuple[int, int]:
         """(min, max) replicas of a role."""
         return int(getattr(self, f"{role}_min")), int(getattr(self, f"{role}_max"))
+
+    def roles_in_use(self) -> list[str]:
+        """The roles this deployment runs or keeps a floor of (desired or minimum above 0), in
+        WorkerRole's order: a prefill + decode deployment is not shown an idle `both` role, nor a
+        colocated one idle prefill and decode roles. At least prefill and decode when none is."""
+        used = [role for role in WorkerRole.values if self.replicas(role) or self.bounds(role)[0]]
+        return used or [WorkerRole.PREFILL, WorkerRole.DECODE]
 
 
 class RouterEndpoint(models.Model):

@@ -21,7 +21,6 @@ from inference.models import (
     ScaleEvent,
     ScalingRule,
     Worker,
-    WorkerRole,
     WorkerStatus,
 )
 from inference.selectors import rules as rule_selectors
@@ -89,7 +88,7 @@ class DeploymentState:
 
 def _role_states(deployment: Deployment, workers: list[Worker], now: datetime) -> list[RoleState]:
     states = []
-    for role in WorkerRole.values:
+    for role in deployment.roles_in_use():
         low, high = deployment.bounds(role)
         state = RoleState(role=role, desired=deployment.replicas(role), low=low, high=high)
         counts = Counter(w.status for w in workers if w.role == role)

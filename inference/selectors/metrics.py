@@ -103,7 +103,7 @@ def _deployment_summary(deployment: Deployment) -> dict[str, Any]:
         "replicas": {
             name: {"desired": deployment.replicas(name), "min": deployment.bounds(name)[0],
                    "max": deployment.bounds(name)[1]}
-            for name in ROLES
+            for name in deployment.roles_in_use()
         },
     }
 

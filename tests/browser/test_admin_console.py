@@ -289,7 +289,8 @@ def test_admin_console_in_chromium(
         replicas = " ".join(page.locator("#metrics-replicas").inner_text().split())
         assert replicas == "prefill: 2 desired [1–4] · decode: 1 desired [1–4] · status active"
         assert "seed: prefill load high" in page.locator("#metrics-events tbody").inner_text()
-        assert page.locator(".metrics-note").count() == 0  # a router is registered
+        assert page.locator("#metrics-no-router").count() == 0  # a router is registered
+        assert page.locator("#metrics-workers-drawn").is_hidden()  # every worker of the deployment is drawn
         _assert_charts(browser, payload, traffic, "role")
         # Hovering a chart: uPlot's legend reads out both roles' values there.
         plot = page.locator("figure[data-chart=load] .u-over")
