@@ -188,11 +188,15 @@ def test_decode_load_holds_through_a_burst_and_the_rule_fires(decode_cluster: Cl
     burst = ticks[first:]
     assert all(t.load is not None and t.load > 0.0 for t in burst), describe(ticks)
     # The first loaded reading may still be the ramp (32 clients connecting over a 2 s cadence: CI
-    # read 0.62 there once); from the first reading over the threshold, at most one round later,
-    # every reading stays over it.
+    # read 0.62 there once); from the first reading over the threshold, at most one round later, the
+    # load stays high: at least 80 % of the readings over it and none under half the slots (a loaded CI
+    # machine read one 0.62 mid-burst while clients whose answers ended at once reconnected; the rule
+    # counts such a reading against its window, not as a reset).
     full = next((i for i, t in enumerate(burst) if (t.load or 0.0) > 0.7), None)
     assert full is not None and full <= 1, describe(ticks)
-    assert min(t.load or 0.0 for t in burst[full:]) > 0.7, describe(ticks)
+    held = burst[full:]
+    assert sum((t.load or 0.0) > 0.7 for t in held) >= 0.8 * len(held), describe(ticks)
+    assert min(t.load or 0.0 for t in held) >= 0.5, describe(ticks)
 
     fired = ticks[-1].fired
     assert len(fired) == 1, describe(ticks)
