@@ -110,7 +110,8 @@ class DeploymentAdmin(admin.ModelAdmin):
         ("Router", {"fields": [("kv_token_weight", "kv_load_weight"), "local_prefill_tokens"]}),
         (
             "Worker flags",
-            {"fields": ["context_length", "max_sequence_length", "batch_size", "block_size", "threads_per_worker"]},
+            {"fields": ["context_length", "max_sequence_length", "batch_size", "block_size", "threads_per_worker",
+                        ("speculative", "num_speculative_tokens")]},
         ),
         ("History", {"fields": ["created_at", "updated_at"], "classes": ["collapse"]}),
     ]

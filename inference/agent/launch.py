@@ -14,6 +14,7 @@ from typing import Any
 from django.conf import settings
 
 from inference.models import Worker, WorkerRole
+from inference.models.deployments import Speculative
 from inference.server.args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,8 @@ class WorkerSpec:
     gpu_ids: tuple[int, ...]
     kv_transport: str = "tcp"
     rdma_device: str | None = None
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
 
     @classmethod
     def from_worker(cls, worker: Worker, bind_host: str | None = None) -> WorkerSpec:
@@ -99,6 +102,8 @@ class WorkerSpec:
             model_path = Path(settings.BASE_DIR) / model_path
         cpu_ids = tuple(int(c) for c in worker.cpu_ids or [])
         rdma = deployment.kv_transport == "rdma"
+        # Only workers that decode speculate (a prefill worker samples one token per prompt).
+        speculates = deployment.speculative != Speculative.OFF and worker.role != WorkerRole.PREFILL
         return cls(
             worker_id=worker.pk,
             role=worker.role,
@@ -116,6 +121,8 @@ class WorkerSpec:
             gpu_ids=tuple(int(g) for g in worker.gpu_ids or []),
             kv_transport="rdma" if rdma else "tcp",
             rdma_device=(worker.node.rdma_devices or [None])[0] if rdma else None,
+            speculative=deployment.speculative if speculates else None,
+            num_speculative_tokens=deployment.num_speculative_tokens if speculates else None,
         )
 
     def server_args(self) -> ServerArgs:
@@ -137,6 +144,8 @@ class WorkerSpec:
             # Only decode workers listen for KV writes; 0 lets one pick a free port (its /info says which).
             kv_port=self.kv_port if self.role == WorkerRole.DECODE and self.kv_port else 0,
             rdma_device=self.rdma_device,
+            speculative=self.speculative,
+            num_speculative_tokens=self.num_speculative_tokens if self.speculative else None,
         )
 
     def command(self, python: str = sys.executable) -> list[str]:

@@ -130,7 +130,7 @@ class DeploymentSerializer(ModelCleanMixin):
             "prefill_replicas", "prefill_min", "prefill_max", "decode_replicas", "decode_min", "decode_max",
             "both_replicas", "both_min", "both_max", "router_policy", "kv_token_weight", "kv_load_weight",
             "local_prefill_tokens", "context_length", "max_sequence_length", "batch_size", "block_size",
-            "kv_transport", "threads_per_worker", "created_at", "updated_at",
+            "kv_transport", "threads_per_worker", "speculative", "num_speculative_tokens", "created_at", "updated_at",
         ]  # fmt: skip
         read_only_fields = ["id", "created_at", "updated_at"]
 

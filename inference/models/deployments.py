@@ -6,6 +6,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 from inference.models.workers import WorkerRole
+from inference.server.args import MAX_SPECULATIVE_TOKENS
 
 
 class ModelSource(models.TextChoices):
@@ -47,6 +48,13 @@ class KVTransport(models.TextChoices):
 
     TCP = "tcp", "TCP"
     RDMA = "rdma", "RDMA (pyverbs)"
+
+
+class Speculative(models.TextChoices):
+    """Speculative decoding of the deployment's decode (and colocated) workers: `--speculative`."""
+
+    OFF = "off", "Off"
+    NGRAM = "ngram", "n-gram prompt lookup (no draft model)"
 
 
 class DeploymentStatus(models.TextChoices):
@@ -91,6 +99,13 @@ class Deployment(models.Model):
     block_size = models.PositiveIntegerField(default=16)
     kv_transport = models.CharField(max_length=8, choices=KVTransport.choices, default=KVTransport.TCP)
     threads_per_worker = models.PositiveIntegerField(default=1)
+    speculative = models.CharField(
+        max_length=8, choices=Speculative.choices, default=Speculative.OFF,
+        help_text="decode and prefill + decode workers: speculative decoding (--speculative; README, worker flags)")
+    num_speculative_tokens = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(MAX_SPECULATIVE_TOKENS)],
+        help_text=f"tokens proposed per request and step, 1-{MAX_SPECULATIVE_TOKENS}; empty: the worker's default "
+        "(--num-speculative-tokens)")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -110,6 +125,9 @@ class Deployment(models.Model):
                 raise ValidationError(
                     {f"{role}_replicas": f"{role}_replicas must be within [{low}, {high}], got {want}"}
                 )
+        if self.num_speculative_tokens is not None and self.speculative == Speculative.OFF:
+            # The worker refuses --num-speculative-tokens without --speculative: say it here, not at launch.
+            raise ValidationError({"num_speculative_tokens": "needs speculative decoding on (speculative: ngram)"})
 
     def replicas(self, role: str) -> int:
         """Desired replicas of a role."""

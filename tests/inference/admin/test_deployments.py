@@ -51,10 +51,12 @@ def _deployment_form(deployment: Deployment, **changes: Any) -> dict[str, Any]:
         "name", "status", "router_policy", "kv_transport", "prefill_replicas", "prefill_min", "prefill_max",
         "decode_replicas", "decode_min", "decode_max", "both_replicas", "both_min", "both_max", "context_length",
         "batch_size", "block_size", "threads_per_worker", "kv_token_weight", "kv_load_weight", "local_prefill_tokens",
+        "speculative",
     ]:  # fmt: skip
         data[field] = getattr(deployment, field)
     data["model"] = deployment.model_id
     data["max_sequence_length"] = deployment.max_sequence_length or ""
+    data["num_speculative_tokens"] = deployment.num_speculative_tokens or ""
     for role in ("prefill", "decode", "both"):  # the hidden inputs holding the counts the page showed
         data[f"initial-{role}_replicas"] = deployment.replicas(role)
     data.update(_management("rules"))
@@ -324,3 +326,17 @@ def test_change_form_sets_the_router_settings_and_both_replicas(client_root: Cli
     assert response.status_code == 302, response.context["adminform"].form.errors if response.context else ""
     fresh = Deployment.objects.get(pk=populated.pk)
     assert (fresh.kv_token_weight, fresh.kv_load_weight, fresh.local_prefill_tokens, fresh.both_max) == (2.5, 16, 32, 2)
+
+
+def test_change_form_sets_speculative_decoding(client_root: Client, populated: Deployment) -> None:
+    url = reverse("admin:inference_deployment_change", args=[populated.pk])
+    page = client_root.get(url).content.decode()
+    assert 'name="speculative"' in page and 'name="num_speculative_tokens"' in page
+    bad = client_root.post(url, _deployment_form(populated, num_speculative_tokens=4))  # speculative still off
+    assert bad.status_code == 200 and "num_speculative_tokens" in bad.context["adminform"].form.errors
+    too_many = client_root.post(url, _deployment_form(populated, speculative="ngram", num_speculative_tokens=99))
+    assert too_many.status_code == 200 and "num_speculative_tokens" in too_many.context["adminform"].form.errors
+    response = client_root.post(url, _deployment_form(populated, speculative="ngram", num_speculative_tokens=3))
+    assert response.status_code == 302, response.context["adminform"].form.errors if response.context else ""
+    fresh = Deployment.objects.get(pk=populated.pk)
+    assert (fresh.speculative, fresh.num_speculative_tokens) == ("ngram", 3)

@@ -128,6 +128,33 @@ def test_worker_spec_command_and_environment(tmp_path: Path) -> None:
     assert bound.host == "0.0.0.0" and bound.base_url == "http://127.0.0.1:30011"
 
 
+def test_deployment_speculative_decoding_reaches_the_workers_that_decode(tmp_path: Path) -> None:
+    """A deployment's speculative setting is launched as the worker flags on decode and both workers
+    (parsed back unchanged by the worker), never on prefill workers; num without ngram is refused."""
+    from django.core.exceptions import ValidationError
+
+    from inference.server.args import parse_args
+
+    (tmp_path / "config.json").write_text("{}")
+    dep = make_deployment(model=make_model(path=str(tmp_path)), speculative="ngram", num_speculative_tokens=6)
+    node = make_node(address="127.0.0.1")
+    for role, port in (("decode", 30031), ("both", 30032), ("prefill", 30033)):
+        worker = make_worker(dep, node, role=role, port=port, cpu_ids=[0])
+        argv = WorkerSpec.from_worker(worker).command()[3:]
+        parsed = parse_args(argv)
+        if role == "prefill":
+            assert "--speculative" not in argv and parsed.speculative is None
+        else:
+            assert (parsed.speculative, parsed.num_speculative_tokens) == ("ngram", 6), argv
+    dep.speculative, dep.num_speculative_tokens = "ngram", None  # the worker's default K
+    worker = make_worker(dep, node, role="decode", port=30034, cpu_ids=[0])
+    argv = WorkerSpec.from_worker(worker).command()[3:]
+    assert "--speculative" in argv and "--num-speculative-tokens" not in argv
+    dep.speculative, dep.num_speculative_tokens = "off", 4
+    with pytest.raises(ValidationError, match="speculative"):
+        dep.full_clean()
+
+
 def test_server_args_round_trip_through_the_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """parse_args(to_argv(a)) == a, for a rich configuration and for the one the agent builds."""
     from inference.server.args import ServerArgs, parse_args

@@ -143,6 +143,9 @@ def test_deployment_crud_records_scale_events(api: APIClient) -> None:
         ({"kv_transport": "carrier-pigeon", "router_policy": "random"}, {"kv_transport", "router_policy"}),
         ({"name": ""}, {"name"}),
         ({"kv_load_weight": -1, "local_prefill_tokens": -2}, {"kv_load_weight", "local_prefill_tokens"}),
+        ({"speculative": "medusa"}, {"speculative"}),
+        ({"speculative": "ngram", "num_speculative_tokens": 17}, {"num_speculative_tokens"}),
+        ({"num_speculative_tokens": 4}, {"num_speculative_tokens"}),  # speculative decoding is off
     ],
 )
 def test_deployment_validation_errors_name_fields(api: APIClient, body: dict[str, Any], fields: set[str]) -> None:
@@ -164,6 +167,10 @@ def test_one_host_deployment_with_router_settings(api: APIClient) -> None:
     assert ScaleEvent.objects.filter(deployment_id=data["id"], role="both", to_replicas=1).exists()
     patched = api.patch(f"/api/deployments/{data['id']}/", {"local_prefill_tokens": 0}, format="json")
     assert patched.status_code == 200 and patched.json()["local_prefill_tokens"] == 0
+    speculating = api.patch(f"/api/deployments/{data['id']}/", {"speculative": "ngram", "num_speculative_tokens": 3},
+                            format="json")
+    assert speculating.status_code == 200, speculating.content
+    assert (speculating.json()["speculative"], speculating.json()["num_speculative_tokens"]) == ("ngram", 3)
 
 
 def test_patch_bounds_clamps_replicas(api: APIClient) -> None:
