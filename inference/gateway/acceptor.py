@@ -386,7 +386,7 @@ class Acceptor:
         self._loop.remove_reader(fd)
         self._loop.remove_writer(fd)
         link.sock.close()
-        if not link.leaving:
+        if not link.leaving and link.pid is not None:  # (a link that never reported: another acceptor's check)
             logger.warning("router process %s gone", link.pid)
         # Sent but never received (still in the dead process's queue), then never sent: in order.
         unsent = [*link.unconfirmed, *link.outbox]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import glob
 import logging
 import os
 import shutil
@@ -29,6 +30,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 
 from inference.gateway.acceptor import Acceptor
@@ -41,6 +43,7 @@ _FORWARDED = (*_STOPS, signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU, signal.SIG
               signal.SIGWINCH)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _BACKLOG = 2048  # gunicorn's default listen backlog
+_DIR_PREFIX = "disagg-router-"
 
 
 def env_seconds(name: str, default: float) -> float:
@@ -73,6 +76,29 @@ def bind_listener(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, 1)
     sock.listen(_BACKLOG)
     return sock
+
+
+def remove_dead_dirs(root: str | None = None) -> int:
+    """Remove the private directories of acceptors that died without cleaning up (SIGKILL): those of
+    this user whose control socket nobody listens on any more, left alone for a minute at least (a
+    starting acceptor's is fresh and may not listen yet). Returns how many went."""
+    removed = 0
+    now = time.time()
+    for path in glob.glob(os.path.join(root or tempfile.gettempdir(), _DIR_PREFIX + "*")):
+        control = os.path.join(path, "acceptor.sock")
+        try:
+            info = os.stat(path)
+            if info.st_uid != os.getuid() or now - info.st_mtime < 60:
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
+                probe.connect(control)
+            continue  # a live acceptor
+        except (ConnectionRefusedError, FileNotFoundError):
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+        except OSError:
+            continue
+    return removed
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -117,7 +143,8 @@ def serve(host: str, port: int, child_argv: Sequence[str]) -> int:
     """Bind, start gunicorn (`child_argv`, run with ROUTER_ACCEPTOR_SOCKET and a private bind) and
     run the acceptor until gunicorn exits; returns the exit status."""
     listener = bind_listener(host, port)
-    private = tempfile.mkdtemp(prefix="disagg-router-")  # 0700: only this user reaches the sockets
+    remove_dead_dirs()
+    private = tempfile.mkdtemp(prefix=_DIR_PREFIX)  # 0700: only this user reaches the sockets
     try:
         control_path = os.path.join(private, "acceptor.sock")
         control = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)

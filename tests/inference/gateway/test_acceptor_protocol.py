@@ -1,11 +1,16 @@
 """What the router's acceptor answers itself and what it hands over (acceptor_protocol.classify),
-and the bytes of its answers."""
+the bytes of its answers, and the clean-up of dead acceptors' private directories."""
 from __future__ import annotations
 
 import json
+import os
+import socket
+import time
+from pathlib import Path
 
 import pytest
 
+from inference.gateway.acceptor_process import remove_dead_dirs
 from inference.gateway.acceptor_protocol import HEAD_LIMIT, Probe, Verdict, classify, response
 
 
@@ -51,3 +56,23 @@ def test_answers() -> None:
     head, _, body = down.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 503 Service Unavailable\r\n") and body == b""
     assert b"retry-after: 1" in head and b"connection: close" in head and b"content-length: 15" in head
+
+
+def test_dead_acceptors_directories_are_removed(tmp_path: Path) -> None:
+    live, dead = tmp_path / "disagg-router-live", tmp_path / "disagg-router-dead"
+    for folder in (live, dead):
+        folder.mkdir()
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listening.bind(str(live / "acceptor.sock"))
+    listening.listen(1)
+    gone = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    gone.bind(str(dead / "acceptor.sock"))  # bound, never listening: as after a SIGKILL
+    gone.close()
+    try:
+        assert remove_dead_dirs(str(tmp_path)) == 0  # both fresh: a starting acceptor may not listen yet
+        for folder in (live, dead):
+            os.utime(folder, (time.time() - 120, time.time() - 120))
+        assert remove_dead_dirs(str(tmp_path)) == 1
+        assert live.exists() and not dead.exists()
+    finally:
+        listening.close()
