@@ -174,6 +174,28 @@ def panel_rows_limit(dtype: torch.dtype, ops: Any) -> int:
     return PANEL_ROWS.get((cpu_kind(), dtype), 0)
 
 
+# Above this many bytes of linear weights the panels serve every row count, instead of a oneDNN copy of
+# the weights kept beside them for prefill-sized inputs: for a large model a second copy of its weights
+# costs more memory than it saves time (panel ÷ oneDNN per projection step at 256 rows on the Zen 4 EPYC:
+# bf16 1.05x, fp32 1.00x; docs/benchmarks.md, seventh session). Small models keep both.
+DUAL_COPY_MAX_BYTES = 1 << 30
+
+
+def linear_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights of every `nn.Linear` of `model` (what a second packed copy would cost)."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) is nn.Linear)
+
+
+def panel_rows_with_memory(rows: int, model: nn.Module) -> int:
+    """`rows` (the CPU kind's limit), or `ALL_ROWS` when the model's linear weights are too large to
+    keep a oneDNN copy beside the panels (`DUAL_COPY_MAX_BYTES`)."""
+    if 0 < rows < ALL_ROWS and linear_weight_bytes(model) > DUAL_COPY_MAX_BYTES:
+        logger.info("linear weights over %d MiB: the panel kernel serves every row count (no second copy)",
+                    DUAL_COPY_MAX_BYTES >> 20)
+        return ALL_ROWS
+    return rows
+
+
 def prepack_linears(model: nn.Module, batch_hint: int = 32, panel_ops: Any = None, panel_rows: int = ALL_ROWS) -> int:
     """Replace every `nn.Linear` of `model` in place, by a `PanelLinear` when `panel_ops` (the CPU
     kernel module) is given (up to `panel_rows` rows on it, more on oneDNN), else by a `PrepackedLinear`;

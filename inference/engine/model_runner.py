@@ -23,7 +23,7 @@ from .batch import (
 from .compile import check_compile_available, compile_model
 from .config import ModelConfig
 from .cpu_kernels import load_kernels
-from .cpu_linear import ALL_ROWS, panel_rows_limit, prepack_linears, prepacked_linear_available
+from .cpu_linear import ALL_ROWS, panel_rows_limit, panel_rows_with_memory, prepack_linears, prepacked_linear_available
 from .dtypes import dtype_name, resolve_dtype
 from .grammar import prefetch_masks
 from .kv_cache import KVCache
@@ -112,12 +112,14 @@ class ModelRunner:
     def _prepack(self, ops: Any) -> None:
         """Pack the linear layers' weights once for the kernels that run them: the panel GEMM up to the
         row count where it beat oneDNN on this CPU kind (cpu_linear.panel_rows_limit: fp32 on an AVX2 CPU,
-        bf16 and fp32 decode batches with AVX-512), oneDNN's reordered weights for the rest on a CPU; left
-        as they are otherwise."""
+        bf16 and fp32 decode batches with AVX-512), oneDNN's reordered weights for the rest on a CPU
+        (unless the weights are too large for two copies: panel_rows_with_memory); left as they are
+        otherwise."""
         onednn = prepacked_linear_available(self.dtype, self.device)
         rows = panel_rows_limit(self.dtype, ops) if self.device.type == "cpu" else 0
         if rows > 0:
-            prepack_linears(self.model, panel_ops=ops, panel_rows=rows if onednn else ALL_ROWS)
+            rows = panel_rows_with_memory(rows, self.model) if onednn else ALL_ROWS
+            prepack_linears(self.model, panel_ops=ops, panel_rows=rows)
         elif onednn:
             prepack_linears(self.model)
 

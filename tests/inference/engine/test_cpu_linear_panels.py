@@ -17,7 +17,9 @@ from inference.engine.cpu_linear import (
     PanelLinear,
     PrepackedLinear,
     cpu_kind,
+    linear_weight_bytes,
     panel_rows_limit,
+    panel_rows_with_memory,
     prepacked_linear_available,
 )
 
@@ -173,6 +175,34 @@ def _engine_tokens(path: str, prompts: list[list[int]], dtype: str) -> tuple[lis
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     panels = [m for m in engine.model.modules() if isinstance(m, PanelLinear)]
     return [r.token_ids for r in engine.generate(prompts, params)], panels
+
+
+def test_a_large_model_keeps_one_copy_of_its_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The oneDNN copy for prefill-sized inputs is kept only while the linear weights fit the budget;
+    past it the panels serve every row count (and 0 / ALL_ROWS limits are left as they are)."""
+    from inference.engine import cpu_linear
+
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16, bias=False))
+    assert linear_weight_bytes(model) == (64 * 32 + 32 * 16) * 4  # weights only, not biases
+    monkeypatch.setattr(cpu_linear, "DUAL_COPY_MAX_BYTES", linear_weight_bytes(model))
+    assert panel_rows_with_memory(64, model) == 64
+    monkeypatch.setattr(cpu_linear, "DUAL_COPY_MAX_BYTES", linear_weight_bytes(model) - 1)
+    assert panel_rows_with_memory(64, model) == ALL_ROWS
+    assert panel_rows_with_memory(0, model) == 0 and panel_rows_with_memory(ALL_ROWS, model) == ALL_ROWS
+    ops = _kernels()
+    packed = copy_of(model)
+    cpu_linear.prepack_linears(packed, panel_ops=ops, panel_rows=panel_rows_with_memory(64, packed))
+    linears = [m for m in packed.modules() if isinstance(m, PanelLinear)]
+    assert len(linears) == 2 and all(m.max_rows is None and m.packed_weight is None for m in linears)
+    x = torch.randn(100, 64)  # above the CPU kind's limit: still the panels, still F.linear's answer
+    torch.testing.assert_close(packed(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def copy_of(model: nn.Module) -> nn.Module:
+    """A deep copy (prepack_linears replaces the linears in place)."""
+    import copy
+
+    return copy.deepcopy(model)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
