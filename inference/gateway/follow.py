@@ -37,6 +37,9 @@ class DeploymentView:
     kv_token_weight: float | None = None
     kv_load_weight: float | None = None
     local_prefill_tokens: int | None = None
+    # Whether the deployment has a prefill role (replicas or a floor): its decode workers then never
+    # prefill every prompt merely because no prefill worker is RUNNING yet.
+    prefill_expected: bool | None = None
 
 
 def read_deployment(name: str) -> DeploymentView:
@@ -53,7 +56,8 @@ def read_deployment(name: str) -> DeploymentView:
         urls.setdefault(BOTH_JOINS.get(worker.role, worker.role), []).append(worker.url)
     return DeploymentView(True, deployment.router_policy, sorted(urls["prefill"]), sorted(urls["decode"]),
                           kv_token_weight=deployment.kv_token_weight, kv_load_weight=deployment.kv_load_weight,
-                          local_prefill_tokens=deployment.local_prefill_tokens)
+                          local_prefill_tokens=deployment.local_prefill_tokens,
+                          prefill_expected="prefill" in deployment.roles_in_use())
 
 
 def apply_view(pool: WorkerPool, view: DeploymentView) -> None:
@@ -62,6 +66,7 @@ def apply_view(pool: WorkerPool, view: DeploymentView) -> None:
     if view.kv_token_weight is not None and view.kv_load_weight is not None:
         pool.set_kv_weights(view.kv_token_weight, view.kv_load_weight)
     pool.local_prefill_tokens = view.local_prefill_tokens
+    pool.prefill_expected = view.prefill_expected
     pool.set_endpoints("prefill", view.prefill)
     pool.set_endpoints("decode", view.decode)
 

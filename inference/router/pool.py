@@ -72,6 +72,10 @@ class WorkerPool:
         # The local prefill threshold of the deployment a managed router follows (None: the client's own,
         # `default_local_prefill_tokens`, which the client sets).
         self.local_prefill_tokens: int | None = None
+        # Set by a managed router from its deployment: True while the deployment has a prefill role, so an
+        # empty prefill list (its workers not registered yet, or all gone) is a pool not ready, never one
+        # whose decode workers start prefilling; None (static endpoints): the lists say it.
+        self.prefill_expected: bool | None = None
         self.default_local_prefill_tokens = 0
         if not 0 <= kv_remote_decode_share <= 1:
             raise ValueError("kv_remote_decode_share must be within [0, 1]")
@@ -259,7 +263,10 @@ class WorkerPool:
     @property
     def colocated(self) -> bool:
         """No prefill endpoints but decode ones: the decode workers prefill every prompt themselves
-        (`--service-type both` workers, or decode workers offered every prompt)."""
+        (`--service-type both` workers, or decode workers offered every prompt). Never while prefill
+        workers are expected (`prefill_expected`)."""
+        if self.prefill_expected:
+            return False
         return not self._endpoints["prefill"] and bool(self._endpoints["decode"])
 
     def _needed_roles(self) -> tuple[str, ...]:

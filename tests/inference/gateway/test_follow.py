@@ -40,6 +40,28 @@ def test_pool_follows_running_workers_and_policy() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
+def test_decode_workers_known_before_the_prefill_worker_do_not_prefill_everything() -> None:
+    """A prefill + decode deployment whose decode worker is RUNNING before its prefill worker is not a
+    colocated pool: it is not ready (as before the colocated role), so no request is prefilled on the
+    decode worker; once the prefill worker runs, requests go through it (CI's three-host test saw the
+    first generation prefilled on a decode worker)."""
+    deployment = make_deployment(name="split")
+    host = make_node(name="host-s", address="10.9.0.5")
+    make_worker(deployment, host, role="decode", port=30020, status=WorkerStatus.RUNNING)
+    prefill = make_worker(deployment, host, role="prefill", port=30021, status=WorkerStatus.STARTING)
+
+    pool = WorkerPool(policy="round-robin")
+    load_now(pool, "split")
+    assert urls(pool, "prefill") == [] and urls(pool, "decode") == ["http://10.9.0.5:30020"]
+    assert pool.prefill_expected and not pool.colocated
+    assert pool.unknown_roles() == ["prefill", "decode"]  # not ready: no prefill endpoint at all
+    prefill.status = WorkerStatus.RUNNING
+    prefill.save()
+    apply_view(pool, read_deployment("split"))
+    assert urls(pool, "prefill") == ["http://10.9.0.5:30021"] and not pool.colocated
+
+
+@pytest.mark.django_db(transaction=True)
 def test_unknown_deployment_routes_nowhere() -> None:
     view = read_deployment("missing")
     assert not view.exists and view.prefill == [] and view.decode == []
@@ -73,7 +95,7 @@ def test_both_workers_are_decode_endpoints_and_router_settings_follow() -> None:
     client = DisaggregatedClient(pool)
     load_now(pool, "one-host")
     assert urls(pool, "prefill") == [] and urls(pool, "decode") == ["http://10.9.0.4:30010"]
-    assert pool.colocated  # no prefill pool: every prompt is offered to the decode (both) worker
+    assert not pool.prefill_expected and pool.colocated  # no prefill role: every prompt to the both worker
     policy = pool._policies["decode"]
     assert isinstance(policy, KVAware) and (policy.token_weight, policy.load_weight) == (2.0, 128.0)
     assert pool.local_prefill_tokens == 40
