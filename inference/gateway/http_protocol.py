@@ -19,22 +19,21 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
-import orjson
 from gunicorn.arbiter import Arbiter
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn_worker import UvicornWorker
+
+from inference.gateway.acceptor_protocol import DateHeader, Probe, Verdict, classify, response
 
 if TYPE_CHECKING:
     from inference.gateway.service import RouterService
 
 logger = logging.getLogger(__name__)
 
-_HEALTH_REQUEST = b"GET /health HTTP/1.1\r\n"
-_HEAD_END = b"\r\n\r\n"
-# A probe with a body (odd, but legal) goes the usual way: its body must be read before the next request.
-_BODY_HEADERS = (b"\r\ncontent-length:", b"\r\ntransfer-encoding:")
+_DATE = DateHeader()
 
 
 def health_report() -> dict[str, Any] | None:
@@ -108,14 +107,15 @@ class RouterHttpProtocol(HttpToolsProtocol):
                                                                 self.timeout_keep_alive_handler)
 
     def data_received(self, data: bytes) -> None:
-        """A lone `GET /health` between requests is answered here; everything else as uvicorn does."""
-        if (data.startswith(_HEALTH_REQUEST) and data.endswith(_HEAD_END) and data.count(_HEAD_END) == 1
-                and (self.cycle is None or self.cycle.response_complete) and not self.pipeline
-                and not any(name in data.lower() for name in _BODY_HEADERS) and self._answer_health(data)):
-            return
+        """A lone `GET`/`HEAD /health` between requests (the acceptor's rule: acceptor_protocol.classify)
+        is answered here; everything else as uvicorn does."""
+        if (self.cycle is None or self.cycle.response_complete) and not self.pipeline:
+            verdict, probe = classify(data)
+            if verdict is Verdict.PROBE and probe is not None and self._answer_health(probe):
+                return
         super().data_received(data)
 
-    def _answer_health(self, request: bytes) -> bool:
+    def _answer_health(self, probe: Probe) -> bool:
         try:
             report = health_report()
         except Exception:  # noqa: BLE001  the ASGI path answers (and logs) whatever went wrong here
@@ -124,16 +124,9 @@ class RouterHttpProtocol(HttpToolsProtocol):
         if report is None:
             return False
         self._unset_keepalive_if_required()
-        close = b"\r\nconnection: close\r\n" in request.lower()
-        body = orjson.dumps(report)
-        head = [b"HTTP/1.1 200 OK\r\n"]
-        head += [b"%s: %s\r\n" % (name, value) for name, value in self.server_state.default_headers]
-        head.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body))
-        if close:
-            head.append(b"connection: close\r\n")
-        self.transport.write(b"".join(head) + b"\r\n" + body)
+        self.transport.write(response(200, report, probe, _DATE.value(time.time())))
         self.server_state.total_requests += 1
-        if close:
+        if probe.close:
             self.transport.close()
         else:
             self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
