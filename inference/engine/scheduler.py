@@ -51,11 +51,15 @@ class Scheduler:
         """Limits: `max_num_seqs` sequences in flight, `max_num_batched_tokens` prompt tokens per prefill.
         With `enable_prefix_caching`, an admitted sequence reuses the cached blocks of its longest
         cached prefix and computes only the rest. With `enable_chunked_prefill`, a prompt over the token
-        budget is computed `max_num_batched_tokens` at a time, with a decode step of the running batch
-        between two chunks, so that a long prompt never stalls the running streams for long."""
+        budget is computed `max_num_batched_tokens` at a time, and every prefill step (a chunk, or whole
+        prompts that fit the budget) is followed by a decode step of the running batch: a long prompt,
+        or a wave of new prompts, never stalls the running streams for more than one budget's worth of
+        prefill at a time (vLLM's chunked prefill mixes the two in one step to the same end)."""
         self.block_manager = block_manager
         self.enable_chunked_prefill = enable_chunked_prefill
-        self._decode_next = False  # a chunk ran last step: give the running batch a step first
+        self._decode_next = False  # a prefill ran last step: give the running batch a step first
+        # The last step's plan (prefill tokens, prefill sequences, decode sequences), for step timings.
+        self.last_plan: tuple[int, int, int] = (0, 0, 0)
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_query_tokens = 0  # prompt tokens admitted for prefill (prefix caching on)
         self.prefix_hit_tokens = 0  # of which served from cached blocks
@@ -113,16 +117,24 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (allocating the blocks it needs)."""
+        out = self._plan()
+        self.last_plan = (sum(s.num_new_tokens for s in out.prefill), len(out.prefill),
+                          len(out.decode))
+        return out
+
+    def _plan(self) -> SchedulerOutput:
         out = SchedulerOutput()
         if self._decode_next and self.running:
             self._decode_next = False
             self._plan_decode(out)
             if out.decode:
                 return out
-            # Every running sequence is paused: the next chunk may run right away.
+            # Every running sequence is paused: the next prefill may run right away.
         self._admit(out)
         if out.prefill:
-            self._decode_next = any(s.chunk for s in out.prefill)
+            # Chunked prefill bounds a prefill step by the token budget; a decode step follows each one
+            # (also after whole prompts: a wave of admissions would otherwise run budget after budget).
+            self._decode_next = self.enable_chunked_prefill
             return out
         self._plan_decode(out)
         return out

@@ -66,16 +66,23 @@ def test_engine_throughput_quick(tmp_path: Path, tiny_model_dir: Path) -> None:
 
 
 def test_serve_vs_vllm_quick(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """Our path is measured through the router; a missing vLLM venv is reported, not a crash."""
+    """Our path is measured through the router in each layout asked for, with the workers' step timings;
+    a missing vLLM venv is reported, not a crash."""
     argv = ["--quick", "--out-dir", str(tmp_path), "--model-dir", str(tiny_model_dir),
-            "--vllm-venv", str(tmp_path / "no-venv")]
+            "--vllm-venv", str(tmp_path / "no-venv"), "--layout", "both-per-cpu,decode-per-cpu",
+            "--prefix-len", "32", "--step-log", str(tmp_path / "steps")]
     assert serve_vs_vllm.main(argv) == 0
     result = json.loads((tmp_path / "serve_vs_vllm_quick.json").read_text())
-    ours = result["rounds"][0]["ours"]
-    assert result["layout"] == "decode-per-cpu"  # the default: one decode worker per CPU
-    assert [r["concurrency"] for r in ours] == [1, 4]
-    assert all(r["errors"] == 0 and _positive(r["output_tok_s"]) and _positive(r["ttft_p50_ms"]) for r in ours)
-    assert all(r["output_tokens"] == r["requests"] * result["output_len"] for r in ours)
+    assert result["layouts"] == ["both-per-cpu", "decode-per-cpu"] and result["prefix_len"] == 32
+    for layout, ours in result["rounds"][0]["ours"].items():
+        assert [r["concurrency"] for r in ours] == [1, 4], layout
+        assert all(r["errors"] == 0 and _positive(r["output_tok_s"]) and _positive(r["ttft_p99_ms"])
+                   and _positive(r["itl_p99_ms"]) for r in ours), layout
+        assert all(r["output_tokens"] == r["requests"] * result["output_len"] for r in ours)
+        # Every request's prefill and its 15 decode steps were logged by the workers.
+        assert all(r["steps"]["prefill_steps"] >= 1 and r["steps"]["decode_steps"] >= 15 for r in ours), layout
+    # The colocated workers interleave: never two prefill steps back to back while streams decode.
+    assert all(r["steps"]["longest_prefill_run"] <= 1 for r in result["rounds"][0]["ours"]["both-per-cpu"])
     assert result["rounds"][0]["vllm"]["available"] is False and "setup_venvs" in result["rounds"][0]["vllm"]["reason"]
 
 

@@ -2,9 +2,14 @@
 the running batch in between; outputs are unchanged."""
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 import pytest
 
 from inference.engine import LLMEngine, SamplingParams
+from inference.engine.async_engine import AsyncEngine
+from inference.engine.step_log import ENV
 
 from .conftest import NEW_TOKENS, TinyModel
 from .helpers import Collected, absorb, drain
@@ -76,3 +81,64 @@ def test_chunked_prefill_on_the_prefill_side_then_decode(llama: TinyModel) -> No
     assert decode.num_preemptions > 0
     assert [results[f"r{i}"].token_ids for i in range(4)] == expected
     assert decode.kv_usage() == 0.0 and prefill.kv_usage() == 0.0
+
+
+def test_a_wave_of_whole_prompts_alternates_with_decode_steps(llama: TinyModel) -> None:
+    """Prompts that each fit the budget but not together (a wave of admissions): every prefill step is
+    followed by a decode step of the running batch, and the tokens are transformers'."""
+    engine = LLMEngine(llama.path, block_size=16, num_blocks=64, max_num_batched_tokens=48)
+    engine.add_request("first", llama.prompts[0], GREEDY)
+    results: dict[str, Collected] = {}
+    absorb(results, engine.step())  # the first prompt's prefill: it is running now
+    for i in (1, 2, 3):  # 17 + 40 + 70 tokens: at least three prefill steps at 48 a step
+        engine.add_request(f"r{i}", llama.prompts[i], GREEDY)
+    plans = []
+    while engine.scheduler.waiting:
+        absorb(results, engine.step())
+        plans.append(engine.scheduler.last_plan)
+    prefills = [tokens for tokens, _, _ in plans if tokens]
+    assert len(prefills) >= 3 and max(prefills) <= 48
+    kinds = ["prefill" if tokens else "decode" for tokens, _, _ in plans]
+    assert all(not (a == b == "prefill") for a, b in zip(kinds, kinds[1:], strict=False)), kinds
+    assert all(n_decode >= 1 for tokens, _, n_decode in plans if not tokens)
+    drain(engine, results)
+    assert [results[f"r{i}"].token_ids for i in (1, 2, 3)] == llama.greedy[1:]
+    assert results["first"].token_ids == llama.greedy[0]
+
+
+def test_without_chunked_prefill_admissions_run_back_to_back(llama: TinyModel) -> None:
+    """The interleaving belongs to chunked prefill: with it off, waiting prompts are prefilled before
+    the running batch decodes again (the behaviour `--no-chunked-prefill` keeps)."""
+    engine = LLMEngine(llama.path, block_size=16, num_blocks=64, max_num_batched_tokens=48,
+                       enable_chunked_prefill=False)
+    engine.add_request("first", llama.prompts[0], GREEDY)
+    engine.step()
+    for i in (1, 2, 3):
+        engine.add_request(f"r{i}", llama.prompts[i], GREEDY)
+    plans = []
+    while engine.scheduler.waiting:
+        engine.step()
+        plans.append(engine.scheduler.last_plan)
+    assert all(tokens for tokens, _, _ in plans)  # prefill steps only, until the queue is empty
+    assert len(plans) >= 2
+
+
+def test_step_log_records_each_step(llama: TinyModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENGINE_STEP_LOG: the engine thread writes one line per step with the scheduler's plan."""
+    monkeypatch.setenv(ENV, str(tmp_path))
+    engine = AsyncEngine(LLMEngine(llama.path, block_size=16, num_blocks=64, max_num_batched_tokens=48))
+
+    async def run() -> list[int]:
+        tokens: list[int] = []
+        async for out in engine.generate("a", llama.prompts[2], GREEDY):
+            tokens.extend(out.new_token_ids)
+        return tokens
+
+    try:
+        assert asyncio.run(run()) == llama.greedy[2]
+    finally:
+        engine.shutdown()
+    (path,) = tmp_path.glob("steps-*.tsv")
+    rows = [line.split("\t") for line in path.read_text().splitlines()]
+    assert [(int(r[2]), int(r[3]), int(r[4])) for r in rows] == [(40, 1, 0)] + [(0, 0, 1)] * (NEW_TOKENS - 1)
+    assert all(float(r[1]) >= 0 for r in rows)

@@ -1,0 +1,134 @@
+"""How `bench.serve_vs_vllm` places our router and workers on a CPU host, and what the workers' per-step
+timings say about the latency tails (issue 19).
+
+Layouts (one thread per worker, `--dtype auto`):
+
+- `split`: the prefill worker on CPU 0, one decode worker on CPU 1 (no core shared);
+- `decode-per-cpu`: one decode worker per CPU at `--decode-nice`, the prefill worker beside the first
+  (the layout of the fifth session: a prefill preempts that core's decode steps);
+- `prefill-yields`: the same placement with the roles' priorities swapped: decode at nice 0, the
+  prefill worker at `--prefill-nice`, so a decode step is never preempted by a prefill;
+- `both-per-cpu`: one `--service-type both` worker per CPU and no prefill worker (a colocated pool:
+  each worker prefills its own prompts), chunked prefill at `--prefill-budget` tokens per step with a
+  decode step of the running batch after every prefill step, so no process preempts another and a
+  decode waits for at most one budget's worth of prefill.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from bench.common import median, percentile
+
+# The layout the benchmark measures unless told otherwise (README's recommended CPU layout).
+DEFAULT_LAYOUT = "decode-per-cpu"
+
+# both-per-cpu's prefill tokens per step unless --prefill-budget says otherwise.
+BOTH_BUDGET = 256
+
+LAYOUTS = {
+    "split": "prefill on CPU 0, one decode worker on CPU 1",
+    "decode-per-cpu": "one decode worker per CPU (at --decode-nice), the prefill worker beside the first",
+    "prefill-yields": "one decode worker per CPU at nice 0, the prefill worker beside the first at --prefill-nice",
+    "both-per-cpu": "one --service-type both worker per CPU (local prefill, --prefill-budget tokens a step), "
+                    "no prefill worker",
+}
+
+
+def worker_specs(layout: str, args: Any) -> list[tuple[str, list[str]]]:
+    """(role, flags) of every worker of `layout`; the prefill worker first where there is one."""
+    cpus = os.cpu_count() or 1
+    base = ["--num-threads", "1", "--dtype", "auto", "--context-length",
+            str(args.prefix_len + args.input_len + args.output_len + 64), "--batch-size", str(max(args.concurrency))]
+    # --prefill-budget for every worker that prefills; unset: the workers' default, both-per-cpu's BOTH_BUDGET.
+    chosen = args.prefill_budget or (BOTH_BUDGET if layout == "both-per-cpu" else None)
+    budget = ["--max-num-batched-tokens", str(chosen)] if chosen else []
+
+    def at(cpu: int, nice: int) -> list[str]:
+        return [*base, "--base-cpu-id", str(cpu % cpus), "--nice", str(nice)]
+
+    if layout == "split":
+        return [("prefill", [*at(0, 0), *budget]), ("decode", at(1, 0))]
+    if layout == "decode-per-cpu":
+        return [("prefill", [*at(0, 0), *budget])] + [("decode", at(c, args.decode_nice)) for c in range(cpus)]
+    if layout == "prefill-yields":
+        return [("prefill", [*at(0, args.prefill_nice), *budget])] + [("decode", at(c, 0)) for c in range(cpus)]
+    if layout == "both-per-cpu":
+        return [("both", [*at(c, args.both_nice), *budget]) for c in range(cpus)]
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+@contextlib.contextmanager
+def serving(layout: str, model: Path, log_dir: Path, args: Any, step_dir: Path | None) -> Iterator[str]:
+    """Start `layout`'s workers (in parallel) and the router in front of them; yield the router's URL;
+    stop everything on exit. With `step_dir`, the workers log per-step timings there (ENGINE_STEP_LOG)."""
+    from tests.support.processes import Proc, start_router, start_worker
+
+    env = {"ENGINE_STEP_LOG": str(step_dir)} if step_dir is not None else {}
+    specs = worker_specs(layout, args)
+    procs: list[Proc] = []
+    try:
+        with ThreadPoolExecutor(len(specs)) as pool:
+            futures = [pool.submit(start_worker, role, model, log_dir, extra=flags, env=env) for role, flags in specs]
+        failed = None
+        for fut in futures:
+            if fut.exception() is None:
+                procs.append(fut.result()[0])
+            else:
+                failed = failed or fut.exception()
+        if failed is not None:
+            raise failed
+        urls = [fut.result()[1] for fut in futures]
+        prefill = [url for (role, _), url in zip(specs, urls, strict=True) if role == "prefill"]
+        decode = [url for (role, _), url in zip(specs, urls, strict=True) if role != "prefill"]
+        router, router_url = start_router(prefill, decode, log_dir)
+        procs.append(router)
+        yield router_url
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def step_summary(step_dir: Path, since: float) -> dict[str, Any]:
+    """Per-step timings the workers logged after `since` (time.time()), per kind of step: decode-only
+    steps, prefill steps; the longest run of prefill steps back to back; the slowest decode steps
+    against the median decode step of the same batch size (a step far slower than its peers was
+    preempted by another process on its core)."""
+    decode: list[tuple[float, int]] = []
+    prefill: list[tuple[float, int]] = []
+    longest_prefill_run = 0
+    for path in sorted(step_dir.glob("steps-*.tsv")):
+        run, runs = 0, 0  # prefill steps back to back on a worker that also decodes
+        for line in path.read_text().splitlines():
+            fields = line.split("\t")
+            if len(fields) != 5 or float(fields[0]) < since:
+                continue
+            ms, tokens, n_decode = float(fields[1]), int(fields[2]), int(fields[4])
+            if tokens:
+                prefill.append((ms, tokens))
+                run += 1
+            else:
+                decode.append((ms, n_decode))
+                runs, run = max(runs, run), 0
+        longest_prefill_run = max(longest_prefill_run, runs)
+    by_batch: dict[int, list[float]] = {}
+    for ms, n in decode:
+        by_batch.setdefault(n, []).append(ms)
+    stretched = sorted((ms / (median(by_batch[n]) or ms), ms, n) for ms, n in decode)[-5:]
+    return {
+        "decode_steps": len(decode),
+        "decode_ms_p50": median([ms for ms, _ in decode]),
+        "decode_ms_p99": percentile([ms for ms, _ in decode], 99),
+        "decode_ms_max": max((ms for ms, _ in decode), default=None),
+        "prefill_steps": len(prefill),
+        "prefill_ms_p50": median([ms for ms, _ in prefill]),
+        "prefill_ms_max": max((ms for ms, _ in prefill), default=None),
+        "prefill_tokens_max": max((t for _, t in prefill), default=None),
+        "longest_prefill_run": longest_prefill_run,
+        "slowest_decode_vs_batch_median": [{"x": round(x, 2), "ms": round(ms, 1), "batch": n}
+                                           for x, ms, n in reversed(stretched)],
+    }
