@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
+
+from inference.wire.kv_events import WorkerLoad
 
 ROLES = ("prefill", "decode")
 
@@ -98,6 +100,17 @@ class Endpoint:
     # Prompt tokens the prefills this router has in flight here still compute, as the kv-aware policy
     # predicted them (its measure of a prefill worker's queue; 0 under other policies).
     pending_tokens: int = field(default=0, init=False)
+    # The worker's own load as its KV event stream last reported it (every router process reads the
+    # same; None: no report, or the stream is down), and this process's counts when it came: what this
+    # router changed since (requests sent minus ended, predicted prefill tokens sent minus done) is added
+    # to it (`load`, `queued_tokens`), so its own requests count at once, and one that ended is not
+    # counted until the next report. Monotonic counters: the feed thread only reads them (marks), the
+    # request loop only writes them, so no count is lost.
+    _report: WorkerLoad | None = field(default=None, init=False, repr=False)
+    _released: int = field(default=0, init=False, repr=False)
+    _tokens_sent: int = field(default=0, init=False, repr=False)
+    _tokens_done: int = field(default=0, init=False, repr=False)
+    _marks: tuple[int, int, int, int] = field(default=(0, 0, 0, 0), init=False, repr=False)
     _healthy: bool = field(default=True, init=False, repr=False)
     _last_health: dict[str, Any] | None = field(default=None, init=False, repr=False)
     _batch_size: int | None = field(default=None, init=False, repr=False)
@@ -137,7 +150,53 @@ class Endpoint:
     def release(self) -> None:
         """Count one request fewer in flight (never below zero); a finished request frees a slot."""
         self.inflight = max(0, self.inflight - 1)
+        self._released += 1
         self.full_until = 0.0
+
+    def prefill_sent(self, tokens: int) -> None:
+        """A prefill predicted to compute `tokens` was sent here (undo with `prefill_done`)."""
+        self.pending_tokens += tokens
+        self._tokens_sent += tokens
+
+    def prefill_done(self, tokens: int) -> None:
+        """The prefill `prefill_sent` counted has ended."""
+        self.pending_tokens -= tokens
+        self._tokens_done += tokens
+
+    def apply_load(self, load: WorkerLoad | None) -> None:
+        """The worker's load report (None: its stream ended; this router's own counts rule again).
+        Called from the KV feed's thread: the marks are written before the report they go with."""
+        self._marks = (self.total_requests, self._released, self._tokens_sent, self._tokens_done)
+        self._report = load
+
+    @property
+    def reported_load(self) -> WorkerLoad | None:
+        """The worker's last load report, if its stream is up."""
+        return self._report
+
+    def load(self) -> int:
+        """Requests on the worker: its reported running and waiting plus those this router sent since the
+        report, minus those of its requests that ended since; without a report, this router's own in flight."""
+        report = self._report
+        if report is None:
+            return self.inflight
+        sent, released, _, _ = self._marks
+        return max(0, report.requests + self.total_requests - sent - (self._released - released))
+
+    def queued_tokens(self) -> int:
+        """Prompt tokens the worker still prefills: its report's plus what this router's prefills sent since
+        then were predicted to compute, minus those of its prefills that ended since; without a report,
+        those of this router's prefills in flight."""
+        report = self._report
+        if report is None:
+            return self.pending_tokens
+        _, _, sent, done = self._marks
+        return max(0, report.prompt_tokens_pending + self._tokens_sent - sent - (self._tokens_done - done))
+
+    def prefill_rate(self) -> float | None:
+        """The prompt tokens/s the worker reported it prefills at (None: no report, or not measured)."""
+        report = self._report
+        return report.prefill_tokens_per_s if report is not None else None
 
     def batch_size(self) -> int | None:
         """The worker's `--batch-size` as its last health answer reported it, if it did."""
@@ -195,6 +254,7 @@ class Endpoint:
             "healthy": self.healthy,
             "inflight": self.inflight,
             "pending_tokens": self.pending_tokens,
+            "reported_load": asdict(self._report) if self._report is not None else None,
             "consecutive_failures": self.consecutive_failures,
             "last_error": self.last_error,
             "last_health": self.last_health,

@@ -173,6 +173,11 @@ class Establishment:
         client = self.client
         wait = client.remaining(self.deadline, client.descriptor_timeout_s)
         body = client.encode_decode_body(self.req, attempt.request_id)
+        # Until its descriptor says where it prefills, the prompt may join the prefill pool's queue: the
+        # decisions of the requests sent meanwhile count it (a burst must not all see an empty queue).
+        deciding = client.deciding_tokens(self.req)
+        pool = client.pool
+        pool.prefill_deciding_tokens += deciding
         try:
             async with asyncio.timeout(wait):
                 # The asyncio timeouts here and in the streaming loop are the real bounds; the
@@ -195,6 +200,8 @@ class Establishment:
             raise BackendFailure(describe_exception(exc)) from exc
         except ValueError as exc:
             raise BackendFailure(f"bad descriptor line: {exc}") from exc
+        finally:
+            pool.prefill_deciding_tokens -= deciding
         descriptor = as_descriptor(line)
         attempt.prompt_ids = descriptor.prompt_token_ids
         return descriptor

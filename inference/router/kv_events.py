@@ -4,7 +4,9 @@ One daemon thread with its own event loop (like the health checks: a saturated r
 not fall behind the workers' caches) holds one `GET /internal/kv-events` stream per endpoint of the
 pool. A stream starts with the worker's snapshot, so a router that starts or reconnects is exact at
 once; when a stream ends (the worker died, restarted or hung) the worker's entries leave the index
-at once and the subscription is tried again after a short, growing pause. Endpoints that leave the
+at once and the subscription is tried again after a short, growing pause. The stream's load lines go
+to the pool's endpoint of that URL (`Endpoint.apply_load`), so that every router process weighs the
+same load; a stream that ends leaves the endpoint to this router's own counts. Endpoints that leave the
 pool are unsubscribed and forgotten; new ones are subscribed within `FOLLOW_S`.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ import orjson
 from inference.router.daemon import DaemonTask
 from inference.router.health import describe_exception, new_session
 from inference.router.kv_index import KVIndex
-from inference.wire.kv_events import KVEventBatch, KVSnapshot, decode_line
+from inference.wire.kv_events import KVEventBatch, KVSnapshot, WorkerLoad, decode_line
 
 if TYPE_CHECKING:
     from inference.router.pool import WorkerPool
@@ -59,6 +61,7 @@ class KVFeed(DaemonTask):
                 for url in following.keys() - urls:
                     following.pop(url).cancel()
                     self.index.drop(url)
+                    self.pool.apply_load(url, None)
                 await asyncio.sleep(FOLLOW_S)
         finally:
             for task in following.values():
@@ -79,6 +82,7 @@ class KVFeed(DaemonTask):
                 self.errors[url] = describe_exception(exc)
             finally:
                 self.index.drop(url)
+                self.pool.apply_load(url, None)  # back to this router's own counts
             await asyncio.sleep(RETRY_S[min(tries, len(RETRY_S) - 1)])
             tries += 1
 
@@ -113,4 +117,6 @@ class KVFeed(DaemonTask):
             return True
         if isinstance(message, KVEventBatch) and not self.index.apply_batch(url, message):
             raise ValueError("a KV event batch before the snapshot")
+        if isinstance(message, WorkerLoad):
+            self.pool.apply_load(url, message)
         return False

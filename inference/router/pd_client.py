@@ -167,7 +167,22 @@ class DisaggregatedClient:
             limit = self.local_prefill_tokens if limit is None else limit
             if limit:
                 body["local_prefill_max_tokens"] = limit
+                # Over the threshold, the decode worker still prefills the prompt itself when the
+                # prefill pool's queue would make the remote path slower (local_prefill.py).
+                queue = self.pool.remote_prefill_queue()
+                if queue is not None:
+                    body["remote_prefill"] = queue
         return orjson.dumps(body)
+
+    def deciding_tokens(self, req: GenerateRequest) -> int:
+        """The prompt tokens `req` may add to the prefill pool's queue once its decode worker, offered
+        local prefill, decides (0: not offered, or the prompt's length not known here)."""
+        ids = req.prompt_ids
+        if ids is None or self.pool.colocated:
+            return 0
+        limit = self.pool.local_prefill_tokens
+        limit = self.local_prefill_tokens if limit is None else limit
+        return len(ids) if limit else 0
 
     def remaining(self, deadline: float, bound: float | None = None) -> float:
         """Seconds left until `deadline` (at most `bound`), never negative."""

@@ -171,10 +171,12 @@ DEFAULT_REMOTE_DECODE_SHARE = 1 / 16
 
 class KVAware:
     """The worker with the least work ahead for this prompt: cost = `token_weight` x (the prompt's
-    tokens the worker would still have to compute, from the KV index, + the tokens its prefills in
-    flight still compute, `Endpoint.pending_tokens`) + `load_weight` x (its requests in flight); the
+    tokens the worker would still have to compute, from the KV index, + the prompt tokens it still
+    prefills, `Endpoint.queued_tokens`) + `load_weight` x (its requests, `Endpoint.load`); the
     cheapest wins, ties at random (as Dynamo's KV router scores: prefill blocks, cached ones credited,
-    plus the worker's active load).
+    plus the worker's active load). The load and queued tokens are what the worker itself reports on
+    its KV event stream (every router process sees the same) plus what this router sent since the
+    report; without a report, this router's own requests in flight.
 
     The prompt is the one the request being routed set (`kv_index.CURRENT_PROMPT`); without one, or
     with an index that knows nothing of the candidates (empty, stale, a worker's stream down), every
@@ -223,7 +225,7 @@ class KVAware:
             if not accept(endpoint):
                 continue
             cached = index.cached_tokens(endpoint.url, prompt) if prompt is not None else 0
-            cost = token_weight * (total - cached + endpoint.pending_tokens) + load_weight * endpoint.inflight
+            cost = token_weight * (total - cached + endpoint.queued_tokens()) + load_weight * endpoint.load()
             if not best or cost < best_cost:
                 best, best_cost = [endpoint], cost
             elif cost == best_cost:

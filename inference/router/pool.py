@@ -34,6 +34,7 @@ from inference.router.policies import (
 from inference.router.prompt_tokens import PromptTokenizer
 from inference.router.tokenizer_source import TokenizerSource
 from inference.router.upstream import UpstreamClient
+from inference.wire.kv_events import WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,11 @@ class WorkerPool:
         self.headers: dict[str, str] = dict(headers or {})
         self._policies: dict[str, Policy] = self._make_policies(self.policy_name)
         self._endpoints: dict[str, list[Endpoint]] = {role: [] for role in ROLES}
+        # Every endpoint by URL, for the KV feed's load reports (rebuilt by set_endpoints, one assignment).
+        self._by_url: dict[str, Endpoint] = {}
+        # Prompt tokens of requests whose decode worker is deciding now whether to prefill locally: they
+        # may join the prefill pool's queue in a moment (`remote_prefill_queue` counts them).
+        self.prefill_deciding_tokens = 0
         # Per role: (the rotation stamp it was built at, the endpoints in rotation); None: rebuild.
         self._rotation: dict[str, tuple[int, list[Endpoint]] | None] = {role: None for role in ROLES}
         self.endpoints_version = 0  # moves on every set_endpoints (the health checker follows it)
@@ -132,6 +138,7 @@ class WorkerPool:
             updated.append(existing.get(endpoint.url, endpoint))
         # One assignment: a request choosing concurrently sees either the old or the new list.
         self._endpoints[role] = updated
+        self._by_url = {endpoint.url: endpoint for r in ROLES for endpoint in self._endpoints[r]}
         self._rotation[role] = None
         self.endpoints_version += 1
         if self._checker is not None:
@@ -245,6 +252,34 @@ class WorkerPool:
     def choose_where(self, role: str, accept: Accept) -> Endpoint | None:
         """The endpoint the role's policy picks among those in rotation that `accept` takes, or None."""
         return self._policies[role].choose_where(self.in_rotation(role), accept)
+
+    def apply_load(self, url: str, load: WorkerLoad | None) -> None:
+        """The load report of the worker at `url` (None: its stream ended), from the KV feed's thread."""
+        endpoint = self._by_url.get(url)
+        if endpoint is not None:
+            endpoint.apply_load(load)
+
+    def remote_prefill_queue(self) -> dict[str, Any] | None:
+        """What a decode worker offered local prefill weighs the remote path by (`remote_prefill` of its
+        body): the prompt tokens ahead on the prefill worker that would start a prompt soonest (its
+        reported queue plus this router's prefills since the report, `Endpoint.queued_tokens`; plus a
+        share of the prompts whose decode workers are deciding now) and the tokens/s that worker reported
+        (null until measured). None without prefill workers."""
+        prefill = self.in_rotation("prefill")
+        if not prefill:
+            return None
+        rates = [rate for e in prefill if (rate := e.prefill_rate())]
+        typical = sum(rates) / len(rates) if rates else 1.0  # unmeasured workers: as fast as the others
+        best, best_s = prefill[0], -1.0
+        for endpoint in prefill:
+            wait_s = endpoint.queued_tokens() / (endpoint.prefill_rate() or typical)
+            if best_s < 0 or wait_s < best_s:
+                best, best_s = endpoint, wait_s
+        # The prompts being decided may go either way: their share of the queue is what spreading them over
+        # every worker that may prefill them (prefill and decode) leaves to one.
+        spread = len(prefill) + len(self.in_rotation("decode"))
+        queue = max(0, best.queued_tokens()) + self.prefill_deciding_tokens // spread
+        return {"queue_tokens": queue, "tokens_per_s": best.prefill_rate()}
 
     def record_failure(self, endpoint: Endpoint, error: str) -> None:
         """A request failed on `endpoint` (connect error, 5xx, timeout): count it toward removal."""

@@ -78,7 +78,7 @@ async def _prefill_on(est: Establishment, prefill: Endpoint, attempt: Attempt, b
     prefill.acquire()
     # The tokens a kv-aware choice predicted this prefill computes count in the worker's queue meanwhile.
     pending = PREDICTED_UNCACHED.get()
-    prefill.pending_tokens += pending
+    prefill.prefill_sent(pending)
     try:
         attempt.prefill_answer = await _post_prefill(est, prefill, body)
     except DecodePeerFailure:
@@ -104,7 +104,7 @@ async def _prefill_on(est: Establishment, prefill: Endpoint, attempt: Attempt, b
         raise
     finally:
         prefill.release()
-        prefill.pending_tokens -= pending
+        prefill.prefill_done(pending)
     pool.record_success(prefill)
     return True
 

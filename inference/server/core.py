@@ -30,6 +30,7 @@ from inference.server.metrics import WorkerMetrics
 from inference.server.resources import Utilization, pin_cpus, select_device
 from inference.server.tombstones import AbortTombstones
 from inference.server.transport import open_rdma_device
+from inference.wire.kv_events import WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class WorkerCore:
         # The prefix cache's changes, streamed to routers at /internal/kv-events (KV-aware routing).
         kv_log = KVEventLog()
         llm.block_manager.watch(kv_log)
-        self.kv_events = KVEventSource(kv_log, self.role, self.layout.block_size)
+        self.kv_events = KVEventSource(kv_log, self.role, self.layout.block_size, self.load_report)
         self.started_at = time.time()
         # Tasks that must finish even if the request that started them is cancelled (kept
         # referenced here so that they are not garbage collected while running).
@@ -140,6 +141,16 @@ class WorkerCore:
         body.update(self.role_health())
         body.update(self.signals.snapshot())
         return body
+
+    def load_report(self) -> WorkerLoad:
+        """What this worker has ahead of it now, for the load lines of its KV event stream (every router
+        process reads the same): running, waiting (queued for a slot or, on a decode worker, for the KV),
+        prompt tokens still to prefill and the rate it prefills them at, KV usage."""
+        status = self.engine.status()
+        pending, rate = self.signals.prefill_queue()
+        return WorkerLoad(running=status.running, waiting=status.queued + status.reserved,
+                          prompt_tokens_pending=pending, prefill_tokens_per_s=round(rate, 1) if rate else None,
+                          kv_usage=round(status.kv_usage, 3))
 
     def role_health(self) -> dict[str, Any]:
         """What the role adds to /health (nothing here)."""

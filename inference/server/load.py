@@ -6,7 +6,7 @@ a sample rarely catches one. This module keeps what a sample cannot see, measure
 over a sliding window (WINDOW_S):
 
 - `prompt_tokens_pending`: prompt tokens accepted for prefill and not yet computed (queued in the
-  engine or being prefilled), right now;
+  engine or being prefilled), right now (on a decode worker: the uncached tokens of its local prefills);
 - `prefill_tokens_per_s`: the prompt tokens/s the worker sustains while busy (tokens computed over the
   seconds it had at least one prompt in flight, within the window; the whole lifetime until the
   window holds a finished prompt). `prompt_tokens_pending / prefill_tokens_per_s` is how long a new
@@ -99,6 +99,24 @@ class LoadSignals:
             self._latencies[kind].append((self._clock(), seconds))
 
     # ------------------------------------------------------------------ readings
+    def prefill_queue(self) -> tuple[int, float | None]:
+        """(`prompt_tokens_pending`, `prefill_tokens_per_s`) as `snapshot` reads them, without the latency
+        percentiles: what the worker's load line on its KV event stream carries, several times a second."""
+        with self._lock:
+            now = self._clock()
+            self._trim(now)
+            return self._pending_tokens, self._rate(now)
+
+    def _rate(self, now: float) -> float | None:
+        """Prompt tokens/s while busy within the window (the lifetime's when idle lately); None unmeasured."""
+        busy_s = self._busy_seconds(now, self.window_s)
+        window_tokens = sum(tokens for _, tokens in self._done)
+        if window_tokens and busy_s >= MIN_BUSY_S_FOR_RATE:
+            return window_tokens / busy_s
+        if self._total_tokens and self._total_busy_s >= MIN_BUSY_S_FOR_RATE:
+            return self._total_tokens / self._total_busy_s  # idle lately: the lifetime rate
+        return None
+
     def _trim(self, now: float) -> None:
         start = now - self.window_s
         while self._busy and self._busy[0][1] < start:
@@ -119,13 +137,7 @@ class LoadSignals:
         with self._lock:
             now = self._clock()
             self._trim(now)
-            busy_s = self._busy_seconds(now, self.window_s)
-            window_tokens = sum(tokens for _, tokens in self._done)
-            rate: float | None = None
-            if window_tokens and busy_s >= MIN_BUSY_S_FOR_RATE:
-                rate = window_tokens / busy_s
-            elif self._total_tokens and self._total_busy_s >= MIN_BUSY_S_FOR_RATE:
-                rate = self._total_tokens / self._total_busy_s  # idle lately: the lifetime rate
+            rate = self._rate(now)
             body: dict[str, Any] = {
                 "prompt_tokens_pending": self._pending_tokens,
                 "prefill_tokens_per_s": round(rate, 1) if rate is not None else None,

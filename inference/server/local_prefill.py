@@ -7,6 +7,11 @@ prompt in its own continuous batch (the engine runs colocated anyway) and answer
 descriptor says `{"local": true}`, so the router skips the prefill call. Otherwise it reserves
 blocks and waits for the KV as always (decode.py). A `--service-type both` worker (colocated.py)
 takes this path for every prompt, offered or not. The lines are the wire's, as in decode_stream.py.
+
+The router may also say how deep the prefill pool's queue is (`remote_prefill`: the prompt tokens ahead
+on the cheapest prefill worker and that worker's measured tokens/s). A prompt over the threshold is then
+prefilled here too when that is sooner (`local_is_sooner`): when a burst of cold prompts would queue on
+the prefill workers while this one has room.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from inference.server.credit import StreamCredit
@@ -28,6 +34,49 @@ if TYPE_CHECKING:
 LOCAL_DESCRIPTOR: dict[str, Any] = {"local": True}
 # How long a local stream waits for the next engine output (or router credit) before giving up.
 OUTPUT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteQueue:
+    """The prefill pool's queue as the router saw it: prompt tokens ahead on its cheapest prefill worker,
+    and the tokens/s that worker reported (None: not measured yet)."""
+
+    queue_tokens: int
+    tokens_per_s: float | None
+
+
+def remote_queue(body: dict[str, Any]) -> RemoteQueue | None:
+    """The body's `remote_prefill` (None when the router sent none); 400 when malformed."""
+    value = body.get("remote_prefill")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request("'remote_prefill' must be an object")
+    tokens, rate = value.get("queue_tokens"), value.get("tokens_per_s")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise bad_request("'remote_prefill.queue_tokens' must be an integer >= 0")
+    if rate is not None and (not isinstance(rate, int | float) or isinstance(rate, bool) or not rate > 0):
+        raise bad_request("'remote_prefill.tokens_per_s' must be a number > 0 or null")
+    return RemoteQueue(tokens, float(rate) if rate is not None else None)
+
+
+def local_is_sooner(uncached: int, local_pending: int, running: int, local_rate: float | None,
+                    remote: RemoteQueue) -> bool:
+    """Whether prefilling `uncached` tokens here gives the first token sooner than the remote path.
+
+    Here: the local prefills queued (`local_pending` tokens) and this prompt, plus a row per running
+    decode for the step they share, at this worker's own measured prefill rate. Remote: the queue ahead
+    on the cheapest prefill worker and the same prompt (as many tokens: its cache is not known here; a
+    prefill worker holds no more of a conversation than its decode worker) at that worker's rate. A rate
+    not measured yet is taken as the other side's; with neither measured both sides run alike and the
+    tokens decide. Ties stay remote (the prefill pool exists to keep prefills off decode steps)."""
+    local_rate = local_rate or remote.tokens_per_s
+    remote_rate = remote.tokens_per_s or local_rate
+    local_tokens = local_pending + uncached + running
+    remote_tokens = remote.queue_tokens + uncached
+    if local_rate is None or remote_rate is None:
+        return local_tokens < remote_tokens
+    return local_tokens / local_rate < remote_tokens / remote_rate
 
 
 def local_limit(body: dict[str, Any]) -> int | None:
@@ -46,11 +95,18 @@ async def open_local(
     """The local stream of a request this worker should prefill itself; None when the remote path it
     is (no offer, or more uncached tokens than offered). Raises WorkerError (400/429) like open_decode."""
     limit = local_limit(body)
-    if limit is None and not worker.prefills_every_prompt:
+    remote = remote_queue(body)
+    if limit is None and remote is None and not worker.prefills_every_prompt:
         return None
     ids = prompt_token_ids(body, worker.engine.tokenizer, worker.engine.config.vocab_size)
-    if not worker.prefills_every_prompt and len(ids) - worker.engine.cached_tokens(ids) > (limit or 0):
-        return None
+    cached = worker.engine.cached_tokens(ids)
+    uncached = len(ids) - cached
+    if not worker.prefills_every_prompt and uncached > (limit or 0):
+        if remote is None:
+            return None
+        pending, rate = worker.signals.prefill_queue()
+        if not local_is_sooner(uncached, pending, worker.engine.status().running, rate, remote):
+            return None
     request_id = str(body.get("request_id") or uuid.uuid4().hex)
     worker.refuse_if_aborted(request_id)
     params = parse_sampling(body.get("sampling"), worker.args.max_tokens_limit, worker.sampling_defaults)
@@ -60,15 +116,21 @@ async def open_local(
         worker.metrics.outcome("rejected")
         raise overloaded(f"decode queue is full ({worker.args.max_queue} waiting); retry later")
     worker.metrics.prompt_tokens.inc(len(ids))
-    return _lines(worker, request_id, ids, params, credit, time.perf_counter())
+    worker.metrics.prefilled_prompt_tokens.inc(len(ids))
+    worker.metrics.prefilled_cached_tokens.inc(cached)
+    # Counted now, before the stream starts: the next request's decision here sees this prefill queued.
+    worker.signals.prefill_started(uncached)
+    return _lines(worker, request_id, ids, params, credit, time.perf_counter(), uncached)
 
 
 async def _lines(worker: DecodeWorker, request_id: str, ids: list[int], params: Any, credit: StreamCredit | None,
-                 received_at: float) -> AsyncIterator[bytes]:
+                 received_at: float, uncached: int) -> AsyncIterator[bytes]:
     """Descriptor (local), token lines within the router's credit, done; however it ends, the
-    outcome is counted and an unfinished request aborted."""
+    outcome is counted and an unfinished request aborted. The prefill's `uncached` tokens leave the
+    worker's queue (`signals`) at the first token, or when the stream ends before it."""
     metrics = worker.metrics
     outcome, finished, sent, last_at = "aborted", False, 0, None
+    prefilling = True
     try:
         yield descriptor_line(LOCAL_DESCRIPTOR, ids, params.to_dict())
         async for out in worker.engine.generate(request_id, ids, params):
@@ -79,6 +141,8 @@ async def _lines(worker: DecodeWorker, request_id: str, ids: list[int], params: 
             if n:
                 now = time.perf_counter()
                 if last_at is None:
+                    worker.signals.prefill_finished(uncached, computed=True)
+                    prefilling = False
                     metrics.ttft.observe(now - received_at)
                     worker.signals.observe("ttft", now - received_at)
                 else:
@@ -107,6 +171,8 @@ async def _lines(worker: DecodeWorker, request_id: str, ids: list[int], params: 
         outcome = "error"
         yield error_line(f"no credit from the router for {OUTPUT_TIMEOUT_S:.0f}s")
     finally:
+        if prefilling:
+            worker.signals.prefill_finished(uncached, computed=False)
         metrics.outcome(outcome)
         if not finished:
             await asyncio.shield(worker.in_background(worker.abort(request_id)))

@@ -114,6 +114,18 @@ class WorkerMetrics:
             ["role", "model"],
             registry=r,
         ).labels(**labels)
+        # The prompts this worker prefilled itself (a prefill worker: every prompt; a decode worker: its
+        # local prefills, not the reservations a prefill worker fills), and their tokens its prefix cache
+        # held at receipt: summed over every worker, a deployment's prefix hit ratio wherever it prefilled.
+        self.prefilled_prompt_tokens = Counter(
+            "worker_prefilled_prompt_tokens", "Prompt tokens of the prompts this worker prefilled itself",
+            ["role", "model"], registry=r,
+        ).labels(**labels)
+        self.prefilled_cached_tokens = Counter(
+            "worker_prefilled_cached_tokens",
+            "Prompt tokens of the prompts this worker prefilled itself that its prefix cache held at receipt",
+            ["role", "model"], registry=r,
+        ).labels(**labels)
         self.cpu_utilization = Gauge(
             "worker_cpu_utilization_ratio", "Busy fraction of the worker's CPUs", ["role", "model"], registry=r
         ).labels(**labels)

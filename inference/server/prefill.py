@@ -208,6 +208,8 @@ class PrefillWorker(WorkerCore):
     async def _compute_prompt(self, run: PrefillRun) -> None:
         """Run the prompt in the engine (batched with other prefills): its first token and KV blocks."""
         n = len(run.prompt_token_ids)
+        self.metrics.prefilled_prompt_tokens.inc(n)
+        self.metrics.prefilled_cached_tokens.inc(self.engine.cached_tokens(run.prompt_token_ids))
         self.signals.prefill_started(n)
         computed = False
         first_token: int | None = None

@@ -3,7 +3,9 @@
 `GET /internal/kv-events` on any worker answers an NDJSON stream. Its first line is a snapshot (every
 block hash the worker's prefix cache holds, with the worker's role, block size and an epoch that
 changes when the process restarts); the lines after it are batches of changes (`stored`, `removed`)
-numbered by the worker's event sequence. A batch is coalesced: a hash appears in at most one of its
+numbered by the worker's event sequence, and `load` lines (what the worker has ahead of it: running,
+waiting, prompt tokens still to prefill, its prefill rate, KV usage; at most every 100 ms, when it
+changed), so that every router process reads the same load. A batch is coalesced: a hash appears in at most one of its
 two lists, with the state it ended in, so applying a batch is two set operations whatever order the
 changes came in. A subscriber that fell too far behind gets a fresh snapshot instead of a batch.
 
@@ -87,13 +89,55 @@ class KVEventBatch:
                              "removed": [h.hex() for h in self.removed]}) + b"\n"
 
 
+@dataclass(slots=True, frozen=True)
+class WorkerLoad:
+    """What a worker has ahead of it now (a `load` line), so that every router process sees the same load
+    whoever sent the requests: `running` sequences in its batch, `waiting` ones (queued for a slot or,
+    on a decode worker, for their KV: `reserved`), `prompt_tokens_pending` (prompt tokens it still
+    prefills: a prefill worker's queue, a decode worker's local prefills), the prompt tokens/s it
+    sustains while prefilling (None until measured), and the share of its KV pool in use."""
+
+    running: int
+    waiting: int
+    prompt_tokens_pending: int
+    prefill_tokens_per_s: float | None
+    kv_usage: float
+
+    @property
+    def requests(self) -> int:
+        """Requests on the worker: running and waiting."""
+        return self.running + self.waiting
+
+    def encode(self) -> bytes:
+        """The NDJSON line, newline included."""
+        return orjson.dumps({"type": "load", "running": self.running, "waiting": self.waiting,
+                             "prompt_tokens_pending": self.prompt_tokens_pending,
+                             "prefill_tokens_per_s": self.prefill_tokens_per_s, "kv_usage": self.kv_usage}) + b"\n"
+
+
+def _rate(obj: dict[str, Any], name: str) -> float | None:
+    value = obj.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"'{name}' must be a number > 0 or null")
+    return float(value)
+
+
+def _usage(obj: dict[str, Any]) -> float:
+    value = obj.get("kv_usage")
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value <= 1:
+        raise ValueError("'kv_usage' must be a number within [0, 1]")
+    return float(value)
+
+
 # A line a quiet stream sends now and then, so that a subscriber tells a quiet worker from a dead link.
 KEEPALIVE_LINE = b'{"type":"keepalive"}\n'
 
 
-def decode_line(obj: dict[str, Any]) -> KVSnapshot | KVEventBatch | None:
-    """One parsed line of the stream: a snapshot, a batch, or None (a keepalive or a newer line type);
-    ValueError for a malformed snapshot or batch."""
+def decode_line(obj: dict[str, Any]) -> KVSnapshot | KVEventBatch | WorkerLoad | None:
+    """One parsed line of the stream: a snapshot, a batch, a load report, or None (a keepalive or a newer
+    line type); ValueError for a malformed snapshot, batch or load report."""
     kind = obj.get("type")
     if kind == "snapshot":
         role, epoch = obj.get("role"), obj.get("epoch")
@@ -104,4 +148,8 @@ def decode_line(obj: dict[str, Any]) -> KVSnapshot | KVEventBatch | None:
     if kind == "events":
         return KVEventBatch(seq=_int(obj, "seq", 0), stored=_hashes(obj.get("stored"), "stored"),
                             removed=_hashes(obj.get("removed"), "removed"))
+    if kind == "load":
+        return WorkerLoad(running=_int(obj, "running", 0), waiting=_int(obj, "waiting", 0),
+                          prompt_tokens_pending=_int(obj, "prompt_tokens_pending", 0),
+                          prefill_tokens_per_s=_rate(obj, "prefill_tokens_per_s"), kv_usage=_usage(obj))
     return None
