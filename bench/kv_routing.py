@@ -4,7 +4,9 @@ Each conversation sends the whole history every turn (a shared system prompt, th
 replies it got, as token ids), its turns one after another, all conversations at once. Each policy
 gets a fresh deployment (workers and router started for it, so the caches start cold alike) and the
 same conversations. Reported per policy: the prefill workers' own prefix-cache hit ratio (their
-/metrics), what the router predicted (kv-aware), TTFT p50/p90 as the client sees it, output tok/s.
+/metrics), the hit ratio of every prefill wherever it ran (per worker, and for the deployment: cached
+prompt tokens over prompt tokens of the prompts prefill workers and, locally, decode workers computed),
+what the router predicted (kv-aware), TTFT p50/p90 as the client sees it, output tok/s.
 
 `--prompts chat` sends the same shape as OpenAI chat instead (`/v1/chat/completions`, streamed: a
 system message, user messages of random words, the replies' text as assistant messages), which the
@@ -245,6 +247,10 @@ def _run_policy(variant: tuple[str, str, dict[str, str]], model: Path, log_dir: 
         status = httpx.get(router_url + "/router/status", timeout=30).json()
         hit = [_metric(u, "worker_prefix_cache_hit_ratio") for u in urls[:2]]
         decode_hit = [_metric(u, "worker_prefix_cache_hit_ratio") for u in urls[2:]]
+        # Every prefill wherever it ran (prefill workers, and decode workers' local prefills): the prompt
+        # tokens and those the worker's prefix cache held at receipt, per worker and summed.
+        prefilled = [(_metric(u, "worker_prefilled_cached_tokens_total") or 0.0,
+                      _metric(u, "worker_prefilled_prompt_tokens_total") or 0.0) for u in urls]
         # How evenly the decode workers shared the streams: the tokens each generated.
         decode_tokens = [_metric(u, "worker_generation_tokens_total") for u in urls[2:]]
         where = {w: _metric(router_url, f'router_prefill_where_total{{where="{w}"}}') for w in ("local", "remote")}
@@ -267,6 +273,11 @@ def _run_policy(variant: tuple[str, str, dict[str, str]], model: Path, log_dir: 
         "errors": [t.error for t in turns if t.error][:5],
         "prefill_hit_ratio": [h for h in hit if h is not None],
         "decode_hit_ratio": [h for h in decode_hit if h is not None],
+        # Per worker (prefill, prefill, decode, decode): cached / prompt tokens of the prompts it prefilled.
+        "prefilled_hit_ratio": [cached / total if total else None for cached, total in prefilled],
+        "prefilled_prompt_tokens": [total for _, total in prefilled],
+        "deployment_hit_ratio": (sum(c for c, _ in prefilled) / sum(t for _, t in prefilled)
+                                 if sum(t for _, t in prefilled) else None),
         "decode_generated_tokens": decode_tokens,
         "predicted": predicted,
         "same_prefill_as_previous_turn": len(same) / len(later) if later and not CHAT_MODE else None,
@@ -320,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     empty: dict[str, Any] = {}
     rr, kv, local = (rows.get(name, empty) for name in ("round-robin", "kv-aware", "kv-aware+local"))
     comparison = {
+        "ttft_p50_rr_over_local": ratio(rr.get("ttft_p50_s"), local.get("ttft_p50_s")),
+        "ttft_p90_rr_over_local": ratio(rr.get("ttft_p90_s"), local.get("ttft_p90_s")),
+        "tok_s_local_over_rr": ratio(local.get("output_tok_s"), rr.get("output_tok_s")),
         "later_ttft_p50_kv_over_local": ratio(kv.get("later_turns_ttft_p50_s"), local.get("later_turns_ttft_p50_s")),
         "later_ttft_p90_kv_over_local": ratio(kv.get("later_turns_ttft_p90_s"), local.get("later_turns_ttft_p90_s")),
         "tok_s_local_over_kv": ratio(local.get("output_tok_s"), kv.get("output_tok_s")),
@@ -330,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         "tok_s_kv_over_rr": ratio(kv.get("output_tok_s"), rr.get("output_tok_s")),
     }
     print_header("KV-aware routing vs round-robin: multi-turn chat, 2 prefill + 2 decode")
-    headers = ["variant", "prefill hit ratio", "decode hit ratio", "decode tokens per worker", "local/remote prefills",
+    headers = ["variant", "prefill hit ratio", "decode hit ratio", "hit ratio of prefills per worker (p/p/d/d)",
+               "deployment hit ratio", "decode tokens per worker", "local/remote prefills",
                "same prefill as prev. turn", "TTFT p50 ms", "TTFT p90 ms",
                "later turns p50/p90 ms", "output tok/s", "errors"]
     table = []
@@ -339,7 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         decode_hits = "/".join(fmt(h, 2) for h in r["decode_hit_ratio"])
         where = r["prefill_where"]
         spread = "/".join(fmt(t, 0) for t in r.get("decode_generated_tokens", []))
-        table.append([name, hits, decode_hits, spread, f"{fmt(where['local'], 0)}/{fmt(where['remote'], 0)}",
+        per_worker = "/".join(fmt(h, 2) if h is not None else "-" for h in r["prefilled_hit_ratio"])
+        table.append([name, hits, decode_hits, per_worker, fmt(r["deployment_hit_ratio"], 2), spread,
+                      f"{fmt(where['local'], 0)}/{fmt(where['remote'], 0)}",
                       fmt(r["same_prefill_as_previous_turn"], 2),
                       fmt((r["ttft_p50_s"] or 0) * 1000, 0), fmt((r["ttft_p90_s"] or 0) * 1000, 0),
                       f"{fmt((r['later_turns_ttft_p50_s'] or 0) * 1000, 0)}/"
