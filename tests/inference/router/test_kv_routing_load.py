@@ -120,3 +120,23 @@ def test_load_signals_queue_reading() -> None:
     assert signals.prefill_queue() == (300, None)
     signals.prefill_finished(300, computed=True)
     assert signals.prefill_queue() == (0, 600.0)
+
+
+def test_a_decode_body_offering_local_prefill_tells_the_prefill_queue() -> None:
+    import orjson
+
+    from inference.router.events import GenerateRequest
+    from inference.router.pd_client import DisaggregatedClient
+    from inference.wire.sampling import Sampling
+
+    pool = WorkerPool(["http://p:1"], ["http://d:1"], "kv-aware")
+    req = GenerateRequest(sampling=Sampling(max_tokens=1), input_ids=[5] * 300)
+    client = DisaggregatedClient(pool)
+    assert "remote_prefill" not in orjson.loads(client.encode_decode_body(req, "r"))  # not offered
+    assert client.deciding_tokens(req) == 0
+    client = DisaggregatedClient(pool, local_prefill_tokens=64)
+    pool.apply_load("http://p:1", _load(pending=700, rate=900.0))
+    body = orjson.loads(client.encode_decode_body(req, "r"))
+    assert body["local_prefill_max_tokens"] == 64
+    assert body["remote_prefill"] == {"queue_tokens": 700, "tokens_per_s": 900.0}
+    assert client.deciding_tokens(req) == 300  # while its decode worker decides, the others count it
