@@ -93,7 +93,8 @@ async def open_local(
     worker: DecodeWorker, body: dict[str, Any], credit: StreamCredit | None
 ) -> AsyncIterator[bytes] | None:
     """The local stream of a request this worker should prefill itself; None when the remote path it
-    is (no offer, or more uncached tokens than offered). Raises WorkerError (400/429) like open_decode."""
+    is (no offer, or more uncached tokens than offered and the prefill pool's queue, if the router told
+    it, no slower than prefilling here). Raises WorkerError (400/429) like open_decode."""
     limit = local_limit(body)
     remote = remote_queue(body)
     if limit is None and remote is None and not worker.prefills_every_prompt:
