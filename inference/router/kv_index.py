@@ -16,30 +16,43 @@ feed may change.
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from inference.router.endpoint import Endpoint
 from inference.router.events import GenerateRequest
 from inference.wire.kv_events import KVEventBatch, KVSnapshot, block_hashes
 
 
 class PromptBlocks:
-    """A prompt's token ids and their block hashes, computed once per block size."""
+    """A prompt's token ids and their block hashes, computed once per block size.
 
-    __slots__ = ("token_ids", "_hashes")
+    `token_ids` may be only the first of the prompt's ids (`total_tokens` then says about how many it
+    has): a text prompt the router stopped tokenizing once no worker held its blocks (text_prefix.py).
+    Every full block of such a prefix can be reused; of a whole prompt, the last token is left out."""
 
-    def __init__(self, token_ids: list[int]) -> None:
+    __slots__ = ("token_ids", "total_tokens", "complete", "_hashes")
+
+    def __init__(self, token_ids: list[int], total_tokens: int | None = None) -> None:
         self.token_ids = token_ids
+        self.complete = total_tokens is None
+        self.total_tokens = len(token_ids) if total_tokens is None else max(total_tokens, len(token_ids))
         self._hashes: dict[int, list[bytes]] = {}
 
     def hashes(self, block_size: int) -> list[bytes]:
         """The hashes of the blocks the engine could reuse: full blocks, the last token left out."""
         cached = self._hashes.get(block_size)
         if cached is None:
-            usable = max(len(self.token_ids) - 1, 0)
+            usable = max(len(self.token_ids) - 1, 0) if self.complete else len(self.token_ids)
             cached = block_hashes(self.token_ids[: usable - usable % block_size], block_size)
             self._hashes[block_size] = cached
         return cached
+
+    def reuse(self, hashes: dict[int, list[bytes]]) -> None:
+        """Take hashes already computed of every full block of `token_ids` (a prefix's, per block size)."""
+        if not self.complete:
+            self._hashes.update(hashes)
 
 
 # The prompt of the request whose worker is being chosen now (set around the choice by the request's
@@ -51,12 +64,14 @@ CURRENT_PROMPT: contextvars.ContextVar[PromptBlocks | None] = contextvars.Contex
 PREDICTED_UNCACHED: contextvars.ContextVar[int] = contextvars.ContextVar("predicted_uncached", default=0)
 
 
-def set_prompt(req: GenerateRequest) -> None:
-    """Make `req`'s prompt the one the current task's choices see: its token ids when the client sent
-    ids or the router computed them (prompt_tokens.py); otherwise the decode worker tokenizes, after
-    the decode choice, which then goes by load."""
-    ids = req.prompt_ids
-    CURRENT_PROMPT.set(PromptBlocks(ids) if ids is not None else None)
+def set_prompt(req: GenerateRequest, prompt: PromptBlocks | None = None) -> None:
+    """Make `req`'s prompt the one the current task's choices see: `prompt` when the router tokenized
+    it (prompt_tokens.py; maybe a prefix of it), else its token ids when the client sent ids;
+    otherwise the decode worker tokenizes, after the decode choice, which then goes by load."""
+    if prompt is None:
+        ids = req.prompt_ids
+        prompt = PromptBlocks(ids) if ids is not None else None
+    CURRENT_PROMPT.set(prompt)
 
 
 @dataclass
@@ -68,6 +83,31 @@ class WorkerBlocks:
     epoch: str
     seq: int
     held: set[bytes] = field(default_factory=set)
+
+
+class PrefixWatch:
+    """Whether some of a set of workers still holds every full block of a prompt's ids so far: the
+    question a text prompt's chunked tokenization asks after each chunk (text_prefix.py). Each call
+    hashes only the new blocks and looks them up only on the workers that held all earlier ones."""
+
+    __slots__ = ("hashes", "_alive")
+
+    def __init__(self, workers: list[WorkerBlocks]) -> None:
+        self.hashes: dict[int, list[bytes]] = {}  # per block size, of every full block seen so far
+        self._alive = [(worker, 0) for worker in workers]  # (worker, blocks of it checked)
+
+    def __call__(self, token_ids: list[int]) -> bool:
+        alive = []
+        for worker, checked in self._alive:
+            size = worker.block_size
+            known = self.hashes.get(size)
+            if known is None or len(token_ids) // size > len(known):
+                known = self.hashes[size] = block_hashes(token_ids, size, known)
+            held = worker.held
+            if all(h in held for h in known[checked:]):
+                alive.append((worker, len(known)))
+        self._alive = alive
+        return bool(alive)
 
 
 class KVIndex:
@@ -115,6 +155,11 @@ class KVIndex:
                 break
             n += 1
         return n * worker.block_size
+
+    def prefix_watch(self, endpoints: Iterable[Endpoint]) -> PrefixWatch:
+        """A `PrefixWatch` over the workers of `endpoints` the index has a snapshot of."""
+        workers = self._workers
+        return PrefixWatch([w for e in endpoints if (w := workers.get(e.url)) is not None])
 
     def blocks(self, url: str) -> int:
         """How many blocks the index says `url` holds."""

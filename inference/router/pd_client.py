@@ -135,9 +135,12 @@ class DisaggregatedClient:
         """
         # The caller's task runs the request: its decode choice sees the prompt (a kv-aware policy),
         # tokenized here when the client sent text or chat (and the router has the workers' tokenizer).
+        # A text prompt is tokenized only as far as some decode worker holds its blocks (text_prefix.py).
         if req.input_ids is None and req.token_ids is None and (tokenizer := self.pool.prompt_tokenizer()):
-            req.token_ids = tokenizer.request_ids(req)
-        set_prompt(req)
+            watch = self.pool.kv_index.prefix_watch(self.pool.in_rotation("decode"))
+            set_prompt(req, tokenizer.request_prompt(req, watch))
+        else:
+            set_prompt(req)
         # The stream is the run's own generator, not one around it: every token event passes one
         # generator fewer (measured per streamed token).
         return RequestRun(self, req, arrived if arrived is not None else time.monotonic()).events()

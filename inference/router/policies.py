@@ -218,7 +218,7 @@ class KVAware:
         index, token_weight, load_weight = self.index, self.token_weight, self.load_weight
         if self.token_share is not None:
             token_weight *= self.token_share()
-        total = len(prompt.token_ids) if prompt is not None else 0
+        total = prompt.total_tokens if prompt is not None else 0
         best: list[Endpoint] = []
         best_cost = 0.0
         for endpoint in endpoints:

@@ -25,6 +25,8 @@ from collections import OrderedDict
 from typing import Any
 
 from inference.router.events import GenerateRequest
+from inference.router.kv_index import PrefixWatch, PromptBlocks
+from inference.router.text_prefix import CHECK_TEXTS, text_prefix
 from inference.wire.chat_tools import template_renders_tools, with_tool_prompt
 from inference.wire.tokenizer import PROBE_MESSAGES, PROBE_TEXT, PROBE_TOOLS, TokenizerSpec
 
@@ -97,6 +99,8 @@ class PromptTokenizer:
         self._splitter = _piece_splitter(json.loads(spec.tokenizer_json))
         self._pieces = _LRU(PIECE_CACHE_ENTRIES)
         self._texts = _LRU(TEXT_CACHE_ENTRIES)
+        # Text prompts in chunks, stopping where no worker holds the blocks (None: encoded whole).
+        self._prefix = text_prefix(self._backend, spec.tokenizer_json, (PROBE_TEXT, *CHECK_TEXTS))
         self._check(spec)
 
     def _check(self, spec: TokenizerSpec) -> None:
@@ -159,6 +163,31 @@ class PromptTokenizer:
             self._pieces.put(piece, ids)
         return ids
 
+    def request_prompt(self, req: GenerateRequest, watch: PrefixWatch) -> PromptBlocks | None:
+        """`req`'s prompt for the decode choice, as `request_ids` computes it, setting `req.token_ids`
+        when the router has all of its ids (then the worker does not tokenize). A text prompt is
+        tokenized only as far as some worker of `watch` holds its blocks: stopped early, the prompt is
+        the ids so far (with an estimate of its length) and the worker tokenizes the text."""
+        text = req.prompt
+        if self._prefix is None or req.messages is not None or not isinstance(text, str) or not text:
+            req.token_ids = self.request_ids(req)
+            return PromptBlocks(req.token_ids) if req.token_ids else None
+        ids = self._texts.get(text)
+        if ids is None:
+            try:
+                ids, consumed = self._prefix.ids(text, watch)
+            except Exception:  # noqa: BLE001  as request_ids: the worker reports what the encoder refused
+                return None
+            if consumed < len(text):
+                if consumed == 0:
+                    return None  # no worker holds anything: the decode choice goes by load
+                prompt = PromptBlocks(ids, total_tokens=len(ids) * len(text) // consumed)
+                prompt.reuse(watch.hashes)
+                return prompt
+            self._texts.put(text, ids)
+        req.token_ids = ids or None
+        return PromptBlocks(ids) if ids else None
+
     def request_ids(self, req: GenerateRequest) -> list[int] | None:
         """`req`'s prompt ids as its decode worker would compute them, or None where the worker must
         tokenize itself: ids sent already, a request the worker would refuse (it says why, the
@@ -178,4 +207,6 @@ class PromptTokenizer:
     def status(self) -> dict[str, Any]:
         """For /router/status."""
         return {"model": self.model, "digest": self.digest, "piecewise": self.piecewise,
-                "chat": self._chat is not None, "cached_pieces": len(self._pieces)}
+                "chat": self._chat is not None, "cached_pieces": len(self._pieces),
+                "text_chunks": self._prefix is not None,
+                "cached_chunks": len(self._prefix) if self._prefix is not None else 0}
