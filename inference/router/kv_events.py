@@ -8,6 +8,10 @@ at once and the subscription is tried again after a short, growing pause. The st
 to the pool's endpoint of that URL (`Endpoint.apply_load`), so that every router process weighs the
 same load; a stream that ends leaves the endpoint to this router's own counts. Endpoints that leave the
 pool are unsubscribed and forgotten; new ones are subscribed within `FOLLOW_S`.
+
+A worker that does not serve the stream (404: an older worker, or a stand-in) is asked again only
+every `NOT_SERVED_RETRY_S`, logged once: the index knows nothing of it, so the kv-aware cost sees
+the whole prompt to compute there and goes by its load, and no request fails for it.
 """
 from __future__ import annotations
 
@@ -36,6 +40,12 @@ SILENCE_S = 10.0
 RETRY_S = (0.2, 0.5, 1.0, 2.0)
 # A snapshot of a large KV pool is one long line; anything longer is a broken stream.
 MAX_LINE_BYTES = 64 * 2**20
+# A worker that answered 404 (it does not publish KV events) is asked again after this long.
+NOT_SERVED_RETRY_S = 60.0
+
+
+class NotServed(ValueError):
+    """The worker does not serve `GET /internal/kv-events` (404)."""
 
 
 class KVFeed(DaemonTask):
@@ -74,22 +84,30 @@ class KVFeed(DaemonTask):
         its stream ends."""
         tries = 0
         while not self._stop.is_set():  # until cancelled (the endpoint left) or the feed stops
+            pause = RETRY_S[min(tries, len(RETRY_S) - 1)]
             try:
                 if await self._stream(session, url):
                     tries = 0
                 self.errors[url] = "stream ended"
+            except NotServed as exc:
+                if self.errors.get(url) != str(exc):  # once per worker, not every minute
+                    logger.info("%s: %s; its requests are routed by load", url, exc)
+                self.errors[url] = str(exc)
+                pause = NOT_SERVED_RETRY_S
             except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
                 self.errors[url] = describe_exception(exc)
             finally:
                 self.index.drop(url)
                 self.pool.apply_load(url, None)  # back to this router's own counts
-            await asyncio.sleep(RETRY_S[min(tries, len(RETRY_S) - 1)])
+            await asyncio.sleep(pause)
             tries += 1
 
     async def _stream(self, session: aiohttp.ClientSession, url: str) -> bool:
         """Read one subscription to its end; True when it delivered a snapshot."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.pool.connect_timeout_s, sock_read=SILENCE_S)
         async with session.get(f"{url}/internal/kv-events", timeout=timeout) as response:
+            if response.status == 404:
+                raise NotServed("it does not serve GET /internal/kv-events (404)")
             if response.status != 200:
                 raise ValueError(f"GET /internal/kv-events answered {response.status}")
             pending = b""

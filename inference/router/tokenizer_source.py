@@ -4,13 +4,16 @@ The router needs no model folder of its own (its host may hold none): the first 
 no tokenizer for the model its decode workers report starts a fetch of `GET /internal/tokenizer`
 from one of them, in a thread, and goes on untokenized (the worker tokenizes, as without this);
 requests after the fetch are tokenized here. A fetch that fails, or a tokenizer that does not
-reproduce the worker's probes, is tried again after `RETRY_S`; the reason shows in /router/status.
+reproduce the worker's probes, is tried again after `RETRY_S` on the next decode worker; the reason
+shows in /router/status and is logged when it changes (a worker that does not serve its tokenizer,
+404, is not an error: its prompts stay text and the decode choice goes by load).
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,6 +42,7 @@ class TokenizerSource:
         self._loading: set[str] = set()
         self._retry_at: dict[str, float] = {}
         self.errors: dict[str, str] = {}
+        self._tries = 0
 
     def for_endpoints(self, decode: Sequence[Endpoint]) -> PromptTokenizer | None:
         """The tokenizer of the model the first of `decode` reports (a router serves one model), or
@@ -51,8 +55,9 @@ class TokenizerSource:
         tokenizer = self._ready.get(model)
         if tokenizer is None and model not in self._loading and time.monotonic() >= self._retry_at.get(model, 0.0):
             self._loading.add(model)
-            threading.Thread(target=self._load, args=(model, decode[0].url), name="router-tokenizer",
-                             daemon=True).start()
+            self._tries += 1  # each try asks the next decode worker: one of them may serve it
+            url = decode[self._tries % len(decode)].url
+            threading.Thread(target=self._load, args=(model, url), name="router-tokenizer", daemon=True).start()
         return tokenizer
 
     def _load(self, model: str, url: str) -> None:
@@ -66,9 +71,14 @@ class TokenizerSource:
             self.errors.pop(model, None)
             logger.info("tokenizing prompts of %s here (tokenizer %s from %s)", model, spec.digest, url)
         except Exception as exc:  # noqa: BLE001  any failure leaves requests untokenized, never broken
-            self.errors[model] = f"{url}: {type(exc).__name__}: {exc}"
+            not_served = isinstance(exc, urllib.error.HTTPError) and exc.code == 404
+            reason = "does not serve GET /internal/tokenizer (404)" if not_served else f"{type(exc).__name__}: {exc}"
+            if self.errors.get(model, "").partition(": ")[2] != reason:  # logged when the reason changes
+                log = logger.info if not_served else logger.warning
+                log("cannot tokenize prompts of %s in the router (%s: %s); the workers tokenize them", model, url,
+                    reason)
+            self.errors[model] = f"{url}: {reason}"
             self._retry_at[model] = time.monotonic() + RETRY_S
-            logger.warning("cannot tokenize prompts of %s in the router: %s", model, self.errors[model])
         finally:
             self._loading.discard(model)
 

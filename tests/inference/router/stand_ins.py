@@ -4,7 +4,11 @@ Small Starlette apps served by uvicorn on 127.0.0.1 ephemeral ports, in threads,
 worker internal API of docs/internals.md. The "KV transfer" is an in-process handoff (`KVBus`): the
 prefill stand-in delivers the first token for a descriptor's token, and the decode stand-in waits
 for it before streaming, so a router that skips or botches the prefill call is caught.
-Each stand-in's `behavior` can be switched by the test while it runs.
+Each stand-in's `behavior` can be switched by the test while it runs. Like a real worker, a stand-in
+publishes its KV events (`GET /internal/kv-events`: a snapshot of an empty prefix cache, then
+keepalives; `kv_events = False` answers 404, as a worker that does not publish them) and has no
+tokenizer to share (`GET /internal/tokenizer` answers 404, as a worker whose model has no fast
+tokenizer), so a kv-aware router (the default) routes them by load.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ from starlette.routing import Route
 
 FIRST_TOKEN = 42
 KV_WAIT_S = 5.0
+# A real worker's keepalive on a quiet KV event stream (inference/server/kv_events.py).
+KV_KEEPALIVE_S = 2.0
 
 
 class KVBus:
@@ -85,6 +91,8 @@ class StandIn:
         self.aborts: list[str] = []
         self.closed_early: list[str] = []  # decode streams the client closed before the end
         self.health_calls = 0
+        self.kv_events = True  # serve GET /internal/kv-events (False: 404)
+        self.kv_subscriptions = 0
         self._lock = threading.Lock()
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -98,6 +106,7 @@ class StandIn:
         self.health = "healthy"
         self.token_delay_s = 0.0
         self.kv_wait_s = KV_WAIT_S
+        self.kv_events = True
         with self._lock:
             self.requests.clear()
             self.secrets.clear()
@@ -114,6 +123,8 @@ class StandIn:
                 Route("/internal/abort", self._abort, methods=["POST"]),
                 Route("/internal/decode", self._decode, methods=["POST"]),
                 Route("/internal/prefill", self._prefill, methods=["POST"]),
+                Route("/internal/kv-events", self._kv_events),
+                Route("/internal/tokenizer", self._tokenizer),
             ]
         )
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -174,6 +185,26 @@ class StandIn:
             {"role": self.role, "model": self.model, "model_path": "/models/stub", "context_length": 2048,
              "block_size": 16, "max_tokens_limit": 4096}
         )
+
+    async def _kv_events(self, request: Request) -> Response:
+        if not self.kv_events:
+            return _error(404, "Not Found", "not_found")
+        with self._lock:
+            self.kv_subscriptions += 1
+
+        async def lines() -> AsyncIterator[bytes]:
+            yield _line({"type": "snapshot", "role": self.role, "block_size": 16, "epoch": f"stand-in-{id(self)}",
+                         "seq": 0, "hashes": []})
+            for _ in range(3600):  # an hour of keepalives at most; the router hangs up first
+                await asyncio.sleep(KV_KEEPALIVE_S)
+                if not self.kv_events:
+                    return  # as a worker restarting into one that does not publish
+                yield _line({"type": "keepalive"})
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    async def _tokenizer(self, request: Request) -> Response:
+        return _error(404, "this worker's model has no fast (Rust) tokenizer to share", "not_found")
 
     async def _abort(self, request: Request) -> Response:
         body = await request.json()
