@@ -181,7 +181,8 @@ SPECTACULAR_SETTINGS = {
 # Router (static endpoints from `python -m inference.launch_router`).
 ROUTER_PREFILL_ENDPOINTS = env_list("ROUTER_PREFILL_ENDPOINTS")
 ROUTER_DECODE_ENDPOINTS = env_list("ROUTER_DECODE_ENDPOINTS")
-ROUTER_POLICY = env_str("ROUTER_POLICY", "round-robin") or "round-robin"
+# kv-aware by default: ahead of round-robin in issue 19's benchmarks (README, router; docs/benchmarks.md).
+ROUTER_POLICY = env_str("ROUTER_POLICY", "kv-aware") or "kv-aware"
 # Managed mode: the router follows the RUNNING workers (and policy) of this deployment in the database.
 ROUTER_DEPLOYMENT = env_str("ROUTER_DEPLOYMENT")
 ROUTER_FOLLOW_INTERVAL_S = env_float("ROUTER_FOLLOW_INTERVAL_S", 2.0)
