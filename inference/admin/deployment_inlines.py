@@ -22,6 +22,7 @@ from inference.admin.display import (
     health_summary,
     status_badge,
 )
+from inference.admin.readonly_tables import ReadOnlyTableInline, TableFormSet
 from inference.admin.rule_columns import RuleInWords
 from inference.admin.workers import LiveWorkerInline
 from inference.models import (
@@ -101,7 +102,7 @@ class RouterEndpointInline(admin.TabularInline):
         return super().get_queryset(request).select_related("deployment")
 
 
-class RecentEventsFormSet(ReadOnlyFormSet):
+class RecentEventsFormSet(TableFormSet):
     """The newest events only, read-only."""
 
     def get_queryset(self) -> QuerySet:
@@ -116,14 +117,12 @@ class RecentEventsFormSet(ReadOnlyFormSet):
         return self._recent
 
 
-class ScaleEventInline(admin.TabularInline):
-    """The deployment's most recent scale events, read-only."""
+class ScaleEventInline(ReadOnlyTableInline):
+    """The deployment's most recent scale events, read-only: recorded by inference.actions, never typed in,
+    kept as history."""
 
     model = ScaleEvent
     formset = RecentEventsFormSet
-    extra = 0
-    max_num = 0
-    can_delete = False
     verbose_name_plural = f"recent scale events (newest {RECENT_EVENTS})"
     fields = [
         "created_at", "role", "from_replicas", "to_replicas", "outcome", "source", "rule", "reason", "time_to_run",
@@ -139,18 +138,6 @@ class ScaleEventInline(admin.TabularInline):
     def time_to_run(self, event: ScaleEvent) -> str:
         """How long the workers placed for the event took to run."""
         return "–" if event.refused else format_duration(event.time_to_run_s)
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Events are recorded by inference.actions, never typed in."""
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Events are history: read-only."""
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Events are history: kept."""
-        return False
 
 
 class DeploymentWorkerInline(LiveWorkerInline):

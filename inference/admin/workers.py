@@ -9,7 +9,6 @@ from django.contrib import admin, messages
 from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
 from django.db.models import Case, IntegerField, QuerySet, When
-from django.forms.models import BaseInlineFormSet
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
 from django.shortcuts import get_object_or_404
 from django.urls import URLPattern, path, reverse
@@ -27,6 +26,8 @@ from inference.admin.display import (
     status_badge,
     warn_overlaps,
 )
+from inference.admin.lean_lists import LeanActionCheckbox, NamedRelatedFilter
+from inference.admin.readonly_tables import ReadOnlyTableInline, TableFormSet
 from inference.admin.tables import json_table
 from inference.controller.pinning import live_cpu_overlaps, overlapping_worker_ids
 from inference.models import (
@@ -76,7 +77,7 @@ class WorkerStateFilter(admin.SimpleListFilter):
 LIVE_WORKERS_SHOWN = 50
 
 
-class FirstLiveWorkersFormSet(BaseInlineFormSet):
+class FirstLiveWorkersFormSet(TableFormSet):
     """The first LIVE_WORKERS_SHOWN live workers, those not serving (unhealthy, starting) first."""
 
     def get_queryset(self) -> QuerySet:
@@ -94,25 +95,15 @@ class FirstLiveWorkersFormSet(BaseInlineFormSet):
         return self._first_live
 
 
-class LiveWorkerInline(admin.TabularInline):
+class LiveWorkerInline(ReadOnlyTableInline):
     """Live workers of a node or a deployment, read-only: the controller places them and the agents
     report their fields; stopped ones accumulate over time and are listed on the worker page. At most
     LIVE_WORKERS_SHOWN of them (the worker list, filtered by deployment or node, has them all)."""
 
     model = Worker
     formset = FirstLiveWorkersFormSet
-    extra = 0
-    can_delete = False
     show_change_link = True
     related: tuple[str, ...] = ()  # select_related for the columns shown
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Workers are placed by the controller (scale the deployment), not added by hand."""
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Read-only: the agents report these fields."""
-        return False
 
     def get_queryset(self, request: HttpRequest) -> QuerySet:
         """Only live workers."""
@@ -134,6 +125,11 @@ class WorkerInline(LiveWorkerInline):
 class WorkerChangeList(ChangeList):
     """The worker list's rows, each told whether it shares a CPU with another live worker."""
 
+    def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet:
+        """The listed workers; the metrics blobs (the node's carries its workers' process stats) are not
+        shown in the list: not decoded either."""
+        return super().get_queryset(request, exclude_parameters).defer("last_metrics", "node__last_metrics")
+
     def get_results(self, request: HttpRequest) -> None:
         """Fetch the page, then set `cpu_overlap` on each row from the ids changelist_view found."""
         super().get_results(request)
@@ -143,7 +139,7 @@ class WorkerChangeList(ChangeList):
 
 
 @admin.register(Worker)
-class WorkerAdmin(admin.ModelAdmin):
+class WorkerAdmin(LeanActionCheckbox, admin.ModelAdmin):
     """Worker processes: deployment, node, role, URL, status, pid, restarts, health, last error."""
 
     change_list_template = "admin/inference/worker/change_list.html"
@@ -165,8 +161,12 @@ class WorkerAdmin(admin.ModelAdmin):
         "error",
         "seen",
     ]
-    list_filter = [WorkerStateFilter, "status", "role", "deployment", "node"]
+    list_filter = [
+        WorkerStateFilter, "status", "role", ("deployment", NamedRelatedFilter), ("node", NamedRelatedFilter),
+    ]
     list_select_related = ["deployment", "node"]
+    # A filtered list is counted once (its pages), not a second time over the whole table for "N total".
+    show_full_result_count = False
     search_fields = ["deployment__name", "node__name", "last_error"]
     actions = ["restart_workers"]
     readonly_fields = [
