@@ -7,14 +7,17 @@ table. The lists keep to the columns that fit 1,400 px; a sample's page shows ev
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.contrib import admin
 from django.core.paginator import Paginator
 from django.db import connection
+from django.db.models import Count, Max, Min, Q, QuerySet
 from django.utils import timezone
 from django.utils.functional import cached_property
 from django.utils.safestring import SafeString
+from django.utils.translation import gettext as _
 
 from inference.admin.display import (
     ReadOnlyAdmin,
@@ -24,6 +27,7 @@ from inference.admin.tables import json_table
 from inference.models import (
     MetricSample,
     RouterSample,
+    WorkerRole,
     WorkerSample,
 )
 
@@ -47,6 +51,58 @@ class EstimatedCountPaginator(Paginator):
             if row is not None and row[0] >= EXACT_COUNT_BELOW:
                 return int(row[0])
         return int(super().count)
+
+
+class RoleListFilter(admin.ChoicesFieldListFilter):
+    """A sample list's role filter offering the worker roles: Django's filter of a plain field lists the
+    values present, a SELECT DISTINCT over every sample (255 ms of the raw sample list's page over 1.44 M
+    rows, bench/sim/control_plane.py)."""
+
+    ROLES = [(role, role) for role in WorkerRole.values]
+
+    def get_facet_counts(self, pk_attname: str, filtered_qs: Any) -> dict[str, Any]:
+        """A count per role (the list's "show counts" toggle)."""
+        return {f"{i}__c": Count(pk_attname, filter=Q((self.lookup_kwarg, role)))
+                for i, (role, _title) in enumerate(self.ROLES)}  # fmt: skip
+
+    def choices(self, changelist: Any) -> Any:
+        """All, then each role, as the values of the field's own filter read."""
+        counts = self.get_facet_queryset(changelist) if changelist.add_facets else None
+        yield {"selected": self.lookup_val is None, "display": _("All"),
+               "query_string": changelist.get_query_string(remove=[self.lookup_kwarg, self.lookup_kwarg_isnull])}
+        for i, (role, title) in enumerate(self.ROLES):
+            yield {"selected": self.lookup_val is not None and role in self.lookup_val,
+                   "display": f"{title} ({counts[f'{i}__c']})" if counts is not None else title,
+                   "query_string": changelist.get_query_string({self.lookup_kwarg: role}, [self.lookup_kwarg_isnull])}
+
+
+# At most this many days (or months) between a list's first and last sample are probed one by one.
+MAX_DATE_PROBES = 400
+
+
+class SampleQuerySet(QuerySet):
+    """Samples whose date drill-down (the list's date_hierarchy) finds the days, or months, that hold samples
+    with an indexed probe per day between the first and the last sample, instead of Django's SELECT DISTINCT
+    date_trunc over every sample (365 ms of the raw sample list's page over 1.44 M rows, under load)."""
+
+    def datetimes(self, field_name: str, kind: str, order: str = "ASC", tzinfo: Any = None) -> Any:
+        """As QuerySet.datetimes (in the current time zone) for days and months: those holding a sample."""
+        if kind not in ("day", "month") or tzinfo is not None or order != "ASC":
+            return super().datetimes(field_name, kind, order, tzinfo)
+        span = self.aggregate(first=Min(field_name), last=Max(field_name))
+        if span["first"] is None:
+            return []
+        first, last = timezone.localtime(span["first"]), timezone.localtime(span["last"])
+        start = first.replace(day=1 if kind == "month" else first.day, hour=0, minute=0, second=0, microsecond=0)
+        bounds: list[tuple[datetime, datetime]] = []
+        while start <= last and len(bounds) <= MAX_DATE_PROBES:
+            after = start + timedelta(days=1) if kind == "day" else (start + timedelta(days=32)).replace(day=1)
+            bounds.append((start, timezone.make_aware(after.replace(tzinfo=None))))
+            start = bounds[-1][1]
+        if len(bounds) > MAX_DATE_PROBES:  # a long history: one scan is cheaper than the probes
+            return super().datetimes(field_name, kind, order, tzinfo)
+        return [begin for begin, end in bounds
+                if self.filter(**{f"{field_name}__gte": begin, f"{field_name}__lt": end}).exists()]
 
 
 def ms(seconds: float | None) -> str:
@@ -149,6 +205,11 @@ class SampleAdmin(ReadOnlyAdmin):
     date_hierarchy = "at"
     list_select_related = ["deployment"]
 
+    def get_queryset(self, request: Any) -> QuerySet:
+        """The samples, with the date drill-down's probes (SampleQuerySet)."""
+        queryset = super().get_queryset(request)
+        return SampleQuerySet(queryset.model, query=queryset.query, using=queryset.db)
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A formatted column for every field FORMATS knows (the list uses `shown`, the detail page all)."""
         super().__init_subclass__(**kwargs)
@@ -181,7 +242,7 @@ class MetricSampleAdmin(SampleAdmin):
     shown = ["workers", "load", "ttft_s", "itl_s", "throughput_tps", "queue_depth", "kv_usage", "cpu_utilization",
              "gpu_utilization", "rss_bytes"]  # fmt: skip
     list_display = ["at_shown", "deployment", "role", *[f"{f}_shown" for f in shown]]
-    list_filter = ["role", "deployment"]
+    list_filter = [("role", RoleListFilter), "deployment"]
 
 
 @admin.register(WorkerSample)
@@ -191,7 +252,7 @@ class WorkerSampleAdmin(SampleAdmin):
     shown = ["load", "queue_depth", "running", "kv_usage", "rss_bytes", "gpu_memory_bytes",
              "kv_transfer_bytes_per_s", "prefix_cache_hit_ratio", "request_share"]  # fmt: skip
     list_display = ["at_shown", "name", "role", *[f"{f}_shown" for f in shown]]
-    list_filter = ["role", "deployment"]
+    list_filter = [("role", RoleListFilter), "deployment"]
     search_fields = ["name", "url"]
 
 

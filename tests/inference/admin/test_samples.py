@@ -2,12 +2,15 @@
 second, the router's per-worker shares as a table; read-only (no Save)."""
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
 from inference.actions import samples as sample_actions
+from inference.admin.samples import SampleQuerySet
 from inference.models import MetricSample, RouterEndpoint, RouterSample, WorkerSample
 from tests.support.control_plane import make_deployment
 
@@ -54,3 +57,28 @@ def test_detail_pages_are_read_only_tables(client_root: Client, samples: None) -
     metric = MetricSample.objects.get()
     page = client_root.get(reverse("admin:inference_metricsample_change", args=[metric.pk])).content.decode()
     assert "23.5 GiB" in page and 'name="_save"' not in page
+
+
+@pytest.mark.parametrize("spread", [
+    [timedelta(0)], [timedelta(hours=h) for h in (0, 20, 30, 75)], [timedelta(days=d) for d in (0, 3, 40, 41, 70)],
+])  # fmt: skip
+def test_date_drill_down_finds_the_days_and_months_that_hold_samples(spread: list[timedelta]) -> None:
+    """SampleQuerySet's probes give what QuerySet.datetimes' DISTINCT gives, in the current time zone."""
+    deployment = make_deployment()
+    start = timezone.now() - timedelta(days=80)
+    for gap in spread:
+        WorkerSample.objects.create(deployment=deployment, worker_id=1, name="w", role="decode", at=start + gap)
+    probed = SampleQuerySet(WorkerSample)
+    for kind in ("day", "month"):
+        assert list(probed.datetimes("at", kind)) == list(WorkerSample.objects.datetimes("at", kind)), kind
+    assert list(probed.datetimes("at", "year")) == list(WorkerSample.objects.datetimes("at", "year"))
+    assert list(SampleQuerySet(WorkerSample).filter(role="prefill").datetimes("at", "day")) == []
+
+
+def test_role_filter_offers_every_role(client_root: Client, samples: None) -> None:
+    page = client_root.get(reverse("admin:inference_workersample_changelist")).content.decode()
+    for role in ("prefill", "decode", "both"):
+        assert f'href="?role__exact={role}">{role}</a>' in page, role
+    only = client_root.get(reverse("admin:inference_workersample_changelist") + "?role__exact=prefill")
+    assert only.status_code == 200 and "chat-decode-1" not in only.content.decode()
+    assert "chat-decode-1" in client_root.get(reverse("admin:inference_workersample_changelist")).content.decode()
