@@ -3,12 +3,9 @@ and live workers.
 """
 from __future__ import annotations
 
-from typing import Any
-
 from django.contrib import admin
 from django.db import models
 from django.db.models import QuerySet
-from django.forms.models import BaseInlineFormSet
 from django.http import HttpRequest
 from django.urls import reverse
 from django.utils import timezone
@@ -35,28 +32,12 @@ from inference.models import (
 RECENT_EVENTS = 20
 
 
-class ReadOnlyFormSet(BaseInlineFormSet):
-    """A read-only inline: a submitted page binds no forms, so rows that appeared after the page was rendered
-    (autoscaling events, a rule added meanwhile) cannot disturb the deployment's save."""
-
-    def initial_form_count(self) -> int:
-        """No existing forms on a submitted page: the inline is read-only."""
-        return 0 if self.is_bound else int(super().initial_form_count())
-
-    def total_form_count(self) -> int:
-        """No forms at all on a submitted page: the inline is read-only."""
-        return 0 if self.is_bound else int(super().total_form_count())
-
-
-class ScalingRuleInline(RuleInWords, admin.TabularInline):
+class ScalingRuleInline(RuleInWords, ReadOnlyTableInline):
     """The deployment's scaling rules in words (signal, units, state now), each linking to its own page, where
     the form of its kind edits it (inference.admin.rule_forms): one table of every kind's fields showed a
     schedule rule's meaningless step and a threshold rule's empty window times."""
 
     model = ScalingRule
-    formset = ReadOnlyFormSet
-    extra = 0
-    can_delete = False
     verbose_name_plural = "scaling rules (open a rule to edit it)"
     fields = ["rule_name", "kind_name", "enabled", "condition", "state_now", "last_fired"]
     readonly_fields = fields
@@ -77,14 +58,6 @@ class ScalingRuleInline(RuleInWords, admin.TabularInline):
     def get_queryset(self, request: HttpRequest) -> QuerySet:
         """The rules with their deployment (each row's title names it): joined, not a query each."""
         return super().get_queryset(request).select_related("deployment")
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Rules are added on their own page, with the form of their kind (links below the table)."""
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Edited on their own page."""
-        return False
 
 
 class RouterEndpointInline(admin.TabularInline):

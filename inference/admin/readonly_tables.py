@@ -5,8 +5,9 @@ The deployment page's live workers (50 rows) and recent events (20) cost 55-70 m
 ~140 ms of CPU at 1,000 workers (Zen 5, bench/sim/page_timing.py): a model form per row with two hidden
 inputs each rendered through the widget templates, then every cell through the inline template's
 fieldset / line / field loops. These inlines are never edited, so their formset has no forms at all, bound
-or not (a submitted deployment page binds none of their rows either, like ReadOnlyFormSet), and the rows
-are drawn once in Python with the cell rules of django.contrib.admin.helpers.AdminReadonlyField.
+or not (a submitted deployment page binds none of their rows: rows that appeared after the page was
+rendered, an autoscaling event or a rule added meanwhile, cannot disturb its save), and the rows are drawn
+once in Python with the cell rules of django.contrib.admin.helpers.AdminReadonlyField.
 """
 from __future__ import annotations
 

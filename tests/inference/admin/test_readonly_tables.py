@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import re
+from datetime import time
 from typing import Any
 
 import pytest
@@ -16,8 +17,14 @@ from django.urls import reverse
 from django.utils import timezone
 
 from inference.actions import scale as scale_actions
-from inference.admin.deployment_inlines import DeploymentWorkerInline, RecentEventsFormSet, ScaleEventInline
+from inference.admin.deployment_inlines import (
+    DeploymentWorkerInline,
+    RecentEventsFormSet,
+    ScaleEventInline,
+    ScalingRuleInline,
+)
 from inference.admin.lean_lists import NamedRelatedFilter
+from inference.admin.readonly_tables import TableFormSet
 from inference.admin.workers import FirstLiveWorkersFormSet, WorkerInline
 from inference.controller.pinning import PINNED_STATUSES, cpu_overlaps, live_cpu_overlaps
 from inference.models import Deployment, ScaleEvent, ScalingRule, Worker
@@ -63,7 +70,10 @@ def deployment() -> Deployment:
         make_worker(dep, nodes[k % 2], role="decode" if k % 3 else "prefill", last_seen=timezone.now(),
                     status="starting" if k == 4 else "running", last_error="boom\nline two" if k == 1 else "")
     make_worker(dep, nodes[0], status="stopped")
-    rule = ScalingRule.objects.create(deployment=dep, name="hot", kind="threshold", role="decode", threshold=0.7)
+    rule = ScalingRule.objects.create(deployment=dep, name="hot", kind="threshold", role="decode", threshold=0.7,
+                                      last_triggered_at=timezone.now())  # fmt: skip
+    ScalingRule.objects.create(deployment=dep, name="night <b>", kind="schedule", role="decode", enabled=False,
+                               start_time=time(22), end_time=time(6), target_replicas=2)  # fmt: skip
     scale_actions.scale_deployment(dep, "decode", 3, source="manual", reason="seed <b>bold</b>\nsecond line")
     ScaleEvent.objects.create(deployment=dep, role="decode", from_replicas=3, to_replicas=4, source="rule", rule=rule,
                               reason="load high", time_to_run_s=12.5)  # fmt: skip
@@ -72,8 +82,16 @@ def deployment() -> Deployment:
     return dep
 
 
+class StockRules(TableFormSet):
+    """The same rows as Django's formset: a form per row."""
+
+    initial_form_count = BaseInlineFormSet.initial_form_count
+    total_form_count = BaseInlineFormSet.total_form_count
+
+
 @pytest.mark.parametrize(("inline", "stock", "prefix"), [
     (DeploymentWorkerInline, StockWorkers, "workers"), (ScaleEventInline, StockEvents, "scale_events"),
+    (ScalingRuleInline, StockRules, "rules"),
 ])  # fmt: skip
 def test_deployment_tables_show_what_the_tabular_inline_showed(
     client_root: Client, deployment: Deployment, monkeypatch: pytest.MonkeyPatch, inline: Any, stock: Any,
@@ -88,7 +106,7 @@ def test_deployment_tables_show_what_the_tabular_inline_showed(
     assert f'name="{prefix}-0-id"' in before  # Django's inline: a form per row
     assert _group(page, prefix) == _group(before, prefix)
     rows = _group(page, prefix).count("<trclass=")
-    assert rows == (7 if prefix == "workers" else 3)  # the stopped worker is not listed
+    assert rows == {"workers": 7, "scale_events": 3, "rules": 2}[prefix]  # the stopped worker is not listed
 
 
 def test_node_page_workers_table(client_root: Client, deployment: Deployment, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,8 +130,6 @@ def test_deployment_page_saves_with_its_tables(client_root: Client, deployment: 
     for formset in page.context["inline_admin_formsets"]:
         management = formset.formset.management_form
         data.update({management.add_prefix(k): v for k, v in management.initial.items()})
-        if formset.formset.prefix == "rules":
-            data[f"{formset.formset.prefix}-TOTAL_FORMS"] = data[f"{formset.formset.prefix}-INITIAL_FORMS"] = 0
         if formset.formset.prefix == "routers":
             data["routers-TOTAL_FORMS"] = data["routers-INITIAL_FORMS"] = 0
     saved = client_root.post(url, data)
