@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Set
 
 import torch
@@ -359,6 +360,11 @@ class LLMEngine(KVHandover):
             proposals = self.speculator.propose(batch)
             if proposals is not None:
                 return self._execute_verify(batch, proposals)
+            # The speculator's row budget learns what a step costs per row count (spec_budget.py).
+            start = time.perf_counter()
+            tokens = self.runner.run(batch, False)
+            self.speculator.observe(len(batch), time.perf_counter() - start)
+            return self.outputs.apply_decode(batch, tokens)
         tokens = self.runner.run(batch, is_prefill)
         if is_prefill:
             return self.outputs.apply(batch, tokens, True)
@@ -368,7 +374,9 @@ class LLMEngine(KVHandover):
         """A decode step that verifies `proposals` (speculative.py): keep each sequence's accepted
         tokens, then free the lookahead blocks that rejected proposals had reserved."""
         assert self.speculator is not None
+        start = time.perf_counter()
         sampled, logprobs = self.runner.run_verify(batch, proposals)
+        self.speculator.observe(len(batch) + sum(map(len, proposals)), time.perf_counter() - start)
         emitted: list[list[int]] = []
         for seq, proposal, rows in zip(batch, proposals, sampled, strict=True):
             tokens = accepted_tokens(proposal, rows)

@@ -23,10 +23,13 @@ cool-down that doubles each time it fails again, so it runs as plain decode step
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from .spec_budget import StepCosts, best_extra_rows, marginal_gains
 
 if TYPE_CHECKING:
     from .block_manager import BlockManager
@@ -42,6 +45,10 @@ SPECULATIVE_METHODS = ("ngram",)
 MIN_PROPOSED = 8
 MIN_ACCEPT_RATE = 0.3
 WINDOW_DECAY = 0.75  # the counters decay by this factor per verify step (a window of ~4 steps)
+# A sequence's per-token hit rate (the row budget's gains) is its own decayed count blended with the
+# engine-wide rate, weighted as this many proposed tokens: a new sequence starts from the engine's.
+HIT_RATE_PRIOR = 2.0
+ENGINE_DECAY = 0.95  # the engine-wide counts decay per sequence's verify outcome (a longer window)
 COOLDOWN_STEPS = 16
 MAX_COOLDOWN_STEPS = 512
 
@@ -56,12 +63,13 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
-    # Verify rows fill the batch's last tile of this many rows and no more (0: no budget, every
-    # sequence proposes up to K). On a CPU the linears' cost steps up per tile of rows: with the
-    # engine's panel GEMM on an AMD EPYC Zen 4 (bf16, SmolLM2) 8 rows took 13.7 ms, 9 rows 25 ms,
-    # 16 rows 29 ms and 40 rows 47 ms, so proposals that open a tile cost about what they save; at
-    # 1 to 7 sequences in flight they ride in the tile for free, at 8 there is no room.
-    row_tile: int = 8
+    # How many rows a step gives proposals. None (the default): as many as maximise the step's
+    # expected tokens per second on the step cost this engine measures per row count (spec_budget.py:
+    # nearly all on a GPU, where rows are almost free; few or none on a CPU whose batch is past its
+    # GEMM tile). n > 0: a fixed rule, proposals fill only the free rows of the batch's last tile of n
+    # rows (what an AMD EPYC Zen 4's panel GEMM needed: 8 rows 13.7 ms, 9 rows 25 ms; kept for A/B
+    # runs). 0: no budget, every sequence proposes up to K.
+    row_tile: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the field that no engine can run with."""
@@ -69,7 +77,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
-        if self.row_tile < 0:
+        if self.row_tile is not None and self.row_tile < 0:
             raise ValueError(f"row_tile must be >= 0, got {self.row_tile}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
@@ -125,6 +133,10 @@ class NgramState:
     k: int = 0
     total_proposed: int = 0
     total_accepted: int = 0
+    # Decayed per-token counts for the hit rate: a proposal of n tokens with a accepted tried a + 1 of
+    # them (the first miss ends it) or n (all confirmed); hits are the a.
+    tried: float = 0.0
+    hits: float = 0.0
 
     def tokens(self, seq: Sequence) -> np.ndarray:
         """`seq`'s prompt + output as an int64 array, appending only what is new since the last call."""
@@ -149,10 +161,17 @@ class NgramState:
         """Share of the recent proposed tokens that were accepted (0.5 before any)."""
         return self.accepted / self.proposed if self.proposed else 0.5
 
+    def hit_rate(self, prior: float) -> float:
+        """Probability that a proposed token is confirmed given those before it were: the recent
+        per-token rate, blended with `prior` (the engine's rate) as HIT_RATE_PRIOR tokens."""
+        return (self.hits + HIT_RATE_PRIOR * prior) / (self.tried + HIT_RATE_PRIOR)
+
     def record(self, proposed: int, accepted: int, step: int, max_k: int) -> None:
         """Count one verify step's outcome: the next proposal's length, and switch proposing off for a
         while when it does not pay."""
         self.k = min(max_k, 2 * max(self.k, proposed)) if accepted == proposed else accepted + 1
+        self.tried = self.tried * WINDOW_DECAY + min(proposed, accepted + 1)
+        self.hits = self.hits * WINDOW_DECAY + accepted
         self.proposed = self.proposed * WINDOW_DECAY + proposed
         self.accepted = self.accepted * WINDOW_DECAY + accepted
         self.total_proposed += proposed
@@ -183,8 +202,8 @@ def can_speculate(seq: Sequence) -> bool:
 
 
 class NgramSpeculator:
-    """Proposes tokens for a decode batch, reserving the KV slots they need, and learns per sequence
-    whether proposing pays (`record`)."""
+    """Proposes tokens for a decode batch, reserving the KV slots they need, learns per sequence
+    whether proposing pays (`record`) and what a step costs per row count (`observe`)."""
 
     def __init__(self, config: SpeculativeConfig, block_manager: BlockManager, block_size: int) -> None:
         """Proposals per `config`; lookahead blocks come from `block_manager`."""
@@ -196,23 +215,70 @@ class NgramSpeculator:
         self.num_proposed = 0  # totals, for metrics and the benchmark
         self.num_accepted = 0
         self.num_verify_steps = 0
+        self.costs = StepCosts()  # the learned row budget's cost curve (row_tile None)
+        self.tried = 0.0  # engine-wide decayed per-token counts: the prior of a sequence's hit rate
+        self.hits = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        """The engine's recent per-token hit rate (0.5 before any proposal was verified)."""
+        return (self.hits + 1.0) / (self.tried + 2.0)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A decode (`rows` = the batch) or verify step's forward and sampling took `seconds`."""
+        self.costs.observe(rows, seconds)
 
     def propose(self, batch: list[Sequence]) -> list[list[int]] | None:
         """Each sequence's proposed tokens (empty: it decodes one token) with the KV blocks for them
         allocated; None when no sequence of `batch` proposes (a plain decode step).
 
-        The step's rows are budgeted: proposals only fill the batch's last tile of `row_tile` rows
-        (the linears' cost steps up per tile, see `SpeculativeConfig.row_tile`), given first to the
-        sequences whose proposals were accepted most. A proposal never needs a block the pool lacks:
-        it is shortened to the slots the sequence already holds instead (speculation never
-        preempts), and never runs past the sequence's token limit (max_tokens or the context length)."""
+        The step's rows are budgeted (`SpeculativeConfig.row_tile`): by default the rows that
+        maximise the expected tokens per second on the measured step cost (spec_budget.py), each
+        going to the proposed token most likely to be emitted; with a fixed tile, the free rows of the
+        batch's last tile, given first to the sequences whose proposals were accepted most. A proposal
+        never needs a block the pool lacks: it is shortened to the slots the sequence already holds
+        instead (speculation never preempts), and never runs past the sequence's token limit
+        (max_tokens or the context length)."""
         self.steps += 1
         cfg = self.config
-        tile = cfg.row_tile
-        budget = -(-len(batch) // tile) * tile - len(batch) if tile else cfg.num_speculative_tokens * len(batch)
+        b = len(batch)
+        costs: list[float] | None = None
+        if cfg.row_tile is None:
+            costs = self.costs.curve(b, b * (1 + cfg.num_speculative_tokens))
+            if costs is None:  # the plain step's cost first: every budget is relative to it
+                return None
+            budget = b * cfg.num_speculative_tokens
+        elif cfg.row_tile:
+            budget = -(-b // cfg.row_tile) * cfg.row_tile - b
+        else:
+            budget = cfg.num_speculative_tokens * b
         if budget <= 0:
             return None
-        found: list[tuple[float, int, list[int]]] = []
+        found = self._lookup(batch)
+        if not found:
+            return None
+        if costs is not None:
+            prior = self.hit_rate
+            gains = marginal_gains([batch[i].spec_state.hit_rate(prior) for i, _ in found],
+                                   [len(p) for _, p in found])
+            extra = best_extra_rows(costs, b, [g for g, _ in gains])
+            rows = Counter(j for _, j in gains[:extra])
+            chosen = [(i, p[: rows[j]]) for j, (i, p) in enumerate(found) if rows[j]]
+        else:
+            chosen = sorted(found, key=lambda f: -batch[f[0]].spec_state.accept_rate)
+        out: list[list[int]] = [[] for _ in batch]
+        for i, proposal in chosen:
+            proposal = self._reserve(batch[i], proposal[:budget])
+            budget -= len(proposal)
+            out[i] = proposal
+            if budget <= 0:
+                break
+        return out if any(out) else None
+
+    def _lookup(self, batch: list[Sequence]) -> list[tuple[int, list[int]]]:
+        """(index in `batch`, proposed tokens) of every sequence that may propose and has a match."""
+        cfg = self.config
+        found: list[tuple[int, list[int]]] = []
         for i, seq in enumerate(batch):
             state = seq.spec_state
             if state is None:
@@ -229,17 +295,8 @@ class NgramSpeculator:
                 continue
             tokens = find_ngram_proposal(state.tokens(seq), cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
             if tokens.shape[0]:
-                found.append((state.accept_rate, i, tokens.tolist()))
-        if not found:
-            return None
-        out: list[list[int]] = [[] for _ in batch]
-        for _, i, proposal in sorted(found, key=lambda f: -f[0]):
-            proposal = self._reserve(batch[i], proposal[:budget])
-            budget -= len(proposal)
-            out[i] = proposal
-            if budget <= 0:
-                break
-        return out if any(out) else None
+                found.append((i, tokens.tolist()))
+        return found
 
     def _reserve(self, seq: Sequence, proposal: list[int]) -> list[int]:
         """`proposal` with the KV blocks its tokens need allocated, shortened to the slots `seq` holds
@@ -257,6 +314,9 @@ class NgramSpeculator:
         """One verify step's outcome for `seq` (automatic off, totals)."""
         self.num_proposed += proposed
         self.num_accepted += accepted
+        if proposed:
+            self.tried = self.tried * ENGINE_DECAY + min(proposed, accepted + 1)
+            self.hits = self.hits * ENGINE_DECAY + accepted
         if seq.spec_state is not None and proposed:
             seq.spec_state.record(proposed, accepted, self.steps, self.config.num_speculative_tokens)
 
