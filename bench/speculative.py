@@ -12,7 +12,11 @@ each round (the order flips every round), on three greedy workloads:
 
 Each at 1 in flight (4 requests one after another) and at 8 in flight (8 requests at once). Reported
 per workload and level: output tok/s of each engine, the ratio speculative / plain per round and its median, the
-acceptance rate, and whether the greedy tokens were identical (they must be).
+acceptance rate, and whether the greedy tokens were identical (they must be). The speculative engine
+budgets its verify rows on the step cost it measures (the default); `--ab-tile 8` adds a third engine
+with the fixed rule (proposals only fill the batch's last tile of 8 rows), measured in the same
+rotation, for an A/B of the two budgets. At the end, the step cost per row count the speculative
+engine learned (ms, the curve its budget decided on).
 
     flock /tmp/bench.lock .venv/bin/python -m bench.speculative   # SmolLM2 if prepared, 3 rounds
     .venv/bin/python -m bench.speculative --quick                 # tiny model, one short round
@@ -85,6 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=160, help="output tokens per request at most (default 160)")
     p.add_argument("--dtype", default="auto", help="engine dtype (default auto: bf16 where measured faster)")
     p.add_argument("--levels", default="1,8", help="requests in flight (default 1,8)")
+    p.add_argument("--workloads", default="repetitive,story,random", help="which workloads (default all three)")
+    p.add_argument("--name", default="", help="result file name (default speculative)")
+    p.add_argument("--ab-tile", type=int, default=0,
+                   help="also an engine with the fixed row_tile rule of this many rows (default 0: none)")
     args = common.parse_args(p, argv)
     import torch
 
@@ -100,6 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               "enable_prefix_caching": False, "num_blocks": 64 * max(levels)}
     engines = {"plain": LLMEngine(str(model), **engine_kw),
                "spec": LLMEngine(str(model), speculative=SpeculativeConfig(num_speculative_tokens=k), **engine_kw)}
+    if args.ab_tile:
+        engines["tile"] = LLMEngine(str(model), speculative=SpeculativeConfig(num_speculative_tokens=k,
+                                                                              row_tile=args.ab_tile), **engine_kw)
+    sides = list(engines)
     tokenizer = engines["plain"].tokenizer
     assert tokenizer is not None, "the benchmark needs a checkpoint with a tokenizer"
     n_prompts = max(levels)
@@ -113,55 +125,59 @@ def main(argv: Sequence[str] | None = None) -> int:
         "random": (common.synthetic_prompts(n_prompts, 64, engines["plain"].config.vocab_size, seed=3),
                    SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)),
     }
+    workloads = {w: workloads[w] for w in args.workloads.split(",")}
     for eng in engines.values():  # warm-up: kernels, allocator, first-step caches
-        eng.generate(workloads["repetitive"][0][:2], SamplingParams(max_tokens=8, temperature=0.0))
-    results: dict[str, dict[int, dict[str, Any]]] = {w: {lv: {"plain": [], "spec": [], "ratio": [],
-                                                              "identical": True} for lv in levels}
-                                                     for w in workloads}
-    speculator = engines["spec"].speculator
-    assert speculator is not None
-    accept: dict[str, list[float]] = {w: [] for w in workloads}
+        eng.generate(workloads[next(iter(workloads))][0][:2], SamplingParams(max_tokens=8, temperature=0.0))
+    specs = [s for s in sides if s != "plain"]
+    results: dict[str, dict[int, dict[str, Any]]] = {
+        w: {lv: {**{s: [] for s in sides}, **{f"ratio_{s}": [] for s in specs}, **{f"accept_{s}": [] for s in specs},
+                 "identical": True} for lv in levels} for w in workloads}
     for rnd in range(rounds):
+        order = sides[rnd % len(sides):] + sides[: rnd % len(sides)]  # each side first in turn
         for name, (prompts, params) in workloads.items():
             for level in levels:
-                before = (speculator.num_proposed, speculator.num_accepted)
-                order = ["plain", "spec"] if rnd % 2 == 0 else ["spec", "plain"]
-                got: dict[str, tuple[float, list[list[int]]]] = {}
-                batch = prompts[: max(level, min(4, len(prompts)))]  # 1 in flight: 4 requests in a row
-                for side in order:
-                    got[side] = measure(engines[side], batch, level, params)
                 cell = results[name][level]
-                cell["plain"].append(got["plain"][0])
-                cell["spec"].append(got["spec"][0])
-                cell["ratio"].append(got["spec"][0] / got["plain"][0])
-                cell["identical"] = cell["identical"] and got["plain"][1] == got["spec"][1]
-                proposed = speculator.num_proposed - before[0]
-                accepted = speculator.num_accepted - before[1]
-                accept[name].append(accepted / proposed if proposed else 0.0)
-                common.log(f"round {rnd + 1} {name} c{level}: plain {got['plain'][0]:.1f} "
-                           f"spec {got['spec'][0]:.1f} tok/s ({cell['ratio'][-1]:.2f}x), proposed {proposed}, "
-                           f"accepted {accepted}, load {os.getloadavg()[0]:.1f}")
-    summary: dict[str, Any] = {}
+                batch = prompts[: max(level, min(4, len(prompts)))]  # 1 in flight: 4 requests in a row
+                got: dict[str, tuple[float, list[list[int]]]] = {}
+                for side in order:
+                    spec = engines[side].speculator
+                    before = (spec.num_proposed, spec.num_accepted) if spec else (0, 0)
+                    got[side] = measure(engines[side], batch, level, params)
+                    cell[side].append(got[side][0])
+                    if spec is not None:
+                        proposed, accepted = spec.num_proposed - before[0], spec.num_accepted - before[1]
+                        cell[f"accept_{side}"].append(accepted / proposed if proposed else 0.0)
+                for side in specs:
+                    cell[f"ratio_{side}"].append(got[side][0] / got["plain"][0])
+                    cell["identical"] = cell["identical"] and got["plain"][1] == got[side][1]
+                common.log(f"round {rnd + 1} {name} c{level}: " + ", ".join(
+                    f"{side} {got[side][0]:.1f}" for side in sides) + " tok/s; " + ", ".join(
+                    f"{side} {cell[f'ratio_{side}'][-1]:.2f}x (accepted {cell[f'accept_{side}'][-1]:.0%})"
+                    for side in specs) + f"; load {os.getloadavg()[0]:.1f}")
     for name in workloads:
         common.print_header(f"{name}: speculative (K={k}) vs plain, {model.name}, {engines['plain'].dtype}, "
                             f"load {os.getloadavg()[0]:.1f}")
         rows = []
         for level in levels:
             cell = results[name][level]
-            rows.append([level, f"{common.median(cell['plain']):.1f}", f"{common.median(cell['spec']):.1f}",
-                         f"{common.median(cell['ratio']):.2f}", ", ".join(f"{r:.2f}" for r in cell["ratio"]),
-                         "yes" if cell["identical"] else "NO"])
-            summary[f"{name}_c{level}"] = {"plain_tok_s": cell["plain"], "spec_tok_s": cell["spec"],
-                                           "ratio": cell["ratio"], "median_ratio": common.median(cell["ratio"]),
-                                           "greedy_identical": cell["identical"]}
-        summary[f"{name}_acceptance"] = accept[name]
-        print(common.markdown_table(["in flight", "plain tok/s", "spec tok/s", "ratio (median)", "per round",
-                              "greedy identical"], rows))
-        print(f"acceptance per measurement: {', '.join(f'{a:.2f}' for a in accept[name])}")
-    name = "speculative_quick" if args.quick else "speculative"
+            for side in specs:
+                rows.append([level, side, f"{common.median(cell['plain']):.1f}", f"{common.median(cell[side]):.1f}",
+                             f"{common.median(cell[f'ratio_{side}']):.2f}",
+                             ", ".join(f"{r:.2f}" for r in cell[f"ratio_{side}"]),
+                             f"{100 * (common.median(cell[f'accept_{side}']) or 0):.0f} %",
+                             "yes" if cell["identical"] else "NO"])
+        print(common.markdown_table(["in flight", "budget", "plain tok/s", "spec tok/s", "ratio (median)", "per round",
+                                     "accepted", "greedy identical"], rows))
+    learned = engines["spec"].speculator
+    assert learned is not None
+    top = max(levels) * (k + 1)
+    curve = {r: 1e3 * c for r in range(1, top + 1) if (c := learned.costs.measured(r)) is not None}
+    print("learned step cost (ms per row count): " + ", ".join(f"{r}: {c:.1f}" for r, c in curve.items()))
+    name = args.name or ("speculative_quick" if args.quick else "speculative")
     path = common.write_result(args.out_dir, name, MODULE, argv, {
         "model": str(model), "dtype": str(engines["plain"].dtype), "num_speculative_tokens": k,
-        "rounds": rounds, "max_tokens": max_tokens, "levels": levels, "results": summary,
+        "rounds": rounds, "max_tokens": max_tokens, "levels": levels, "ab_tile": args.ab_tile,
+        "results": results, "learned_step_ms": curve,
     })
     common.log(f"wrote {path}")
     return 0 if all(results[w][lv]["identical"] for w in workloads for lv in levels) else 1
