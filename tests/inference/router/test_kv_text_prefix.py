@@ -100,7 +100,7 @@ def test_chunks_equal_the_full_encode(prefixes: dict[str, tuple[Any, TextPrefix]
                                       stop_after: int) -> None:
     for name, (backend, prefix) in prefixes.items():
         expected = list(backend.encode(text).ids)
-        prefix.chunk_chars = first
+        prefix.chunk_chars, prefix.first_chunk_chars = first, max(1, first // 2)
         ids, consumed = prefix.ids(text)
         assert (ids, consumed) == (expected, len(text)), name
         assert prefix.ids(text)[0] == expected, name  # from the chunk cache
