@@ -87,6 +87,15 @@ def _drill(plat: Platform, tiny_model_dir: Path) -> None:
         sys.executable, "-m", "inference.launch_router", "--deployment", name, "--listen-port", "8000",
         "--host", plat.lab.addresses["ctl"]])
     router.wait_http(plat.router_url + "/health", timeout=90)
+
+    def node(short: str) -> dict[str, Any]:
+        nodes = {n["name"]: n for n in api.get("/api/nodes/").json()["results"]}
+        return dict(nodes[f"{rid}-{short}"])
+
+    # Both hosts registered first: a deployment created before its nodes exist is only placed by the next
+    # periodic reconcile (every 30 s), which the test would wait out for nothing.
+    wait_for("both agents online", lambda: all(node(n)["status"] == "online" for n in ("pre", "dec")), 90,
+             plat.procs)
     model = api.post("/api/models/", json={"name": name, "source": "tiny", "path": str(tiny_model_dir)})
     assert model.status_code == 201, model.text
     created = api.post("/api/deployments/", json={
@@ -110,10 +119,6 @@ def _drill(plat: Platform, tiny_model_dir: Path) -> None:
 
     agent = next(p for p in plat.procs if p.name == "agent-dec")
     others = [p for p in plat.procs if p is not agent]
-
-    def node(short: str) -> dict[str, Any]:
-        nodes = {n["name"]: n for n in api.get("/api/nodes/").json()["results"]}
-        return dict(nodes[f"{rid}-{short}"])
 
     with Load(plat.router_url) as load:
         wait_for("load flowing", lambda: load.count() >= 3, 60, others)
