@@ -49,7 +49,8 @@ def read_deployment(name: str) -> DeploymentView:
     close_old_connections()
     deployment = Deployment.objects.filter(name=name).first()
     if deployment is None:
-        return DeploymentView(False, "round-robin", [], [])
+        # No deployment (yet): no endpoints, and the policy a new deployment would get.
+        return DeploymentView(False, str(Deployment._meta.get_field("router_policy").get_default()), [], [])
     workers = Worker.objects.filter(deployment=deployment, status=WorkerStatus.RUNNING).select_related("node")
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     for worker in workers:
