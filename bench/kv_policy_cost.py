@@ -6,13 +6,19 @@ candidate's longest held prefix up in the index; round-robin only moves a cursor
 it, one choice for prefill and one for decode per request, alternating the variants in rounds.
 
 With the workers' tokenizer (SmolLM2's when prepared, else the tiny model's) two more variants: the
-router tokenizes the prompt before the choices (inference/router/prompt_tokens.py), a fresh 1,000-token
-text prompt per request (`kv-aware+text`: no cache can help), and a chat turn (`kv-aware+chat`: a
-conversation's history of about 1,000 tokens whose earlier messages were seen before, plus a new
-user message). `worker text encode` is what the decode worker no longer spends: the engine's own
-`Tokenizer.encode` of the same text prompts.
+router tokenizes the prompt before the choices (inference/router/prompt_tokens.py): a fresh 1,000-token
+text prompt per request encoded whole (`kv-aware+text`, as before issue 19's third session: no cache
+can help) and encoded in chunks only as far as a decode worker holds its blocks (`kv-aware+text-prefix`,
+text_prefix.py: one chunk, then the prefill choice hashes the decode worker's ids), the same with the
+first half of the text held by every worker (`kv-aware+text-half`: a shared document, a new question),
+and a chat turn (`kv-aware+chat`: a conversation's history of about 1,000 tokens whose earlier
+messages were seen before, plus a new user message). `worker text encode` is the engine's own
+`Tokenizer.encode` of the same text prompts (what the worker spends when the router sends text).
 
     .venv/bin/python -m bench.kv_policy_cost
+
+Without a prepared SmolLM2 (`make demo-model`) the tokenizer is the tiny model's (512 ids: about 2
+characters a token against SmolLM2's 5, so its texts are shorter and cost less).
 """
 from __future__ import annotations
 
@@ -21,10 +27,19 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import base_parser, log, median, parse_args, print_header, smollm2_dir, tiny_model_dir, write_result
+from bench.common import (
+    base_parser,
+    log,
+    median,
+    parse_args,
+    print_header,
+    smollm2_dir,
+    tiny_model_dir,
+    write_result,
+)
 
 MODULE = "bench.kv_policy_cost"
-VARIANTS = ("round-robin", "kv-aware", "kv-aware+text", "kv-aware+chat")
+VARIANTS = ("round-robin", "kv-aware", "kv-aware+text", "kv-aware+text-prefix", "kv-aware+text-half", "kv-aware+chat")
 
 
 WORDS = ("the of and to in is was for on that with as by at from his her an it which are be this or have had not "
@@ -34,6 +49,7 @@ WORDS = ("the of and to in is was for on that with as by at from his her an it w
 
 def _text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
+
 
 
 class Prompts:
@@ -85,15 +101,25 @@ def _per_request_us(variant: str, candidates: int, prompt_tokens: int, requests:
     rng = random.Random(1)
     prompt = [rng.randrange(3, 49000) for _ in range(prompt_tokens)]
     requests_in: list[GenerateRequest] = []
+    worker_ids: list[list[int]] = []
     if tokenize:
         assert prompts is not None
         sampling = Sampling.from_json({})
         prompts.calls += 1  # a text never seen before, in every call: the router's text cache never hits
-        requests_in = [GenerateRequest(sampling=sampling, prompt=f"{prompts.calls} {text}")
-                       for text in prompts.texts[:requests]] if tokenize == "text" else \
-            [GenerateRequest(sampling=sampling, messages=chat) for chat in prompts.chats[:requests]]
-        prompts.router.request_ids(GenerateRequest(sampling=sampling, messages=prompts.chats[-1]))  # history seen
-        prompt = prompts.router.request_ids(requests_in[0]) or []
+        if tokenize == "chat":
+            requests_in = [GenerateRequest(sampling=sampling, messages=chat) for chat in prompts.chats[:requests]]
+            prompts.router.request_ids(GenerateRequest(sampling=sampling, messages=prompts.chats[-1]))  # history seen
+        elif tokenize == "text-half":  # the first half of every text is the same, held by every worker
+            half = prompts.texts[0][: prompts.texts[0].index(" ", len(prompts.texts[0]) // 2)]
+            requests_in = [GenerateRequest(sampling=sampling, prompt=f"{half} {prompts.calls} {text[len(half):]}")
+                           for text in prompts.texts[:requests]]
+        else:
+            requests_in = [GenerateRequest(sampling=sampling, prompt=f"{prompts.calls} {text}")
+                           for text in prompts.texts[:requests]]
+        # The decode worker's ids (its descriptor's), computed before the timed loop.
+        worker_ids = [prompts.worker.encode(r.prompt) if r.prompt is not None
+                      else prompts.worker.apply_chat_template(r.messages or []) for r in requests_in]
+        prompt = worker_ids[0]
     index = KVIndex()
     endpoints = {role: [Endpoint(f"http://10.0.0.{i}:800{n}", role) for i in range(candidates)]
                  for n, role in enumerate(("prefill", "decode"))}
@@ -105,17 +131,22 @@ def _per_request_us(variant: str, candidates: int, prompt_tokens: int, requests:
     for policy in policies.values():
         if isinstance(policy, KVAware):
             policy.configure(index, 1.0, 64.0)
+    whole = tokenize in ("text", "chat")
     started = time.thread_time()
     for i in range(requests):
-        ids = prompt
-        if tokenize:
-            # As pd_client does: the router's ids for the text or chat (every text is new: no cache hit).
-            ids = prompts.router.request_ids(requests_in[i]) or []  # type: ignore[union-attr]
-        # As the router does: the decode choice hashes the client's ids; the prefill choice compares
-        # the descriptor's ids with them and, equal, reuses their hashes.
-        token = CURRENT_PROMPT.set(PromptBlocks(list(ids)))
+        if not tokenize:
+            blocks: PromptBlocks | None = PromptBlocks(list(prompt))
+        elif whole:
+            # As the router did: every id of the text or chat (the chat's history from the piece cache).
+            blocks = PromptBlocks(prompts.router.request_ids(requests_in[i]) or [])  # type: ignore[union-attr]
+        else:
+            # As pd_client does now: the text's ids only as far as a decode worker holds its blocks.
+            watch = index.prefix_watch(endpoints["decode"])
+            blocks = prompts.router.request_prompt(requests_in[i], watch)  # type: ignore[union-attr]
+        token = CURRENT_PROMPT.set(blocks)
         policies["decode"].choose_where(endpoints["decode"], lambda e: True)
-        descriptor_ids = list(ids)
+        # As prefill_call does: the descriptor's ids (the decode worker's), reusing the hashes when equal.
+        descriptor_ids = list(worker_ids[i] if tokenize else prompt)
         current = CURRENT_PROMPT.get()
         if current is None or current.token_ids != descriptor_ids:
             CURRENT_PROMPT.set(PromptBlocks(descriptor_ids))
