@@ -14,6 +14,6 @@ class Migration(migrations.Migration):
         migrations.AlterField(
             model_name='deployment',
             name='router_policy',
-            field=models.CharField(choices=[('round-robin', 'Round robin'), ('least-connections', 'Least connections'), ('power-of-two', 'Power of two choices'), ('kv-aware', 'KV-aware (cached prefix + load)')], default='kv-aware', help_text="how the managed routers pick workers. kv-aware (the default): the worker with the least work ahead, its cached prefix of the prompt credited, plus its load; in the multi-turn chat benchmark 1.7x round-robin's TTFT p50 and 1.5-1.6x its output tok/s (README, router). With one worker of a role every policy picks that one", max_length=32),
+            field=models.CharField(choices=[('round-robin', 'Round robin'), ('least-connections', 'Least connections'), ('power-of-two', 'Power of two choices'), ('kv-aware', 'KV-aware (cached prefix + load)')], default='kv-aware', help_text="how the managed routers pick workers. kv-aware (the default): the worker with the least work ahead, its cached prefix of the prompt credited, plus its load; in the multi-turn chat benchmark 1.1-1.75x round-robin's TTFT p50 and 1.2-1.6x its output tok/s (README, router). With one worker of a role every policy picks that one", max_length=32),
         ),
     ]

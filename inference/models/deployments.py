@@ -85,8 +85,8 @@ class Deployment(models.Model):
     router_policy = models.CharField(
         max_length=32, choices=RouterPolicy.choices, default=RouterPolicy.KV_AWARE,
         help_text="how the managed routers pick workers. kv-aware (the default): the worker with the least work "
-        "ahead, its cached prefix of the prompt credited, plus its load; in the multi-turn chat benchmark 1.7x "
-        "round-robin's TTFT p50 and 1.5-1.6x its output tok/s (README, router). With one worker of a role "
+        "ahead, its cached prefix of the prompt credited, plus its load; in the multi-turn chat benchmark 1.1-1.75x "
+        "round-robin's TTFT p50 and 1.2-1.6x its output tok/s (README, router). With one worker of a role "
         "every policy picks that one")
     # The managed routers' kv-aware cost weights and per-request disaggregation threshold (README, router).
     kv_token_weight = models.FloatField(
