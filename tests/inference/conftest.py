@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 
 from tests.inference.router.stand_ins import Cluster
-from tests.support.processes import Proc, start_router, start_worker
+from tests.support.processes import Proc, start_parallel, start_router, start_worker
 
 # The saturable deployment: its router gives a request this long in the queue (and 4 places).
 SATURABLE_QUEUE_TIMEOUT_S = 0.5
@@ -39,12 +40,13 @@ def openai_deployment(tiny_model_dir: Path, log_dir: Path) -> Iterator[OpenAIDep
     procs: list[Proc] = []
     try:
         common = ["--context-length", str(OPENAI_CONTEXT), "--block-size", "8", "--dtype", "float32"]
-        prefill, prefill_url = start_worker("prefill", tiny_model_dir, log_dir, extra=common)
-        procs.append(prefill)
-        decode, decode_url = start_worker(
-            "decode", tiny_model_dir, log_dir, extra=[*common, "--max-sequence-length", str(OPENAI_CONTEXT)]
-        )
-        procs.append(decode)
+        workers = start_parallel({
+            "prefill": partial(start_worker, "prefill", tiny_model_dir, log_dir, extra=common),
+            "decode": partial(start_worker, "decode", tiny_model_dir, log_dir,
+                              extra=[*common, "--max-sequence-length", str(OPENAI_CONTEXT)]),
+        })
+        (prefill, prefill_url), (decode, decode_url) = workers["prefill"], workers["decode"]
+        procs += [prefill, decode]
         router, router_url = start_router([prefill_url], [decode_url], log_dir)
         procs.append(router)
         yield OpenAIDeployment(router=router_url, decode=decode_url, prefill=prefill_url)
@@ -77,13 +79,13 @@ def saturable_deployment(tiny_model_dir: Path, log_dir: Path) -> Iterator[dict[s
     procs: list[Proc] = []
     try:
         common = ["--context-length", str(SATURABLE_CONTEXT), "--block-size", "8"]
-        prefill, prefill_url = start_worker("prefill", tiny_model_dir, log_dir, extra=common)
-        procs.append(prefill)
-        decode, decode_url = start_worker(
-            "decode", tiny_model_dir, log_dir,
-            extra=[*common, "--batch-size", "2", "--max-sequence-length", str(SATURABLE_CONTEXT)],
-        )  # fmt: skip
-        procs.append(decode)
+        workers = start_parallel({
+            "prefill": partial(start_worker, "prefill", tiny_model_dir, log_dir, extra=common),
+            "decode": partial(start_worker, "decode", tiny_model_dir, log_dir,
+                              extra=[*common, "--batch-size", "2", "--max-sequence-length", str(SATURABLE_CONTEXT)]),
+        })
+        (prefill, prefill_url), (decode, decode_url) = workers["prefill"], workers["decode"]
+        procs += [prefill, decode]
         router, router_url = start_router(
             [prefill_url], [decode_url], log_dir,
             extra=["--queue-timeout", str(SATURABLE_QUEUE_TIMEOUT_S), "--max-queue", "4"],

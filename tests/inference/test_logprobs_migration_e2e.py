@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import signal
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.support.processes import start_router, start_worker, wait_until
+from tests.support.processes import start_parallel, start_router, start_worker, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 CONTEXT = 256
@@ -29,11 +30,13 @@ def cluster(tiny_model_dir: Path, log_dir: Path):
     procs: dict[str, Any] = {}
     try:
         common = ["--context-length", str(CONTEXT), "--block-size", "8", "--dtype", "float32"]
-        procs["P"], prefill = start_worker("prefill", tiny_model_dir, log_dir, extra=common)
         decode = ["--max-sequence-length", str(CONTEXT)]
-        procs["V"], victim = start_worker("decode", tiny_model_dir, log_dir, extra=[*common, *decode], name="victim")
-        procs["X"], survivor = start_worker("decode", tiny_model_dir, log_dir, extra=[*common, *decode],
-                                            name="survivor")
+        started = start_parallel({
+            "P": partial(start_worker, "prefill", tiny_model_dir, log_dir, extra=common),
+            "V": partial(start_worker, "decode", tiny_model_dir, log_dir, extra=[*common, *decode], name="victim"),
+            "X": partial(start_worker, "decode", tiny_model_dir, log_dir, extra=[*common, *decode], name="survivor"),
+        })
+        (procs["P"], prefill), (procs["V"], victim), (procs["X"], survivor) = (started[n] for n in "PVX")
         procs["R"], router = start_router([prefill], [victim, survivor], log_dir)
         yield procs, router, victim
     finally:

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.support.processes import Proc, start_router, start_worker
+from tests.support.processes import Proc, start_parallel, start_router, start_worker
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 MODEL = "tiny-llama"
@@ -26,12 +27,16 @@ def deployment(tiny_model_dir: Path, log_dir: Path) -> Iterator[dict[str, list[s
     procs: list[Proc] = []
     try:
         common = ["--context-length", "256", "--block-size", "8", "--dtype", "float32"]
-        urls: dict[str, list[str]] = {"prefill": [], "decode": []}
-        for role in ("prefill", "prefill", "decode", "decode"):
-            extra = [*common, "--max-sequence-length", "256"] if role == "decode" else common
-            proc, url = start_worker(role, tiny_model_dir, log_dir, extra=extra)
-            procs.append(proc)
-            urls[role].append(url)
+        decode_extra = [*common, "--max-sequence-length", "256"]
+        started = start_parallel({
+            "p0": partial(start_worker, "prefill", tiny_model_dir, log_dir, extra=common),
+            "p1": partial(start_worker, "prefill", tiny_model_dir, log_dir, extra=common),
+            "d0": partial(start_worker, "decode", tiny_model_dir, log_dir, extra=decode_extra),
+            "d1": partial(start_worker, "decode", tiny_model_dir, log_dir, extra=decode_extra),
+        })
+        procs += [started[name][0] for name in ("p0", "p1", "d0", "d1")]
+        urls: dict[str, list[str]] = {"prefill": [started["p0"][1], started["p1"][1]],
+                                      "decode": [started["d0"][1], started["d1"][1]]}
         router, router_url = start_router(urls["prefill"], urls["decode"], log_dir)
         procs.append(router)
         urls["router"] = [router_url]

@@ -15,6 +15,7 @@ import re
 import shutil
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.processes import Proc, free_port, start_router, start_worker
+from tests.support.processes import Proc, free_port, start_parallel, start_router, start_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "platform" / "grafana" / "dashboards" / "disagg-platform.json"
@@ -117,10 +118,12 @@ def deployment(tiny_model_dir: Path, log_dir: Path) -> Iterator[dict[str, str]]:
     procs: list[Proc] = []
     gpu_env = {"CUDA_VISIBLE_DEVICES": "0"} if torch.cuda.is_available() else None
     try:
-        prefill, prefill_url = start_worker("prefill", tiny_model_dir, log_dir, env=gpu_env)
-        procs.append(prefill)
-        decode, decode_url = start_worker("decode", tiny_model_dir, log_dir)
-        procs.append(decode)
+        workers = start_parallel({
+            "prefill": partial(start_worker, "prefill", tiny_model_dir, log_dir, env=gpu_env),
+            "decode": partial(start_worker, "decode", tiny_model_dir, log_dir),
+        })
+        (prefill, prefill_url), (decode, decode_url) = workers["prefill"], workers["decode"]
+        procs += [prefill, decode]
         router, router_url = start_router([prefill_url], [decode_url], log_dir)
         procs.append(router)
         body = {"prompt": "hello", "max_tokens": 4, "temperature": 0}

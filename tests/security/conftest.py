@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support.processes import Proc, start_router, start_worker
+from tests.support.processes import Proc, start_parallel, start_router, start_worker
 
 SECRET = "test-shared-secret-3f9c"
 API_KEY = "sk-test-router-key-1"
@@ -53,12 +54,14 @@ def secure_cluster(
     common = ["--context-length", str(CONTEXT), "--block-size", "8", "--max-tokens-limit", str(MAX_TOKENS_LIMIT),
               "--kv-lease-timeout", "10"]
     try:
-        prefill, prefill_url = start_worker("prefill", tiny_model_dir, log_dir, extra=common, env=secret_env,
-                                            name="secure-prefill")
-        procs.append(prefill)
-        decode, decode_url = start_worker("decode", tiny_model_dir, log_dir, env=secret_env, name="secure-decode",
-                                          extra=[*common, "--max-sequence-length", str(CONTEXT)])
-        procs.append(decode)
+        started = start_parallel({
+            "prefill": partial(start_worker, "prefill", tiny_model_dir, log_dir, extra=common, env=secret_env,
+                               name="secure-prefill"),
+            "decode": partial(start_worker, "decode", tiny_model_dir, log_dir, env=secret_env, name="secure-decode",
+                              extra=[*common, "--max-sequence-length", str(CONTEXT)]),
+        })
+        (prefill, prefill_url), (decode, decode_url) = started["prefill"], started["decode"]
+        procs += [prefill, decode]
         router_env = {
             **secret_env,
             "ROUTER_API_KEYS": f"{API_KEY},{OTHER_API_KEY}",

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -152,22 +152,31 @@ def start_worker(
     return proc, url
 
 
-def start_workers(roles: dict[str, str], model_dir: Path, log_dir: Path, *, extra: list[str] | None = None,
-                  prefix: str = "w") -> dict[str, tuple[Proc, str]]:
-    """Start one worker per `roles` entry (name -> role) in parallel (each takes seconds to load the
-    model); their (process, URL) by name. If any fails to start, the others are stopped and it raises."""
+def start_parallel(starters: Mapping[str, Callable[[], tuple[Proc, str]]]) -> dict[str, tuple[Proc, str]]:
+    """Run every starter (e.g. a `start_worker` call) in a thread of its own, so that the processes load
+    their models side by side instead of one after the other; their (process, URL) by name. If any fails
+    to start, the others are stopped and the first failure is raised."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(len(roles)) as pool:
-        futures = {name: pool.submit(start_worker, role, model_dir, log_dir, extra=extra, name=f"{prefix}-{name}")
-                   for name, role in roles.items()}
+    with ThreadPoolExecutor(len(starters)) as pool:
+        futures = {name: pool.submit(start) for name, start in starters.items()}
     started = {name: future.result() for name, future in futures.items() if future.exception() is None}
-    if len(started) < len(roles):
+    if len(started) < len(starters):
         for proc, _url in started.values():
             proc.stop()
         for future in futures.values():
             future.result()  # raises the first failure
     return started
+
+
+def start_workers(roles: dict[str, str], model_dir: Path, log_dir: Path, *, extra: list[str] | None = None,
+                  prefix: str = "w") -> dict[str, tuple[Proc, str]]:
+    """Start one worker per `roles` entry (name -> role) in parallel (each takes seconds to load the
+    model); their (process, URL) by name. If any fails to start, the others are stopped and it raises."""
+    return start_parallel({
+        name: functools.partial(start_worker, role, model_dir, log_dir, extra=extra, name=f"{prefix}-{name}")
+        for name, role in roles.items()
+    })
 
 
 def post_json(url: str, body: dict[str, Any], timeout: httpx.Timeout | float = 60.0) -> dict[str, Any]:

@@ -17,13 +17,14 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
-from tests.support.processes import Proc, start_router, start_worker, wait_until
+from tests.support.processes import Proc, start_parallel, start_router, start_worker, wait_until
 
 STALE_S = 1.5
 
@@ -32,14 +33,15 @@ STALE_S = 1.5
 def workers(tiny_model_dir: Path, log_dir: Path) -> Iterator[tuple[str, str]]:
     """(prefill URL, decode URL)."""
     common = ["--block-size", "8", "--context-length", "512"]
-    prefill, prefill_url = start_worker("prefill", tiny_model_dir, log_dir, extra=common, name="acceptor-prefill")
+    started = start_parallel({
+        "prefill": partial(start_worker, "prefill", tiny_model_dir, log_dir, extra=common, name="acceptor-prefill"),
+        "decode": partial(start_worker, "decode", tiny_model_dir, log_dir, extra=common, name="acceptor-decode"),
+    })
+    (prefill, prefill_url), (decode, decode_url) = started["prefill"], started["decode"]
     try:
-        decode, decode_url = start_worker("decode", tiny_model_dir, log_dir, extra=common, name="acceptor-decode")
-        try:
-            yield prefill_url, decode_url
-        finally:
-            decode.stop()
+        yield prefill_url, decode_url
     finally:
+        decode.stop()
         prefill.stop()
 
 

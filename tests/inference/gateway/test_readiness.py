@@ -13,27 +13,29 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support.processes import Proc, free_port, start_worker
+from tests.support.processes import Proc, free_port, start_parallel, start_worker
 
 
 @pytest.fixture(scope="module")
 def workers(tiny_model_dir: Path, log_dir: Path) -> Iterator[tuple[str, str, str]]:
     """(prefill URL, decode URL, the model name they report)."""
-    prefill, prefill_url = start_worker("prefill", tiny_model_dir, log_dir, name="ready-prefill")
+    started = start_parallel({
+        "prefill": partial(start_worker, "prefill", tiny_model_dir, log_dir, name="ready-prefill"),
+        "decode": partial(start_worker, "decode", tiny_model_dir, log_dir, name="ready-decode"),
+    })
+    (prefill, prefill_url), (decode, decode_url) = started["prefill"], started["decode"]
     try:
-        decode, decode_url = start_worker("decode", tiny_model_dir, log_dir, name="ready-decode")
-        try:
-            model = httpx.get(f"{decode_url}/health", timeout=5).json()["model"]
-            assert isinstance(model, str) and model
-            yield prefill_url, decode_url, model
-        finally:
-            decode.stop()
+        model = httpx.get(f"{decode_url}/health", timeout=5).json()["model"]
+        assert isinstance(model, str) and model
+        yield prefill_url, decode_url, model
     finally:
+        decode.stop()
         prefill.stop()
 
 

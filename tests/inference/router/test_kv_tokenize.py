@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.processes import Proc, post_json, start_router, start_workers, wait_until
+from tests.support.processes import Proc, post_json, start_parallel, start_router, start_workers, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 
@@ -37,10 +37,13 @@ def cluster(tiny_model_dir: Path, log_dir: Path) -> Iterator[dict[str, Any]]:
     procs: list[Proc] = [proc for proc, _url in started.values()]
     try:
         urls = {name: url for name, (_proc, url) in started.items()}
-        kv, kv_url = start_router([urls["p0"]], [urls["d0"], urls["d1"]], log_dir, policy="kv-aware", env=ROUTER_ENV)
-        procs.append(kv)
-        plain, plain_url = start_router([urls["p0"]], [urls["d0"], urls["d1"]], log_dir, env=ROUTER_ENV)
-        procs.append(plain)
+        routers = start_parallel({
+            "kv": functools.partial(start_router, [urls["p0"]], [urls["d0"], urls["d1"]], log_dir,
+                                    policy="kv-aware", env=ROUTER_ENV),
+            "plain": functools.partial(start_router, [urls["p0"]], [urls["d0"], urls["d1"]], log_dir, env=ROUTER_ENV),
+        })
+        (kv, kv_url), (plain, plain_url) = routers["kv"], routers["plain"]
+        procs += [kv, plain]
         yield {"urls": urls, "kv": kv_url, "plain": plain_url, "procs": procs}
     finally:
         for proc in reversed(procs):

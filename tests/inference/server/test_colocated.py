@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.processes import Proc, post_json, start_router, start_workers
+from tests.support.processes import Proc, post_json, start_parallel, start_router, start_workers
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 
@@ -35,8 +36,10 @@ def cluster(tiny_model_dir: Path, log_dir: Path) -> Iterator[dict[str, str]]:
         urls = {name: url for name, (_p, url) in started.items()}
         routers = {"both": ([], [urls["both"]]), "decode_only": ([], [urls["decode"]]),
                    "disagg": ([urls["prefill"]], [urls["decode"]])}
-        for name, (prefill, decode) in routers.items():
-            proc, url = start_router(prefill, decode, log_dir, env=ENV)
+        # Side by side, as the workers: each router process takes seconds to start.
+        starters = {name: partial(start_router, prefill, decode, log_dir, env=ENV)
+                    for name, (prefill, decode) in routers.items()}
+        for name, (proc, url) in start_parallel(starters).items():
             procs.append(proc)
             urls[f"router_{name}"] = url
         yield urls

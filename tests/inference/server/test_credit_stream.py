@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 
 from inference.router.ndjson import NdjsonReader
 from inference.router.upstream import UpstreamClient
-from tests.support.processes import start_worker
+from tests.support.processes import start_parallel, start_worker
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 
@@ -30,10 +31,12 @@ def cluster(tiny_model_dir: Path, log_dir: Path):
     procs = []
     try:
         common = ["--context-length", "512", "--block-size", "8"]
-        prefill, prefill_url = start_worker("prefill", tiny_model_dir, log_dir, extra=common, name="credit-prefill")
-        procs.append(prefill)
-        decode, decode_url = start_worker("decode", tiny_model_dir, log_dir, extra=common, name="credit-decode")
-        procs.append(decode)
+        started = start_parallel({
+            "prefill": partial(start_worker, "prefill", tiny_model_dir, log_dir, extra=common, name="credit-prefill"),
+            "decode": partial(start_worker, "decode", tiny_model_dir, log_dir, extra=common, name="credit-decode"),
+        })
+        (prefill, prefill_url), (decode, decode_url) = started["prefill"], started["decode"]
+        procs += [prefill, decode]
         yield {"prefill": prefill_url, "decode": decode_url}
     finally:
         for p in reversed(procs):

@@ -10,13 +10,14 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.processes import start_worker
+from tests.support.processes import start_parallel, start_worker
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 
@@ -31,10 +32,12 @@ def capped_cluster(tiny_model_dir: Path, log_dir: Path):
     procs = []
     try:
         common = ["--context-length", "512", "--block-size", "8", "--batch-size", str(BATCH)]
-        prefill, prefill_url = start_worker("prefill", tiny_model_dir, log_dir, extra=common, name="cap-prefill")
-        procs.append(prefill)
-        decode, decode_url = start_worker("decode", tiny_model_dir, log_dir, extra=common, name="cap-decode")
-        procs.append(decode)
+        started = start_parallel({
+            "prefill": partial(start_worker, "prefill", tiny_model_dir, log_dir, extra=common, name="cap-prefill"),
+            "decode": partial(start_worker, "decode", tiny_model_dir, log_dir, extra=common, name="cap-decode"),
+        })
+        (prefill, prefill_url), (decode, decode_url) = started["prefill"], started["decode"]
+        procs += [prefill, decode]
         yield {"prefill": prefill_url, "decode": decode_url}
     finally:
         for p in reversed(procs):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import httpx
 import pytest
 
 from inference.engine import LLMEngine, SamplingParams
-from tests.support.processes import start_router, start_worker
+from tests.support.processes import start_parallel, start_router, start_worker
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 
@@ -45,10 +46,12 @@ def cluster(tiny_model_dir: Path, log_dir: Path, tmp_path_factory: pytest.TempPa
     procs = []
     try:
         common = ["--context-length", str(CONTEXT), "--block-size", "8"]
-        prefill, prefill_url = start_worker("prefill", prefill_dir, log_dir, extra=common, name="gencfg-prefill")
-        procs.append(prefill)
-        decode, decode_url = start_worker("decode", decode_dir, log_dir, extra=common, name="gencfg-decode")
-        procs.append(decode)
+        started = start_parallel({
+            "prefill": partial(start_worker, "prefill", prefill_dir, log_dir, extra=common, name="gencfg-prefill"),
+            "decode": partial(start_worker, "decode", decode_dir, log_dir, extra=common, name="gencfg-decode"),
+        })
+        (prefill, prefill_url), (decode, decode_url) = started["prefill"], started["decode"]
+        procs += [prefill, decode]
         router, router_url = start_router([prefill_url], [decode_url], log_dir)
         procs.append(router)
         yield {"prefill": prefill_url, "decode": decode_url, "router": router_url}

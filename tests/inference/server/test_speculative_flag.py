@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 
 from inference.server.args import ServerArgs, parse_args
 from tests.support.copying_model import make_copying_model
-from tests.support.processes import start_worker
+from tests.support.processes import start_parallel, start_worker
 from tests.support.worker_flags import refusal, worker_argv
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
@@ -56,13 +57,15 @@ def spec_cluster(tiny_model_dir: Path, log_dir: Path, tmp_path_factory: pytest.T
     common = ["--context-length", "512", "--block-size", "8", "--num-kv-blocks", "128"]
     procs = []
     try:
-        prefill, prefill_url = start_worker("prefill", model, log_dir, extra=common, name="spec-prefill")
-        procs.append(prefill)
-        plain, plain_url = start_worker("decode", model, log_dir, extra=common, name="spec-plain")
-        procs.append(plain)
-        spec, spec_url = start_worker("decode", model, log_dir, name="spec-decode", extra=[
-            *common, "--speculative", "ngram", "--num-speculative-tokens", "4"])
-        procs.append(spec)
+        started = start_parallel({
+            "prefill": partial(start_worker, "prefill", model, log_dir, extra=common, name="spec-prefill"),
+            "plain": partial(start_worker, "decode", model, log_dir, extra=common, name="spec-plain"),
+            "spec": partial(start_worker, "decode", model, log_dir, name="spec-decode", extra=[
+                *common, "--speculative", "ngram", "--num-speculative-tokens", "4"]),
+        })
+        (prefill, prefill_url), (plain, plain_url), (spec, spec_url) = (
+            started[name] for name in ("prefill", "plain", "spec"))
+        procs += [prefill, plain, spec]
         yield {"prefill": prefill_url, "plain": plain_url, "spec": spec_url}
     finally:
         for p in reversed(procs):
