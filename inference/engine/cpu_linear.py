@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,12 +48,19 @@ ALL_ROWS = 1 << 62
 # which it beat oneDNN's prepacked kernel on a whole step's projections (docs/benchmarks.md; absent: never).
 # AVX2 EPYC (sixth session): fp32 faster at every row count measured (8-256). AMD EPYC Zen 4 (seventh,
 # the final tiles): bf16 0.59-0.90x of oneDNN's time at 1-64 rows, 1.05x at 256; fp32 0.73-0.91x at 1-64,
-# 1.00x at 256. CPUs with AMX are left to oneDNN (its AMX kernels, not measured against these).
+# 1.00x at 256. AMD EPYC Zen 5 (eighth session, a step's projections without the LM head, load 6-9): bf16
+# 0.47-0.72x at 1-64 rows, 0.60x at 128, 0.78-0.90x at 256 (one run of three 1.38x), 0.90-0.94x at 512,
+# 1.02-1.05x at 2048; fp32 0.62-0.92x at 1-64 rows, 1.00-1.04x at 256-2048. CPUs with AMX are left to
+# oneDNN (its AMX kernels, not measured against these).
 PANEL_ROWS: dict[tuple[str, torch.dtype], int] = {
     ("avx2", torch.float32): ALL_ROWS,
     ("avx512", torch.float32): 64,
     ("avx512", torch.bfloat16): 64,
+    ("avx512-zen5", torch.float32): 64,
+    ("avx512-zen5", torch.bfloat16): 512,
 }
+# AMD's Zen 5 (EPYC 9005) is cpu family 26 (0x1a); Zen 4 and Zen 3 are 25.
+ZEN5_FAMILY = 26
 
 
 def prepacked_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -149,12 +157,34 @@ class PanelLinear(_PackedLinear):
         return self._ops.panel_linear(x, self.panels, self.out_features, self.bias)  # type: ignore[no-any-return]
 
 
+def cpu_family() -> tuple[str, int]:
+    """(vendor_id, cpu family) of /proc/cpuinfo's first processor (("", 0) where there is none)."""
+    vendor, family = "", 0
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "vendor_id":
+                vendor = value.strip()
+            elif key.strip() == "cpu family":
+                family = int(value.strip() or 0)
+            elif not line.strip():
+                break
+    except (OSError, ValueError):
+        pass
+    return vendor, family
+
+
 def cpu_kind() -> str:
     """The CPU kind the kernel choice is keyed by: "avx512-amx" (AMX tiles: oneDNN's bf16 kernels use
-    them), "avx512", "avx2", or another capability torch reports, lower-cased."""
+    them), "avx512-zen5" (AMD family 26 and later: AVX-512 on a full 512-bit datapath, where Zen 4 splits
+    each 512-bit instruction in two halves), "avx512", "avx2", or another capability torch reports,
+    lower-cased."""
     capability = torch.backends.cpu.get_cpu_capability().lower()
     if capability.startswith("avx512"):
-        return "avx512-amx" if "amx_tile" in _cpu_flags() else "avx512"
+        if "amx_tile" in _cpu_flags():
+            return "avx512-amx"
+        vendor, family = cpu_family()
+        return "avx512-zen5" if vendor == "AuthenticAMD" and family >= ZEN5_FAMILY else "avx512"
     return capability
 
 

@@ -16,6 +16,7 @@ from inference.engine.cpu_linear import (
     PANEL_SWITCH,
     PanelLinear,
     PrepackedLinear,
+    cpu_family,
     cpu_kind,
     linear_weight_bytes,
     panel_rows_limit,
@@ -87,6 +88,26 @@ def test_bf16_panel_linear_within_one_rounding(bias: bool, rows: int, in_feature
                                    rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_rows_match_row_by_row(dtype: torch.dtype) -> None:
+    """A prefill-sized input of 150 rows (12-row tiles and a tail of 6) over 2,048 inputs gives the same
+    rows as the kernel run on each row alone (its 4-row tile), and F.linear's result."""
+    ops = _bf16_kernels() if dtype == torch.bfloat16 else _kernels()
+    torch.manual_seed(7)
+    lin = nn.Linear(2048, 40, bias=True).to(dtype)
+    packed = PanelLinear(lin, ops)
+    x = torch.randn(150, 2048).to(dtype)
+    with torch.inference_mode():
+        got = packed(x)
+        one_by_one = torch.cat([packed(x[i : i + 1]) for i in range(x.shape[0])])
+        exact = F.linear(x.float(), lin.weight.float(), lin.bias.float())
+    # The same sums in the same order whatever the tile: equal up to the last fp32 rounding's ulp.
+    torch.testing.assert_close(got.float(), one_by_one.float(), rtol=2**-7 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-3 if dtype == torch.bfloat16 else 1e-5)
+    torch.testing.assert_close(got.float(), exact, rtol=2**-8 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-3 if dtype == torch.bfloat16 else 1e-4)
+
+
 def test_panel_linear_refuses_mismatched_inputs() -> None:
     ops = _kernels()
     panels = ops.pack_panels(torch.randn(40, 24))
@@ -130,6 +151,9 @@ def test_choice_rule_per_cpu_kind(monkeypatch: pytest.MonkeyPatch) -> None:
     if kind == "avx512":  # the AMD EPYC Zen 4 figures: decode batches on the panels, prefill on oneDNN
         assert panel_rows_limit(torch.float32, ops) == 64
         assert bf16 in (0, 64)
+    if kind == "avx512-zen5":  # Zen 5: bf16 prefill chunks up to 512 rows on the panels too
+        assert panel_rows_limit(torch.float32, ops) == 64
+        assert bf16 == 512
     monkeypatch.setenv(PANEL_SWITCH, "0")
     assert panel_rows_limit(torch.float32, ops) == panel_rows_limit(torch.bfloat16, ops) == 0
     monkeypatch.setenv(PANEL_SWITCH, "1")
@@ -144,7 +168,32 @@ def test_cpu_kind_sets_amx_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_kind() == "avx512-amx"
     assert not any(kind == "avx512-amx" for kind, _ in PANEL_ROWS)
     monkeypatch.setattr("inference.engine.cpu_linear._cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    monkeypatch.setattr("inference.engine.cpu_linear.cpu_family", lambda: ("AuthenticAMD", 25))
     assert cpu_kind() == "avx512"
+
+
+def test_cpu_kind_sets_zen5_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AMD family 26 (Zen 5: a full 512-bit datapath) is its own kind with its own measured row limits;
+    Zen 4 (family 25) and other vendors' AVX-512 CPUs without AMX stay "avx512"."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr("inference.engine.cpu_linear._cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    for vendor, family, kind in [("AuthenticAMD", 26, "avx512-zen5"), ("AuthenticAMD", 25, "avx512"),
+                                 ("GenuineIntel", 6, "avx512")]:
+        monkeypatch.setattr("inference.engine.cpu_linear.cpu_family", lambda v=vendor, f=family: (v, f))
+        assert cpu_kind() == kind
+    assert ("avx512-zen5", torch.bfloat16) in PANEL_ROWS and ("avx512-zen5", torch.float32) in PANEL_ROWS
+
+
+def test_cpu_family_reads_this_machine() -> None:
+    """The vendor and family of this machine's /proc/cpuinfo, as the kernel choice reads them."""
+    fields: dict[str, str] = {}
+    for line in open("/proc/cpuinfo"):
+        key, _, value = line.partition(":")
+        if key.strip() in ("vendor_id", "cpu family"):
+            fields.setdefault(key.strip(), value.strip())
+    if not fields:
+        pytest.skip("no /proc/cpuinfo vendor or family here")
+    assert cpu_family() == (fields.get("vendor_id", ""), int(fields.get("cpu family", "0")))
 
 
 @pytest.mark.skipif(not prepacked_linear_available(torch.float32, CPU), reason="torch built without oneDNN")
