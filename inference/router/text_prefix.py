@@ -71,6 +71,11 @@ def chunk_plan(spec: dict[str, Any]) -> bool:
     pres = _pre_tokenizers(spec)
     if not pres or any(p.get("type") not in _SPLITTING for p in pres):
         return False
+    # A Split as Llama 3's and Qwen2's: its regex's matches are pre-tokens of their own (a space merged
+    # with the piece before it, or an inverted pattern, would move the boundaries).
+    if any(p.get("type") == "Split" and (str(p.get("behavior")).lower() != "isolated" or p.get("invert"))
+           for p in pres):
+        return False
     # Something must split at spaces: a regex (ByteLevel's own or a Split pattern); ByteLevel alone
     # without its regex would make the whole text one pre-token.
     if not any(p.get("type") == "Split" or (p.get("type") == "ByteLevel" and p.get("use_regex", True)) for p in pres):

@@ -123,6 +123,9 @@ def test_tokenizers_it_cannot_cut_are_encoded_whole(tiny_model_dir: Path) -> Non
     for change in ({"normalizer": {"type": "NFC"}},
                    {"pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first"}},
                    {"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}},
+                   {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                       {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False},
+                       {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}]}},
                    {"added_tokens": [*spec["added_tokens"], {"id": 600, "content": "a b", "lstrip": False,
                                                               "rstrip": False, "single_word": False}]}):
         assert not chunk_plan({**spec, **change}), change
