@@ -261,7 +261,7 @@ class NgramSpeculator:
             prior = self.hit_rate
             gains = marginal_gains([batch[i].spec_state.hit_rate(prior) for i, _ in found],
                                    [len(p) for _, p in found])
-            extra = best_extra_rows(costs, b, [g for g, _ in gains])
+            extra = best_extra_rows(costs, b, gains)
             rows = Counter(j for _, j in gains[:extra])
             chosen = [(i, p[: rows[j]]) for j, (i, p) in enumerate(found) if rows[j]]
         else:

@@ -33,24 +33,26 @@ def tiled(rows: int) -> float:
 def test_flat_cost_takes_every_row_that_can_gain() -> None:
     """A GPU: rows cost (nearly) nothing, so every proposed token with a chance is verified."""
     costs = [10.0 + 0.001 * e for e in range(33)]
-    gains = [g for g, _ in marginal_gains([0.6] * 8, [4] * 8)]
+    gains = marginal_gains([0.6] * 8, [4] * 8)
     assert best_extra_rows(costs, 8, gains) == 32
     assert best_extra_rows(costs, 8, gains[:5]) == 5  # no more rows than proposed tokens
-    assert best_extra_rows(costs, 8, [0.0] * 32) == 0  # tokens that cannot be accepted cost rows
+    assert best_extra_rows(costs, 8, [(0.0, i % 8) for i in range(32)]) == 0  # tokens that cannot be accepted
+    # Rows this cheap slow the sequences without proposals by less than MAX_SLOWDOWN: they do not block.
+    assert best_extra_rows(costs, 8, marginal_gains([0.6] * 3, [4] * 3)) == 12
 
 
 def test_linear_cost_never_pays() -> None:
     """Compute-bound (a row costs what a decode row costs): a proposal emits less than a row's worth."""
     costs = [float(8 + e) for e in range(33)]
-    assert best_extra_rows(costs, 8, [0.99] * 32) == 0
+    assert best_extra_rows(costs, 8, [(0.99, i % 8) for i in range(32)]) == 0
 
 
 def test_tiled_cost_fills_the_tile_only() -> None:
     """3 sequences ride in the 8-row tile for free, a full tile of 8 opens no new one even at 97 %
     acceptance: what the fixed row_tile=8 rule did."""
-    gains3 = [g for g, _ in marginal_gains([0.97] * 3, [4] * 3)]
+    gains3 = marginal_gains([0.97] * 3, [4] * 3)
     assert best_extra_rows([tiled(r) for r in range(3, 16)], 3, gains3) == 5
-    gains8 = [g for g, _ in marginal_gains([0.97] * 8, [4] * 8)]
+    gains8 = marginal_gains([0.97] * 8, [4] * 8)
     assert best_extra_rows([tiled(r) for r in range(8, 41)], 8, gains8) == 0
 
 
@@ -60,9 +62,9 @@ def test_zen5_like_cost_speculates_at_8_in_flight_when_acceptance_is_high() -> N
     cost = {r: 28.4 * (1 + 0.055 * (r - 8)) for r in range(8, 17)} | {r: 28.4 * (1.44 + 0.07 * (r - 16))
                                                                       for r in range(17, 41)}
     curve = rows_curve(cost, 8, 40)
-    high = [g for g, _ in marginal_gains([0.8] * 8, [4] * 8)]
+    high = marginal_gains([0.8] * 8, [4] * 8)
     assert 8 <= best_extra_rows(curve, 8, high) <= 16
-    low = [g for g, _ in marginal_gains([0.3] * 8, [4] * 8)]
+    low = marginal_gains([0.3] * 8, [4] * 8)
     assert best_extra_rows(curve, 8, low) == 0
 
 
@@ -73,14 +75,32 @@ def test_the_chosen_rows_beat_the_plain_step() -> None:
     curves = [[10.0, 10.0, 30.0, 30.0, 31.0], [10.0, 13.0, 16.0, 19.0, 22.0], [10.0, 11.0, 12.0, 30.0, 30.0],
               [10.0, 10.5, 11.0, 11.5, 40.0]]
     gains = [0.9, 0.7, 0.5, 0.2]
+    rows = [(g, 0) for g in gains]  # one sequence's 4 proposed tokens
     for costs in curves:
-        e = best_extra_rows(costs, 4, gains)
+        e = best_extra_rows(costs, 4, rows, max_slowdown=1.0)  # (the slowdown bound apart: next test)
         if e:
             # Equivalently sum(gains[:e]) / (costs[e] - costs[0]) > 4 / costs[0] where the rows cost more.
             assert (4 + sum(gains[:e])) / costs[e] > 4 / costs[0]
         else:
             assert all((4 + sum(gains[:j])) / costs[j] <= 4 / costs[0] for j in range(1, 5))
-    assert [best_extra_rows(c, 4, gains) for c in curves] == [1, 0, 2, 3]
+    assert [best_extra_rows(c, 4, rows, max_slowdown=1.0) for c in curves] == [1, 0, 2, 3]
+
+
+def test_no_sequence_is_slowed_for_the_others() -> None:
+    """8 sequences, 7 of them copying text (every proposal confirmed), one with nothing to propose: the
+    batch's tokens per second would gain most from 28 rows (3.8x a plain step's cost), but the eighth
+    sequence would run at a quarter of its pace, so only what costs it at most MAX_SLOWDOWN is taken."""
+    curve = [1.0 + 0.1 * e for e in range(33)]
+    copying = marginal_gains([1.0] * 7 + [0.0], [4] * 7 + [0])
+    assert best_extra_rows(curve, 8, copying, max_slowdown=1.0) == 28
+    assert best_extra_rows(curve, 8, copying) == 1  # the one row within MAX_SLOWDOWN (1.1 <= 1 / 0.9)
+    assert best_extra_rows(curve, 8, copying, max_slowdown=0.0) == 0
+    # Half copying, half rarely confirmed: the batch would gain from the copying ones' 16 rows, which
+    # would slow the others to 1.3 / 2.6 of their pace; every sequence copying, all rows pay.
+    mixed = marginal_gains([1.0] * 4 + [0.3] * 4, [4] * 8)
+    assert best_extra_rows(curve, 8, mixed, max_slowdown=1.0) == 16
+    assert best_extra_rows(curve, 8, mixed) == 1
+    assert best_extra_rows(curve, 8, marginal_gains([1.0] * 8, [4] * 8)) == 32
 
 
 def test_marginal_gains_take_each_sequence_in_order() -> None:
