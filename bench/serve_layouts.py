@@ -25,7 +25,7 @@ from typing import Any
 from bench.common import median, percentile
 
 # The layout the benchmark measures unless told otherwise (README's recommended CPU layout).
-DEFAULT_LAYOUT = "decode-per-cpu"
+DEFAULT_LAYOUT = "both-per-cpu"
 
 # both-per-cpu's prefill tokens per step unless --prefill-budget says otherwise.
 BOTH_BUDGET = 256
