@@ -18,7 +18,10 @@ from tests.support.processes import Proc, start_parallel, start_router, start_wo
 
 # The saturable deployment: its router gives a request this long in the queue (and 4 places).
 SATURABLE_QUEUE_TIMEOUT_S = 0.5
-SATURABLE_CONTEXT = 256
+# A burst's requests generate this many tokens: long enough that no slot frees within the queue timeout
+# even on a fast idle CPU (200 tokens took under 0.5 s on a Zen 5 core, and a burst then saw no 429).
+SATURABLE_TOKENS = 1000
+SATURABLE_CONTEXT = 1088
 # The OpenAI-API deployment: fp32 so that its log-probabilities equal a colocated fp32 engine's.
 OPENAI_CONTEXT = 1024
 

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.inference.conftest import SATURABLE_QUEUE_TIMEOUT_S
+from tests.inference.conftest import SATURABLE_QUEUE_TIMEOUT_S, SATURABLE_TOKENS
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 QUEUE_TIMEOUT_S = SATURABLE_QUEUE_TIMEOUT_S
@@ -29,7 +29,7 @@ def deployment(saturable_deployment: dict[str, str]) -> dict[str, str]:
 
 
 def _post(router: str) -> tuple[int, float, dict[str, Any], str | None]:
-    body = {"prompt": "tell me a long story", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    body = {"prompt": "tell me a long story", "max_tokens": SATURABLE_TOKENS, "ignore_eos": True, "temperature": 0}
     started = time.monotonic()
     response = httpx.post(f"{router}/generate", json=body, timeout=60)
     return response.status_code, time.monotonic() - started, response.json(), response.headers.get("retry-after")
@@ -64,7 +64,7 @@ def test_saturated_deployment_answers_429_within_the_queue_timeout(deployment: d
             # measures the real bound (queue timeout + 1 s) on the demo.
             assert seconds < QUEUE_TIMEOUT_S + 5.0, (seconds, body)
         else:
-            assert body["usage"]["completion_tokens"] == 200
+            assert body["usage"]["completion_tokens"] == SATURABLE_TOKENS
     assert running and max(running) <= 2, max(running)
 
 

@@ -20,6 +20,7 @@ from inference.metrics import collector, exposition
 from inference.models import MetricSample, RouterEndpoint, RouterSample, Worker, WorkerSample
 from inference.router.metrics import RouterMetrics
 from inference.server.metrics import WorkerMetrics
+from tests.inference.conftest import SATURABLE_TOKENS
 from tests.inference.router.stand_ins import Cluster
 from tests.support.control_plane import make_deployment, make_node, make_worker
 from tests.support.http_stub import QuietHandler, serving
@@ -286,7 +287,7 @@ def test_collect_after_a_burst_on_real_workers(real_cluster: dict[str, Any]) -> 
     started = timezone.now()
     collector.collect(now=started)
 
-    body = {"prompt": "tell me a long story", "max_tokens": 120, "ignore_eos": True, "temperature": 0}
+    body = {"prompt": "tell me a long story", "max_tokens": SATURABLE_TOKENS, "ignore_eos": True, "temperature": 0}
 
     def post(_: int) -> int:
         return httpx.post(real_cluster["router"] + "/generate", json=body, timeout=60).status_code
