@@ -23,7 +23,9 @@ pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 
 BATCH = 4
 REQUESTS = 12
-MAX_TOKENS = 400
+# Long enough that the 12 prefills all land while the first 4 decode, even on a fast idle CPU (with 400
+# tokens a Zen 5 core finished sequences before the later KV arrived, and the queue never reached 4).
+MAX_TOKENS = 1500
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,7 @@ def capped_cluster(tiny_model_dir: Path, log_dir: Path):
     """Prefill + decode with --batch-size 4."""
     procs = []
     try:
-        common = ["--context-length", "512", "--block-size", "8", "--batch-size", str(BATCH)]
+        common = ["--context-length", "1600", "--block-size", "8", "--batch-size", str(BATCH)]
         started = start_parallel({
             "prefill": partial(start_worker, "prefill", tiny_model_dir, log_dir, extra=common, name="cap-prefill"),
             "decode": partial(start_worker, "decode", tiny_model_dir, log_dir, extra=common, name="cap-decode"),
