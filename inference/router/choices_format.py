@@ -18,6 +18,7 @@ from inference.router.choices import MAX_N
 from inference.router.errors import RouterError
 from inference.router.events import DoneEvent, ErrorEvent, Event, TokenEvent
 from inference.router.openai_logprobs import CompletionOffsets, chat_content, merge_completion
+from inference.wire.line_safe import line_safe_json
 from inference.wire.logprobs import Logprob
 from inference.wire.sampling import MAX_LOGPROBS, Sampling
 
@@ -175,11 +176,7 @@ class ChoicesStream:
         chunk = {**self.head, "choices": choices}
         if self.include_usage or with_usage:
             chunk["usage"] = usage
-        encoded = orjson.dumps(chunk)
-        # The same escapes as protocol.line_safe_json (U+2028, U+2029, U+0085 in token texts).
-        for raw, escaped in ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2\x85", b"\\u0085")):
-            encoded = encoded.replace(raw, escaped)
-        return b"data: " + encoded + b"\n\n"
+        return b"data: " + line_safe_json(orjson.dumps(chunk)) + b"\n\n"
 
     def _choice(self, index: int, text: str | None, logprobs: Any, finish_reason: str | None,
                 role: bool = False) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from inference.router.errors import RouterError
 from inference.router.events import DoneEvent, ErrorEvent, Event, GenerateRequest, TokenEvent
 from inference.router.response_format import parse_grammar
 from inference.router.tool_calls import ToolCallStream, ToolChoice, message, parse_tools
+from inference.wire.line_safe import line_safe_json
 from inference.wire.sampling import RULES, Sampling, SamplingError
 
 Kind = Literal["generate", "completion", "chat"]
@@ -304,25 +305,6 @@ PARSERS = {"generate": parse_generate, "completion": parse_completion, "chat": p
 # --------------------------------------------------------------------------------------------
 # Responses
 # --------------------------------------------------------------------------------------------
-
-
-# U+2028, U+2029 and U+0085 as UTF-8. JSON allows them raw inside strings (orjson writes them so), but many
-# clients split a stream into lines like Python's str.splitlines (httpx's iter_lines/aiter_lines, for one),
-# which also breaks at these: a generated token holding one would cut its event's JSON in two at the client
-# (issue 26's "torn event": the router had sent the line whole). Written as JSON escapes they mean the same.
-_SPLITLINES_BREAKS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2\x85", b"\\u0085"))
-
-
-def line_safe_json(encoded: bytes) -> bytes:
-    """`encoded` JSON with the non-ASCII line separators escaped, so no line splitter cuts it.
-
-    The two `in` scans are the whole cost for text without them (most text: they look for lead bytes
-    that only these and a few rarer characters share)."""
-    if b"\xe2\x80" not in encoded and b"\xc2\x85" not in encoded:
-        return encoded
-    for raw, escaped in _SPLITLINES_BREAKS:
-        encoded = encoded.replace(raw, escaped)
-    return encoded
 
 
 def sse(obj: dict[str, Any]) -> bytes:

@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from inference.wire.line_safe import line_safe_json
 from inference.wire.logprobs import Logprob, LogprobsError, decode_positions
 
 
@@ -129,7 +130,9 @@ def decode_line(raw: bytes) -> DecodeLine:
 
 
 def _line(obj: dict[str, Any]) -> bytes:
-    return orjson.dumps(obj) + b"\n"
+    # Line-safe: a request id or message may hold U+0085/U+2028/U+2029, at which splitlines-style
+    # clients would cut the line.
+    return line_safe_json(orjson.dumps(obj)) + b"\n"
 
 
 def descriptor_line(descriptor: dict[str, Any], prompt_token_ids: list[int], sampling: dict[str, Any]) -> bytes:
@@ -140,7 +143,7 @@ def descriptor_line(descriptor: dict[str, Any], prompt_token_ids: list[int], sam
 
 def token_line(token_ids: list[int], text: str, logprobs: list[Any] | None = None) -> bytes:
     """One output's line (`logprobs`: the positions' JSON, `wire.logprobs.encode_positions`)."""
-    line = b'{"type":"token","token_ids":' + orjson.dumps(token_ids) + b',"text":' + orjson.dumps(text)
+    line = b'{"type":"token","token_ids":' + orjson.dumps(token_ids) + b',"text":' + line_safe_json(orjson.dumps(text))
     if logprobs is not None:
         line += b',"logprobs":' + orjson.dumps(logprobs)
     return line + b"}\n"

@@ -19,6 +19,19 @@ def test_every_line_decodes_to_what_was_encoded() -> None:
     assert decode_line(b'{"type": "progress"}') == OtherLine("progress")
 
 
+@pytest.mark.parametrize("odd", ["\u0085", "\u2028", "\u2029"])
+def test_lines_hold_no_splitlines_break(odd: str) -> None:
+    """A request id or token text with U+0085/U+2028/U+2029 stays one line for a client that splits like
+    str.splitlines (httpx's iter_lines), and decodes to the same text."""
+    descriptor = descriptor_line({"request_id": f"a{odd}b"}, [1], {})
+    token = token_line([7], f"x{odd}y")
+    error = error_line(f"bad id a{odd}b")
+    for line in (descriptor, token, error):
+        assert len(line.decode().splitlines()) == 1, line
+    assert decode_line(descriptor) == DescriptorLine({"request_id": f"a{odd}b"}, [1], {})
+    assert decode_line(token) == TokenLine([7], f"x{odd}y")
+
+
 @pytest.mark.parametrize(
     "raw",
     [b'{"type": "token", "token_ids": [1], "text": "ca', b"[1, 2]", b'{"type": "token", "token_ids": ["x"]}',
