@@ -69,6 +69,7 @@ def serving(layout: str, model: Path, log_dir: Path, args: Any, step_dir: Path |
     from tests.support.processes import Proc, start_router, start_worker
 
     env = {"ENGINE_STEP_LOG": str(step_dir)} if step_dir is not None else {}
+    log_dir.mkdir(parents=True, exist_ok=True)  # a fresh clone has no var/bench/logs yet
     specs = worker_specs(layout, args)
     procs: list[Proc] = []
     try:
