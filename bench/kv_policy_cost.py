@@ -121,7 +121,7 @@ def _per_request_us(variant: str, candidates: int, prompt_tokens: int, requests:
                       else prompts.worker.apply_chat_template(r.messages or []) for r in requests_in]
         prompt = worker_ids[0]
     index = KVIndex()
-    endpoints = {role: [Endpoint(f"http://10.0.0.{i}:800{n}", role) for i in range(candidates)]
+    endpoints = {role: [Endpoint(f"http://10.0.{i // 256}.{i % 256}:800{n}", role) for i in range(candidates)]
                  for n, role in enumerate(("prefill", "decode"))}
     held = block_hashes(prompt[: prompt_tokens // 2], 16)
     for role_endpoints in endpoints.values():
@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--prompt-tokens", type=int, default=1000)
+    p.add_argument("--candidates", default="2,4",
+                   help="candidates per role, comma separated (default 2,4; issue 25's fleet: 256)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(p, argv)
     rounds, requests = (2, 200) if args.quick else (args.rounds, args.requests)
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"tokenizer of {Path(model).name}: text prompts of {prompts.text_tokens} tokens, "
         f"chat turns of {prompts.chat_tokens} (piecewise: {prompts.router.piecewise})")
     rows: dict[int, dict[str, float | None]] = {}
-    for candidates in (2, 4):
+    for candidates in [int(c) for c in args.candidates.split(",") if c.strip()]:
         samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
         samples["worker text encode"] = []
         for _ in range(rounds):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import takewhile
 from typing import Any
 
 from inference.router.endpoint import Endpoint
@@ -148,13 +149,10 @@ class KVIndex:
         worker = self._workers.get(url)
         if worker is None:
             return 0
-        held = worker.held
-        n = 0
-        for h in prompt.hashes(worker.block_size):
-            if h not in held:
-                break
-            n += 1
-        return n * worker.block_size
+        # takewhile over the set's own __contains__ runs in C: at 256 candidates a choice walks ~8,000
+        # blocks, and a Python loop per block was most of the kv-aware policy's cost.
+        held_prefix = takewhile(worker.held.__contains__, prompt.hashes(worker.block_size))
+        return len(list(held_prefix)) * worker.block_size
 
     def prefix_watch(self, endpoints: Iterable[Endpoint]) -> PrefixWatch:
         """A `PrefixWatch` over the workers of `endpoints` the index has a snapshot of."""

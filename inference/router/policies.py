@@ -224,8 +224,13 @@ class KVAware:
         for endpoint in endpoints:
             if not accept(endpoint):
                 continue
-            cached = index.cached_tokens(endpoint.url, prompt) if prompt is not None else 0
-            cost = token_weight * (total - cached + endpoint.queued_tokens()) + load_weight * endpoint.load()
+            cost = token_weight * (total + endpoint.queued_tokens()) + load_weight * endpoint.load()
+            if prompt is not None:
+                # Cached tokens only lower the cost, by at most token_weight x total: a worker that cannot
+                # reach the best cost even holding the whole prompt is not looked up (most of a large pool).
+                if best and cost - token_weight * total > best_cost:
+                    continue
+                cost -= token_weight * index.cached_tokens(endpoint.url, prompt)
             if not best or cost < best_cost:
                 best, best_cost = [endpoint], cost
             elif cost == best_cost:

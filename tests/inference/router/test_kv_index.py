@@ -96,6 +96,34 @@ def test_kv_aware_prefers_the_holder_until_its_load_outweighs_the_prefix() -> No
         CURRENT_PROMPT.reset(token)
 
 
+def test_kv_aware_skips_only_workers_that_cannot_reach_the_best_cost() -> None:
+    """The choice skips the index lookup of a worker whose load alone exceeds the best cost so far; on
+    random pools (loads, queued tokens, held prefixes) it still picks among exactly the cheapest."""
+    rng = random.Random(11)
+    prompt = [rng.randrange(3, 900) for _ in range(160)]  # 40 blocks of 4
+    for trial in range(200):
+        index = KVIndex()
+        endpoints = [Endpoint(f"http://w{trial}-{i}:1", "prefill") for i in range(rng.randrange(1, 12))]
+        for e in endpoints:
+            held = prompt[: 4 * rng.randrange(0, 41)]
+            index.apply_snapshot(e.url, KVSnapshot(role="prefill", block_size=4, epoch="e", seq=0,
+                                                   hashes=block_hashes(held, 4)))
+            e.inflight = rng.randrange(0, 6)
+            e.pending_tokens = rng.choice([0, 0, rng.randrange(0, 300)])
+        policy = KVAware(random.Random(trial))
+        policy.configure(index, token_weight=1.0, load_weight=float(rng.choice([1, 16, 64])))
+        blocks = PromptBlocks(prompt)
+        costs = {e.url: 1.0 * (160 - index.cached_tokens(e.url, blocks) + e.queued_tokens())
+                 + policy.load_weight * e.load() for e in endpoints}
+        cheapest = {url for url, cost in costs.items() if cost == min(costs.values())}
+        token = CURRENT_PROMPT.set(blocks)
+        try:
+            chosen = {policy.choose(endpoints).url for _ in range(3 * len(cheapest))}
+        finally:
+            CURRENT_PROMPT.reset(token)
+        assert chosen <= cheapest, (trial, chosen, cheapest)
+
+
 def test_kv_aware_without_a_prompt_or_index_goes_by_load_with_random_ties() -> None:
     a, b, c = (Endpoint(f"http://w:{i}", "decode") for i in (1, 2, 3))
     c.inflight = 1
