@@ -87,7 +87,7 @@ def _worker_encode_us(prompts: Prompts, requests: int) -> float:
 
 
 def _per_request_us(variant: str, candidates: int, prompt_tokens: int, requests: int,
-                    prompts: Prompts | None = None) -> float:
+                    prompts: Prompts | None = None, loaded: bool = False) -> float:
     """Thread CPU microseconds per request: one decode and one prefill choice, as the router makes them
     (after tokenizing the prompt, for the `+text` and `+chat` variants)."""
     from inference.router.endpoint import Endpoint
@@ -124,8 +124,12 @@ def _per_request_us(variant: str, candidates: int, prompt_tokens: int, requests:
     endpoints = {role: [Endpoint(f"http://10.0.{i // 256}.{i % 256}:800{n}", role) for i in range(candidates)]
                  for n, role in enumerate(("prefill", "decode"))}
     held = block_hashes(prompt[: prompt_tokens // 2], 16)
+    every = block_hashes(prompt, 16)
     for role_endpoints in endpoints.values():
         for e in role_endpoints:
+            if loaded:  # a fleet in use: each worker holds some prefix of the prompt and has requests in flight
+                e.inflight = rng.randrange(0, 41)
+                held = every[: rng.randrange(0, len(every) + 1)]
             index.apply_snapshot(e.url, KVSnapshot(role=e.role, block_size=16, epoch="e", seq=0, hashes=held))
     policies = {role: make_policy(policy_name) for role in endpoints}
     for policy in policies.values():
@@ -161,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--prompt-tokens", type=int, default=1000)
+    p.add_argument("--loaded", action="store_true",
+                   help="workers with 0-40 requests in flight and random prefixes of the prompt (default: idle, "
+                        "each holding its first half: every candidate ties, the most lookups)")
     p.add_argument("--candidates", default="2,4",
                    help="candidates per role, comma separated (default 2,4; issue 25's fleet: 256)")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -176,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         samples["worker text encode"] = []
         for _ in range(rounds):
             for name in VARIANTS:
-                samples[name].append(_per_request_us(name, candidates, args.prompt_tokens, requests, prompts))
+                samples[name].append(_per_request_us(name, candidates, args.prompt_tokens, requests, prompts,
+                                                     args.loaded))
             samples["worker text encode"].append(_worker_encode_us(prompts, requests))
         rows[candidates] = {name: median(values) for name, values in samples.items()}
         log(f"{candidates} candidates per role: {rows[candidates]}")
@@ -186,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{candidates} candidates: round-robin {base:.1f} us; "
               + "; ".join(f"{name} {row[name] or 0:.1f} us (+{(row[name] or 0) - base:.1f})" for name in VARIANTS[1:])
               + f"; the worker's own encode of the text {row['worker text encode'] or 0:.1f} us")
-    write_result(args.out_dir, "kv_policy_cost_quick" if args.quick else "kv_policy_cost", MODULE, argv,
+    name = "kv_policy_cost" + ("_loaded" if args.loaded else "") + ("_quick" if args.quick else "")
+    write_result(args.out_dir, name, MODULE, argv,
                  {"prompt_tokens": args.prompt_tokens, "model": str(model), "text_tokens": prompts.text_tokens,
                   "chat_tokens": prompts.chat_tokens, "rows": rows})
     return 0
