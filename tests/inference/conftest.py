@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 
 from tests.inference.router.stand_ins import Cluster
-from tests.support.processes import Proc, start_parallel, start_router, start_worker
+from tests.support.processes import Proc, start_prefill_and_decode, start_router
 
 # The saturable deployment: its router gives a request this long in the queue (and 4 places).
 SATURABLE_QUEUE_TIMEOUT_S = 0.5
@@ -43,12 +42,8 @@ def openai_deployment(tiny_model_dir: Path, log_dir: Path) -> Iterator[OpenAIDep
     procs: list[Proc] = []
     try:
         common = ["--context-length", str(OPENAI_CONTEXT), "--block-size", "8", "--dtype", "float32"]
-        workers = start_parallel({
-            "prefill": partial(start_worker, "prefill", tiny_model_dir, log_dir, extra=common),
-            "decode": partial(start_worker, "decode", tiny_model_dir, log_dir,
-                              extra=[*common, "--max-sequence-length", str(OPENAI_CONTEXT)]),
-        })
-        (prefill, prefill_url), (decode, decode_url) = workers["prefill"], workers["decode"]
+        (prefill, prefill_url), (decode, decode_url) = start_prefill_and_decode(
+            tiny_model_dir, log_dir, common, OPENAI_CONTEXT)
         procs += [prefill, decode]
         router, router_url = start_router([prefill_url], [decode_url], log_dir)
         procs.append(router)
@@ -82,12 +77,8 @@ def saturable_deployment(tiny_model_dir: Path, log_dir: Path) -> Iterator[dict[s
     procs: list[Proc] = []
     try:
         common = ["--context-length", str(SATURABLE_CONTEXT), "--block-size", "8"]
-        workers = start_parallel({
-            "prefill": partial(start_worker, "prefill", tiny_model_dir, log_dir, extra=common),
-            "decode": partial(start_worker, "decode", tiny_model_dir, log_dir,
-                              extra=[*common, "--batch-size", "2", "--max-sequence-length", str(SATURABLE_CONTEXT)]),
-        })
-        (prefill, prefill_url), (decode, decode_url) = workers["prefill"], workers["decode"]
+        (prefill, prefill_url), (decode, decode_url) = start_prefill_and_decode(
+            tiny_model_dir, log_dir, common, SATURABLE_CONTEXT, decode_extra=["--batch-size", "2"])
         procs += [prefill, decode]
         router, router_url = start_router(
             [prefill_url], [decode_url], log_dir,

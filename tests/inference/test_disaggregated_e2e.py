@@ -13,14 +13,13 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 
 import httpx
 import pytest
 
 from inference.engine import LLMEngine, SamplingParams
-from tests.support.processes import free_port, start_parallel, start_router, start_worker
+from tests.support.processes import free_port, start_prefill_and_decode, start_router
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 CONTEXT = 256
@@ -39,12 +38,8 @@ def cluster(tiny_model_dir: Path, log_dir: Path):
     procs = []
     try:
         common = ["--context-length", str(CONTEXT), "--block-size", "8"]
-        started = start_parallel({
-            "prefill": partial(start_worker, "prefill", tiny_model_dir, log_dir, extra=common),
-            "decode": partial(start_worker, "decode", tiny_model_dir, log_dir,
-                              extra=[*common, "--max-sequence-length", str(CONTEXT)]),
-        })
-        (prefill, prefill_url), (decode, decode_url) = started["prefill"], started["decode"]
+        (prefill, prefill_url), (decode, decode_url) = start_prefill_and_decode(
+            tiny_model_dir, log_dir, common, CONTEXT)
         procs += [prefill, decode]
         router, router_url = start_router([prefill_url], [decode_url], log_dir)
         procs.append(router)

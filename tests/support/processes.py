@@ -179,6 +179,19 @@ def start_workers(roles: dict[str, str], model_dir: Path, log_dir: Path, *, extr
     })
 
 
+def start_prefill_and_decode(model_dir: Path, log_dir: Path, common: list[str], max_sequence_length: int,
+                             decode_extra: list[str] | None = None) -> tuple[tuple[Proc, str], tuple[Proc, str]]:
+    """A prefill and a decode worker started side by side with the `common` flags (the decode worker also
+    with `--max-sequence-length` and `decode_extra`): their (process, URL) pairs."""
+    started = start_parallel({
+        "prefill": functools.partial(start_worker, "prefill", model_dir, log_dir, extra=common),
+        "decode": functools.partial(start_worker, "decode", model_dir, log_dir,
+                                    extra=[*common, "--max-sequence-length", str(max_sequence_length),
+                                           *(decode_extra or [])]),
+    })
+    return started["prefill"], started["decode"]
+
+
 def post_json(url: str, body: dict[str, Any], timeout: httpx.Timeout | float = 60.0) -> dict[str, Any]:
     """POST `body` as JSON; the JSON answer, asserting a 200 (the answer's text shown otherwise)."""
     response = httpx.post(url, json=body, timeout=timeout)

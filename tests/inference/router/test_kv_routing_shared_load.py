@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.processes import Proc, start_router, start_worker, start_workers, wait_until
+from tests.support.processes import Proc, post_json, start_router, start_worker, start_workers, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 
@@ -51,11 +51,8 @@ def cluster(tiny_model_dir: Path, log_dir: Path) -> Iterator[dict[str, Any]]:
 
 
 def _generate(router: str, ids: list[int]) -> dict[str, Any]:
-    body = {"input_ids": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    response = httpx.post(router + "/generate", json=body, timeout=HTTP_TIMEOUT)
-    assert response.status_code == 200, response.text
-    answer: dict[str, Any] = response.json()
-    return answer
+    return post_json(router + "/generate", {"input_ids": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+                     timeout=HTTP_TIMEOUT)
 
 
 def _reported(router: str, url: str) -> dict[str, Any] | None:

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.processes import Proc, start_router, start_worker
+from tests.support.processes import Proc, post_json, start_router, start_worker
 
 pytestmark = pytest.mark.django_db(transaction=False, databases=[])
 
@@ -52,10 +52,8 @@ def routers(tiny_model_dir: Path, log_dir: Path) -> Iterator[dict[str, str]]:
 
 
 def _generate(router: str, ids: list[int]) -> dict[str, Any]:
-    body = {"input_ids": ids, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    response = httpx.post(router + "/generate", json=body, timeout=HTTP_TIMEOUT)
-    assert response.status_code == 200, response.text
-    return response.json()
+    return post_json(router + "/generate", {"input_ids": ids, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+                     timeout=HTTP_TIMEOUT)
 
 
 def _where(router: str) -> dict[str, float]:
