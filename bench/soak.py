@@ -2,7 +2,7 @@
 kills and restarts decode and prefill workers, the agent and the broker (a Redis of the run's own).
 
     .venv/bin/python -m bench.soak                      # 10 minutes (--duration 600), seed 20
-    .venv/bin/python -m bench.soak --quick              # ~30 s of load: what tests/bench/test_soak_smoke.py runs
+    .venv/bin/python -m bench.soak --quick              # ~45 s of load: what tests/bench/test_soak_smoke.py runs
 
 The platform is the managed one on 127.0.0.1 (tests/support/managed_platform.py): a private PostgreSQL
 and Redis (never the machine's shared ones), `manage.py controller`, `manage.py agent` and the router
@@ -314,9 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(p, argv)
     if args.quick:
-        # Faults 1-3 s apart: the smoke sees as many faults as the old 45 s with 5-10 s gaps did (the agent,
-        # a worker and the broker, each repaired in 2-15 s) in two thirds of the time.
-        args.duration, args.min_gap, args.max_gap, args.concurrency = 30.0, 1.0, 3.0, 3
+        # Faults 5-10 s apart: with 1-3 s gaps (tried) two agent kills 2-3 s apart at the end of the run once
+        # left 4 worker processes running after the platform stopped (CI, Zen 5): not yet explained.
+        args.duration, args.min_gap, args.max_gap, args.concurrency = 45.0, 5.0, 10.0, 3
     if args.duration <= 0 or args.concurrency < 1 or not 0 <= args.min_gap <= args.max_gap:
         p.error("need --duration > 0, --concurrency >= 1 and 0 <= --min-gap <= --max-gap")
     from tests.support.managed_platform import ManagedPlatform
