@@ -13,7 +13,6 @@ import ctypes
 import functools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tests.support.ports import allocator
 
 ROOT = Path(__file__).resolve().parents[2]
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -53,10 +54,10 @@ def stop_all() -> None:
 
 
 def free_port() -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port nothing listens on right now, reserved for this process: outside the kernel's range for
+    "any free" binds (a decode worker's `--kv-port 0` cannot take it before its process binds it) and
+    held against other test runs' allocations (tests/support/ports.py)."""
+    return allocator().allocate()
 
 
 class Proc:

@@ -27,6 +27,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tests.support.ports import allocator
+
 FIRST_TOKEN = 42
 KV_WAIT_S = 5.0
 # A real worker's keepalive on a quiet KV event stream (inference/server/kv_events.py).
@@ -52,10 +54,9 @@ class KVBus:
 
 
 def free_port() -> int:
-    """A port nothing listens on right now (for a dead endpoint)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port nothing listens on right now (for a dead endpoint), reserved by this process and outside the
+    kernel's range for "any free" binds, so that no worker's listener lands there meanwhile."""
+    return allocator().allocate()
 
 
 def dead_url() -> str:
