@@ -13,6 +13,7 @@ another process holds is skipped, and the lock goes when this process releases i
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import random
@@ -69,7 +70,10 @@ class PortAllocator:
         """A port reserved for this process, on which nothing listens on 127.0.0.1 right now.
         Raises OSError when every port of the range is taken (bounded: one pass over the range)."""
         with self._lock:
-            self.lock_dir.mkdir(parents=True, exist_ok=True)
+            if not self.lock_dir.is_dir():
+                self.lock_dir.mkdir(parents=True, exist_ok=True)
+                with contextlib.suppress(OSError):  # shared by every user's runs, as /tmp is
+                    self.lock_dir.chmod(0o1777)
             size = self.high - self.low + 1
             for _ in range(size):  # bounded: one pass
                 port = self._next
@@ -103,7 +107,11 @@ class PortAllocator:
 
     def _reserve(self, port: int) -> int | None:
         """The fd of `port`'s lock file, locked; None when another allocator holds it."""
-        fd = os.open(self.lock_dir / str(port), os.O_RDWR | os.O_CREAT, 0o666)
+        path = self.lock_dir / str(port)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except PermissionError:  # made by another user's run: a read-only descriptor locks it as well
+            fd = os.open(path, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
