@@ -219,18 +219,23 @@ class KVAware:
         if self.token_share is not None:
             token_weight *= self.token_share()
         total = prompt.total_tokens if prompt is not None else 0
+        # Every worker's cached prefix of the prompt, from one walk over its blocks (the index is inverted).
+        match = index.match(prompt) if prompt is not None else None
+        held = match.get if match else None
+        # The prompt's own tokens cost every worker the same before cached ones are taken off: left out.
+        reach = token_weight * total  # the most a cached prefix takes off
         best: list[Endpoint] = []
         best_cost = 0.0
         for endpoint in endpoints:
             if not accept(endpoint):
                 continue
-            cost = token_weight * (total + endpoint.queued_tokens()) + load_weight * endpoint.load()
-            if prompt is not None:
-                # Cached tokens only lower the cost, by at most token_weight x total: a worker that cannot
-                # reach the best cost even holding the whole prompt is not looked up (most of a large pool).
-                if best and cost - token_weight * total > best_cost:
+            cost = token_weight * endpoint.queued_tokens() + load_weight * endpoint.load()
+            if held is not None:
+                # A worker that cannot reach the best cost even holding the whole prompt needs no lookup
+                # (most of a large pool in use).
+                if best and cost - reach > best_cost:
                     continue
-                cost -= token_weight * index.cached_tokens(endpoint.url, prompt)
+                cost -= token_weight * held(endpoint.url, 0)
             if not best or cost < best_cost:
                 best, best_cost = [endpoint], cost
             elif cost == best_cost:
@@ -238,8 +243,8 @@ class KVAware:
         if not best:
             return None
         chosen = best[0] if len(best) == 1 else best[self._rng.randrange(len(best))]
-        if prompt is not None:
-            cached = index.cached_tokens(chosen.url, prompt)
+        if prompt is not None and match is not None:
+            cached = match.get(chosen.url, 0)
             self.prompt_tokens += total
             self.predicted_cached_tokens += cached
             PREDICTED_UNCACHED.set(total - cached)

@@ -155,3 +155,57 @@ def test_the_decode_choice_weighs_cached_tokens_by_what_they_save_there() -> Non
         assert pool.choose("decode") is holder
     finally:
         CURRENT_PROMPT.reset(token)
+
+
+def test_the_inverted_match_equals_each_workers_own_prefix_through_changes() -> None:
+    """`KVIndex.match` (one walk over the prompt, masks of workers per block) says for every worker what
+    its own held set says, through snapshots, batches with holes, drops, slot reuse and two block sizes."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 900) for _ in range(rng.randrange(1, 130))] for _ in range(6)]
+    prompts += [prompts[0][:40] + [rng.randrange(3, 900) for _ in range(50)]]  # shares a prefix
+    index = KVIndex()
+    urls = [f"http://w{i}:1" for i in range(40)]  # more workers than 32: masks past one machine word
+    sizes = {url: rng.choice([4, 4, 8]) for url in urls}
+    for step in range(400):
+        url = rng.choice(urls)
+        size = sizes[url]
+        action = rng.random()
+        if action < 0.3 or not index.knows(url):
+            held = [h for p in rng.sample(prompts, 2) for h in block_hashes(p[: rng.randrange(0, len(p) + 1)], size)]
+            index.apply_snapshot(url, KVSnapshot(role="decode", block_size=size, epoch="e", seq=step, hashes=held))
+        elif action < 0.85:
+            some = block_hashes(rng.choice(prompts), size)
+            stored = rng.sample(some, min(len(some), rng.randrange(0, 6)))
+            removed = [h for h in rng.sample(some, min(len(some), rng.randrange(0, 3))) if h not in stored]
+            index.apply_batch(url, KVEventBatch(seq=step, stored=stored, removed=removed))
+        else:
+            index.drop(url)
+        prompt = PromptBlocks(rng.choice(prompts))
+        match = index.match(prompt)
+        for u in urls:
+            assert match.get(u, 0) == index.cached_tokens(u, prompt), (step, u)
+        assert index.match(prompt) is match  # unchanged index: the prompt's last match again
+    assert index.status()["distinct_blocks"] >= 1
+
+
+def test_a_dropped_worker_leaves_no_bit_behind_and_its_slot_is_reused() -> None:
+    prompt = list(range(3, 35))
+    index = _index_with("http://a:1", prompt)
+    index.apply_snapshot("http://b:1", KVSnapshot(role="decode", block_size=4, epoch="e", seq=0,
+                                                  hashes=block_hashes(prompt, 4)))
+    assert index.match(PromptBlocks(prompt)) == {"http://a:1": 28, "http://b:1": 28}
+    index.drop("http://a:1")
+    index.drop("http://b:1")
+    assert index.match(PromptBlocks(prompt)) == {} and index.status()["distinct_blocks"] == 0
+    index.apply_snapshot("http://c:1", KVSnapshot(role="decode", block_size=4, epoch="e", seq=0,
+                                                  hashes=block_hashes(prompt[:8], 4)))
+    assert index.match(PromptBlocks(prompt)) == {"http://c:1": 8}
+
+
+def test_the_prefix_watch_stops_when_no_worker_holds_the_next_block() -> None:
+    prompt = list(range(3, 67))  # 16 blocks of 4
+    index = _index_with("http://a:1", prompt[:32])
+    watch = index.prefix_watch([Endpoint("http://a:1", "decode"), Endpoint("http://gone:1", "decode")])
+    assert watch(prompt[:16]) and watch(prompt[:32])
+    assert not watch(prompt[:40])  # block 8 is held by nobody
+    assert not index.prefix_watch([Endpoint("http://gone:1", "decode")])(prompt)
