@@ -21,6 +21,7 @@ from .attention_window import bucketed, windowed
 from .batch import BatchMetadata, DecodeBucket
 from .config import ModelConfig
 from .kv_cache import KVCache
+from .prefill_attention import matmul_attention, use_matmul_attention
 from .rope import RotaryEmbedding, apply_rope, rope_inv_freq
 
 
@@ -154,7 +155,10 @@ class Attention(nn.Module):
         attn_mask: torch.Tensor | None = None,
         is_causal: bool = False,
     ) -> torch.Tensor:
-        """SDPA over `[batch, len, heads, head_dim]` inputs; returns `[batch * q_len, q_size]`."""
+        """SDPA over `[batch, len, heads, head_dim]` inputs; returns `[batch * q_len, q_size]`. A bf16
+        prefill on a CPU runs as GEMMs and a softmax instead (prefill_attention.py: 2-3x faster there)."""
+        if use_matmul_attention(q, k):
+            return matmul_attention(q, k, v, self.scale, attn_mask, is_causal)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
