@@ -4,8 +4,9 @@
 heartbeat check calls `mark_node_unreachable` for a node whose agent went silent and `report_probe` for
 its own /health probes of that node's workers (they serve on without their agent, and are failed over
 only when they stop answering); an agent that shuts down, or an operator, calls `mark_node_offline`;
-the admin and the API call `drain_node`. Each failover is a "recovery" ScaleEvent and a reconcile of the
-deployments concerned, sent on commit.
+the admin and the API call `drain_node`; an agent that registers its node calls
+`place_waiting_deployments`. Each failover is a "recovery" ScaleEvent and a reconcile of the deployments
+concerned, sent on commit.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Count
 from django.utils import timezone
 
 from inference import jobs
@@ -25,7 +27,14 @@ from inference.actions.recovery import (
     workers_by_role,
 )
 from inference.actions.workers import request_stop
-from inference.models import ACTIVE_WORKER_STATUSES, Worker, WorkerStatus
+from inference.models import (
+    ACTIVE_WORKER_STATUSES,
+    ROLES,
+    Deployment,
+    DeploymentStatus,
+    Worker,
+    WorkerStatus,
+)
 from nodes.models import Node, NodeStatus
 
 logger = logging.getLogger(__name__)
@@ -173,3 +182,25 @@ def drain_node(node: Node) -> Node:
         jobs.reconcile_on_commit(*(w.deployment_id for w in workers))
     logger.info("node %s draining; %d worker(s) stopping", node.name, len(workers))
     return node
+
+
+def place_waiting_deployments(node: Node) -> list[int]:
+    """A node registered (its agent started): reconcile now each active deployment short of workers.
+
+    Deployments whose workers could not be placed (no node had room, or none was up) would otherwise wait for
+    the controller's periodic `reconcile_all`; the reconcile is sent on commit to the controller, which
+    places them with the usual rules (on this node or any other). A DRAINING node adds no capacity: nothing
+    is sent. Returns the ids of the deployments reconciled.
+    """
+    if node.status != NodeStatus.ONLINE:
+        return []
+    waiting = []
+    for deployment in Deployment.objects.filter(status=DeploymentStatus.ACTIVE).order_by("pk"):
+        counts = dict(
+            Worker.objects.filter(deployment=deployment, status__in=ACTIVE_WORKER_STATUSES)
+            .values_list("role").annotate(n=Count("pk")).values_list("role", "n")
+        )
+        if any(counts.get(role, 0) < deployment.replicas(role) for role in ROLES):
+            waiting.append(deployment.pk)
+    jobs.reconcile_on_commit(*waiting)
+    return waiting
