@@ -7,8 +7,11 @@ In one process: registers/updates the Node with the detected resources; recovers
 (adopts processes still running, relaunches lost ones, drains and stops orphans of replaced workers);
 runs the supervisor thread and the heartbeat thread; and, in the main thread, a Celery worker consuming
 ONLY the queue node.<name> (threads pool, small concurrency: the tasks just hand requests to the
-supervisor). On SIGTERM/SIGINT it marks the node OFFLINE so the controller re-places its workers, stops
-them (SIGTERM, then SIGKILL) and exits. With --keep-workers the processes are left running for the next
+supervisor). Its registration reconciles at once the deployments waiting for capacity (they are placed
+without waiting for the controller's periodic reconcile). On SIGTERM/SIGINT it marks the node OFFLINE so
+the controller re-places its workers, stops them (SIGTERM, then SIGKILL) and exits; a signal while it
+starts (before its Celery worker handles them) is remembered (inference.agent.stop_signals): it still
+recovers the node's workers and then stops them, instead of dying and leaving them running. With --keep-workers the processes are left running for the next
 agent to adopt. An agent killed outright (SIGKILL, OOM) leaves its workers serving: the controller marks
 the node UNREACHABLE and keeps them in rotation while their /health answers (inference.controller).
 """
@@ -24,12 +27,15 @@ from argparse import ArgumentParser
 from pathlib import Path
 from typing import Any
 
+from celery.platforms import EX_OK
+from celery.worker import state as celery_worker_state
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 
 from config.celery import app
 from inference.actions import nodes as node_workers
+from inference.agent import stop_signals
 from inference.agent.heartbeat import run_heartbeat
 from inference.agent.launch import SupervisorConfig
 from inference.agent.runtime import set_supervisor
@@ -109,6 +115,8 @@ class Command(BaseCommand):
             logger.warning("--heartbeat %.1fs is over half of NODE_HEARTBEAT_TIMEOUT_S (%.1fs): the node may "
                            "flap offline", heartbeat_s, settings.NODE_HEARTBEAT_TIMEOUT_S)
 
+        # A stop signal from here until Celery handles its own is remembered (manage.py installed this already).
+        stop_signals.install()
         # One line per health check and scrape would drown the agent's own log.
         logging.getLogger("httpx").setLevel(logging.WARNING)
         resources = detect_resources()
@@ -116,26 +124,38 @@ class Command(BaseCommand):
             name=name, address=options["address"], resources=resources, port_range=port_range, labels=labels
         )
         logger.info("agent %s: %s", name, resources.to_dict())
+        # Capacity came (back): deployments waiting for it are placed now, not at the next periodic reconcile.
+        waiting = node_workers.place_waiting_deployments(node)
+        if waiting:
+            logger.info("agent %s: deployments waiting for capacity reconciled: %s", name, waiting)
         log_dir = Path(options["log_dir"]) if options["log_dir"] else Path(settings.AGENT_LOG_DIR) / name
         supervisor = Supervisor(
             node.pk, SupervisorConfig.from_settings(log_dir=log_dir, bind_host=options["bind_host"])
         )
         set_supervisor(supervisor)
-        supervisor.recover()
-
         stop = threading.Event()
-        threads = [
-            threading.Thread(target=supervisor.run, args=(stop,), name="supervisor", daemon=True),
-            threading.Thread(
-                target=run_heartbeat, args=(node.pk,), name="heartbeat", daemon=True,
-                kwargs={"interval_s": heartbeat_s, "stop": stop, "supervisor": supervisor,
-                        # The node row was deleted: exit (the service manager restarts and re-registers us).
-                        "on_node_missing": lambda: os.kill(os.getpid(), signal.SIGTERM)},
-            ),
-        ]
-        for thread in threads:
-            thread.start()
+        threads: list[threading.Thread] = []
         try:
+            # Inside the try: whatever happens from here on (a stop signal included), the workers this agent
+            # adopts are stopped on the way out, unless --keep-workers.
+            supervisor.recover()
+            if stop_signals.requested():
+                logger.info("agent %s: stop signal during start-up; stopping", name)
+                return
+            threads = [
+                threading.Thread(target=supervisor.run, args=(stop,), name="supervisor", daemon=True),
+                threading.Thread(
+                    target=run_heartbeat, args=(node.pk,), name="heartbeat", daemon=True,
+                    kwargs={"interval_s": heartbeat_s, "stop": stop, "supervisor": supervisor,
+                            # The node row was deleted: exit (the service manager restarts and re-registers us).
+                            "on_node_missing": lambda: os.kill(os.getpid(), signal.SIGTERM)},
+                ),
+            ]
+            for thread in threads:
+                thread.start()
+            # A signal before Celery's handlers replace ours: Celery's warm-shutdown flag, which its consumer
+            # loop checks first thing (set at once when the signal came already).
+            stop_signals.on_request(lambda: setattr(celery_worker_state, "should_stop", EX_OK))
             self._consume(node, options)
         finally:
             stop.set()
