@@ -3,7 +3,9 @@ with the database.
 
 `recover()` (at agent start) adopts the processes of this node's live workers by pid, port and process
 start time instead of restarting them (they run in sessions of their own and served on while the agent
-was away), and drains and stops the processes of workers failed over meanwhile (reaped).
+was away), and drains and stops the processes of workers failed over meanwhile (reaped). A process whose
+pid was never recorded (its agent was killed mid-launch) is found by the marker in its environment: it
+is recorded and adopted when its worker has no other, stopped otherwise.
 `sync_with_db()` starts live workers nobody runs (a lost Celery message) and stops the processes of
 workers the controller gave up on.
 """
@@ -16,12 +18,16 @@ import psutil
 
 from inference.actions import recovery
 from inference.actions import workers as worker_actions
-from inference.agent.launch import WorkerSpec
+from inference.agent.launch import WORKER_MARKER_ENV, WorkerSpec, parse_marker, worker_marker
 from inference.agent.processes import (
+    marked_worker_processes,
     process_mismatch,
+    process_start_time,
+    terminate,
 )
 from inference.agent.state import Goal, Managed, Phase, SupervisorState
 from inference.models import ACTIVE_WORKER_STATUSES, Worker, WorkerStatus
+from nodes.models import Node
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +42,12 @@ class Adoption(SupervisorState):
         adopted, not restarted: it keeps serving (a ScaleEvent records the adoption); a live worker whose
         process is gone is launched again (counted as a restart); the process of a worker the controller
         gave up on (failed over while this node's agent was silent, and replaced) is an orphan: drained
-        (its requests in flight finish) and stopped, recorded as a reap. Returns the worker ids per outcome.
+        (its requests in flight finish) and stopped, recorded as a reap. A process launched by an agent
+        killed before it recorded the pid is found by its marker first (`_claim_unrecorded`). Returns the
+        worker ids per outcome ("unrecorded_stopped": the pids of unrecorded processes stopped).
         """
         outcome: dict[str, list[int]] = {"adopted": [], "relaunched": [], "reaped": [], "stopped": []}
+        outcome["unrecorded_stopped"] = self._claim_unrecorded()
         workers = (
             Worker.objects.select_related("deployment__model", "node")
             .filter(node_id=self.node_id)
@@ -99,6 +108,59 @@ class Adoption(SupervisorState):
             logger.info("recovered workers: %s", outcome)
         self._wake.set()
         return outcome
+
+    def _claim_unrecorded(self) -> list[int]:
+        """Find this node's worker processes whose pid the database does not hold, before adopting by pid.
+
+        An agent killed between launching a worker and recording its pid (report_launched) leaves a process
+        nobody knows: the next agent would launch the worker again (its port taken: a crash loop, FAILED) and
+        the process would outlive the platform. Each process carries its worker's marker in its environment
+        (launch.worker_marker). The one serving a live worker whose recorded process is gone is recorded as
+        that worker's (as the killed agent would have: STARTING) and adopted below; any other (its worker
+        stopped, failed or deleted, or it duplicates a recorded live process) is stopped. Returns the pids
+        stopped.
+        """
+        node_name = Node.objects.filter(pk=self.node_id).values_list("name", flat=True).first()
+        mine = [
+            (value, ref[1], proc) for value, proc in marked_worker_processes(WORKER_MARKER_ENV)
+            if (ref := parse_marker(value)) is not None and ref[0] == node_name
+        ]
+        if not mine:
+            return []
+        rows = {
+            w.pk: w for w in Worker.objects.select_related("node").filter(
+                node_id=self.node_id, pk__in={worker_id for _, worker_id, _ in mine}
+            )
+        }
+        stopped: list[int] = []
+        for value, worker_id, proc in mine:
+            worker = rows.get(worker_id)
+            if worker is not None and worker_marker(worker) != value:
+                continue  # another platform's worker of the same node name and id: not ours to touch
+            if worker is not None and worker.pid == proc.pid:
+                continue  # recorded: recover() adopts or reaps it by pid
+            recorded_alive = worker is not None and worker.pid is not None and process_mismatch(
+                worker.pid, worker.port, worker.process_started_at
+            ) is None
+            if (
+                worker is not None
+                and worker.status in ACTIVE_WORKER_STATUSES
+                and not recorded_alive
+                and process_mismatch(proc.pid, worker.port) is None
+            ):
+                started_at = process_start_time(proc.pid)
+                if worker_actions.report_launched(
+                    worker.pk, pid=proc.pid, restart=worker.pid is not None, started_at=started_at
+                ):
+                    logger.info("worker #%s: its process %s was launched but not recorded; recorded now",
+                                worker.pk, proc.pid)
+                    worker.pid, worker.process_started_at = proc.pid, started_at
+                    continue
+            logger.warning("stopping process %s of worker %s: not the recorded process of a live worker",
+                           proc.pid, value)
+            terminate(proc, self.config.stop_timeout_s)
+            stopped.append(proc.pid)
+        return stopped
 
     def sync_with_db(self) -> None:
         """Align with the database: start live workers nobody runs, stop the ones the controller gave up on."""

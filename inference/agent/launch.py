@@ -19,6 +19,25 @@ from inference.server.args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+# The environment variable naming a worker process's worker (`worker_marker`): set from the exec on, so an
+# agent killed before it recorded a launched process's pid still lets the next agent find that process.
+WORKER_MARKER_ENV = "PLATFORM_WORKER"
+
+
+def worker_marker(worker: Worker) -> str:
+    """"<node name>/<worker id>/<created_at epoch seconds>": one worker row of one platform (the creation
+    time to the microsecond tells apart rows of the same id in other platforms' databases on the host)."""
+    return f"{worker.node.name}/{worker.pk}/{worker.created_at.timestamp():.6f}"
+
+
+def parse_marker(value: str) -> tuple[str, int] | None:
+    """(node name, worker id) of a worker_marker() value; None when it is not one."""
+    parts = value.split("/")
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1])
+
+
 def backoff_delay(crashes: int, base_s: float, max_s: float) -> float:
     """Seconds to wait before restarting after the `crashes`-th crash in the window: base * 2^(n-1), capped."""
     if crashes <= 0:
@@ -91,6 +110,7 @@ class WorkerSpec:
     rdma_device: str | None = None
     speculative: str | None = None
     num_speculative_tokens: int | None = None
+    marker: str = ""  # worker_marker(), in the process's environment as WORKER_MARKER_ENV
 
     @classmethod
     def from_worker(cls, worker: Worker, bind_host: str | None = None) -> WorkerSpec:
@@ -123,6 +143,7 @@ class WorkerSpec:
             rdma_device=(worker.node.rdma_devices or [None])[0] if rdma else None,
             speculative=deployment.speculative if speculates else None,
             num_speculative_tokens=deployment.num_speculative_tokens if speculates else None,
+            marker=worker_marker(worker),
         )
 
     def server_args(self) -> ServerArgs:
@@ -153,10 +174,13 @@ class WorkerSpec:
         return [python, "-m", "inference.launch_server", *self.server_args().to_argv()]
 
     def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The worker's environment: the agent's, with CUDA_VISIBLE_DEVICES from gpu_ids ("" = CPU only)."""
+        """The worker's environment: the agent's, with CUDA_VISIBLE_DEVICES from gpu_ids ("" = CPU only) and
+        the worker's marker (WORKER_MARKER_ENV)."""
         env = dict(os.environ if base is None else base)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpu_ids)
         env["PYTHONUNBUFFERED"] = "1"
+        if self.marker:
+            env[WORKER_MARKER_ENV] = self.marker
         # The worker is not a Django process; settings of the agent must not leak into it.
         env.pop("DJANGO_SETTINGS_MODULE", None)
         return env

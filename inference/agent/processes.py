@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 from collections.abc import Mapping
 from pathlib import Path
@@ -137,3 +138,37 @@ def is_zombie(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.Error:
         return True
+
+
+def marked_worker_processes(env_name: str) -> list[tuple[str, psutil.Process]]:
+    """Every live launch_server process whose environment holds `env_name`: (its value, the process).
+
+    Processes of other users (their environment is not readable) and zombies are left out.
+    """
+    found: list[tuple[str, psutil.Process]] = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if "inference.launch_server" not in (proc.info.get("cmdline") or []):
+                continue
+            value = proc.environ().get(env_name)
+            if value and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append((value, proc))
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def terminate(proc: psutil.Process, timeout_s: float) -> bool:
+    """SIGTERM the process (its group when it leads one), SIGKILL after `timeout_s`; True once it is gone."""
+    for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, KILL_GRACE_S)):
+        try:
+            if not proc.is_running():  # compares the start time too: a reused pid is not signalled
+                return True
+            signal_process(proc.pid, sig)
+            proc.wait(timeout=wait_s)
+            return True
+        except psutil.TimeoutExpired:
+            continue
+        except psutil.Error:
+            return True
+    return False
