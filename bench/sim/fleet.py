@@ -253,6 +253,21 @@ class Fleet:
         finally:
             credit.close()
 
+    async def kv_events(self, request: web.Request) -> web.StreamResponse:
+        """The worker's KV event stream (the real `KVEventSource` over its simulated prefix cache)."""
+        self.hits["kv_events"] += 1
+        lines = self._worker(request).kv_events.lines()
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        try:
+            await response.prepare(request)
+            async for line in lines:  # until the router hangs up or the fleet stops
+                await response.write(line)
+        except (ConnectionError, aiohttp.ClientConnectionResetError):
+            pass  # the router left: its subscription ends here
+        finally:
+            await lines.aclose()  # type: ignore[attr-defined]
+        return response
+
     async def prefill(self, request: web.Request) -> web.StreamResponse:
         self.hits["prefill"] += 1
         worker = self._worker(request)
@@ -323,6 +338,7 @@ class Fleet:
         app.router.add_post("/internal/decode", self.internal(self.decode))
         app.router.add_post("/internal/prefill", self.internal(self.prefill))
         app.router.add_post("/internal/abort", self.internal(self.abort))
+        app.router.add_get("/internal/kv-events", self.internal(self.kv_events))
         app.router.add_post("/sim/kv", self.internal(self.kv))
         app.router.add_get("/sim/stats", self.stats)
         app.router.add_post("/sim/workers", self.internal(self.control_workers))

@@ -13,6 +13,10 @@ time goes. The kept state the router reads per request (each endpoint's slots, t
 rotation) is what makes the cost flat in the pool size; tests/inference/router/test_admission_cache.py
 checks it follows every change.
 
+`kv-aware` (the default policy) also reads the KV index: each request carries a 1,000-token prompt as
+ids (hashed per request, as the router does), and every worker's index entry holds a random prefix of
+it (none to all of its blocks), the most work a choice can meet short of every worker tying.
+
     .venv/bin/python -m bench.sim.policy_cost [--sizes 4,64,256] [--policies round-robin,...] [--profile]
 """
 from __future__ import annotations
@@ -33,6 +37,10 @@ from bench.sim.config import SimConfig
 from bench.sim.worker import SimWorker
 from inference.router import Admission, WorkerPool
 from inference.router.admission import slots_for
+from inference.router.kv_index import CURRENT_PROMPT, PromptBlocks
+from inference.wire.kv_events import KVSnapshot, block_hashes
+
+PROMPT_TOKENS = 1000
 
 
 async def _no_delivery(descriptor: dict[str, Any], first_token: int) -> int:
@@ -51,11 +59,23 @@ def build_pool(decode: int, prefill: int, policy: str, seed: int = 0) -> tuple[W
         endpoint.record_health(True, dict(answers[endpoint.role]), None)
         if endpoint.role == "decode":
             endpoint.inflight = rng.randrange(0, slots)  # half its slots busy on average, never full
+    every = block_hashes(prompt_ids(), config.block_size)
+    for endpoint in pool.all_endpoints():
+        held = every[: rng.randrange(0, len(every) + 1)]
+        pool.kv_index.apply_snapshot(endpoint.url, KVSnapshot(role=endpoint.role, block_size=config.block_size,
+                                                              epoch="sim", seq=0, hashes=held))
     return pool, Admission(pool)
 
 
-async def _one_request(pool: WorkerPool, admission: Admission, deadline: float) -> None:
+def prompt_ids() -> list[int]:
+    """The prompt every request carries (ids, as a client sends `input_ids`)."""
+    rng = random.Random(7)
+    return [rng.randrange(3, SimConfig().vocab_size) for _ in range(PROMPT_TOKENS)]
+
+
+async def _one_request(pool: WorkerPool, admission: Admission, deadline: float, prompt: list[int]) -> None:
     """The policy and admission calls of one request, in pd_client's order."""
+    CURRENT_PROMPT.set(PromptBlocks(list(prompt)))  # a new request: its blocks are hashed again
     pool.candidates("prefill", exclude=[])
     decode = await admission.acquire(deadline, exclude=[])
     assert decode is not None
@@ -73,13 +93,14 @@ async def _one_request(pool: WorkerPool, admission: Admission, deadline: float) 
 async def _blocks(pool: WorkerPool, admission: Admission, block: int, blocks: int) -> list[float]:
     """CPU µs per request of each block of `block` requests."""
     deadline = time.monotonic() + 3600
+    prompt = prompt_ids()
     for _ in range(block):  # warm-up
-        await _one_request(pool, admission, deadline)
+        await _one_request(pool, admission, deadline, prompt)
     out = []
     for _ in range(blocks):
         t0 = time.thread_time_ns()
         for _ in range(block):
-            await _one_request(pool, admission, deadline)
+            await _one_request(pool, admission, deadline, prompt)
         out.append((time.thread_time_ns() - t0) / 1000 / block)
     return out
 
@@ -100,10 +121,11 @@ def profile(decode: int, policy: str, requests: int, top: int = 12) -> list[dict
     pool, admission = build_pool(decode, max(1, decode // 4), policy)
     profiler = cProfile.Profile()
     deadline = time.monotonic() + 3600
+    prompt = prompt_ids()
 
     async def run() -> None:
         for _ in range(requests):
-            await _one_request(pool, admission, deadline)
+            await _one_request(pool, admission, deadline, prompt)
 
     profiler.enable()
     asyncio.run(run())
@@ -122,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     """Measure every policy at each pool size and print one JSON line per measurement."""
     p = argparse.ArgumentParser(prog="python -m bench.sim.policy_cost", description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="4,64,256", help="decode endpoint counts, comma separated (default 4,64,256)")
-    p.add_argument("--policies", default="round-robin,least-connections,power-of-two",
-                   help="policies, comma separated (default: all three)")
+    p.add_argument("--policies", default="round-robin,least-connections,power-of-two,kv-aware",
+                   help="policies, comma separated (default: all four)")
     p.add_argument("--block", type=int, default=500, help="requests per timed block (default 500)")
     p.add_argument("--blocks", type=int, default=9, help="timed blocks; the median is reported (default 9)")
     p.add_argument("--profile", action="store_true", help="also print a cProfile of the largest size, round-robin")

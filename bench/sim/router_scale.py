@@ -6,7 +6,10 @@ For each pool size (decode endpoints N, prefill endpoints N / 4) a simulated fle
 the default 2 s health interval) are started, then:
 
 - idle: no requests for `--idle-s` seconds; the router's CPU seconds (its process and children,
-  from /proc) ÷ the interval is its health-check share of one core; the fleet counts the checks;
+  from /proc) ÷ the interval is its share of one core for health checks and, with `kv-aware` (the
+  default `--router-policy`), for following every worker's KV event stream (the simulated workers
+  serve the real stream over a simulated prefix cache: bench/sim/prefix_cache.py); the fleet counts
+  the checks;
 - requests: a fixed number of non-streaming `/generate` requests (32 prompt tokens, 8 output
   tokens, 8 clients); the router's CPU ÷ requests, raw and net of the idle (health) rate.
 
@@ -46,7 +49,7 @@ from bench.sim.config import SimConfig
 from bench.sim.launch import SimPlatform, sim_platform
 
 MODULE = "bench.sim.router_scale"
-POLICIES = ("round-robin", "least-connections", "power-of-two")
+POLICIES = ("round-robin", "least-connections", "power-of-two", "kv-aware")
 PROMPT_TOKENS = 32
 MAX_TOKENS = 8
 CLIENTS = 8
@@ -116,6 +119,7 @@ def measure_router(plat: SimPlatform, decode: int, prefill: int, idle_s: float, 
         "router_idle_cpu_share": idle_share,
         "router_cpu_us_per_health_check": (cpu1 - cpu0) * 1e6 / max(1, hits1 - hits0),
         "fleet_idle_cpu_share": (fleet1 - fleet0) / (t1 - t0),
+        "kv_event_subscriptions": plat.fleet.stats().get("kv_events", 0),
         **run, "requests_per_s": count / run["wall_s"],
         "router_cpu_ms_per_request": raw_ms, "router_cpu_ms_per_request_net_of_health": net_ms,
     }
@@ -142,7 +146,8 @@ def _tables(result: dict[str, Any]) -> str:
                    f"+{fp['batch']} workers in {fmt(fp['start_batch_s'], 2)} s; /health {fmt(fp['health_bytes'], 0)} B "
                    f"({fmt(fp['fleet_cpu_us_per_health'], 0)} µs fleet CPU), /metrics {fmt(fp['metrics_bytes'], 0)} B "
                    f"({fmt(fp['fleet_cpu_us_per_metrics'], 0)} µs)")
-    return (markdown_table(["decode", "prefill", "health checks/s", "router idle CPU %", "µs/check",
+    idle = "router idle CPU % (health + KV feed)" if result.get("router_policy") == "kv-aware" else "router idle CPU %"
+    return (markdown_table(["decode", "prefill", "health checks/s", idle, "µs/check",
                             "ok", "errors", "req/s", "router CPU ms/req", "net of health"], rows)
             + "\n\n" + markdown_table(["policy", "decode endpoints", "policy+admission CPU µs/request"], prows)
             + health)
@@ -155,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-s", type=float, default=None, help="idle interval per size (default 30, quick 2.5)")
     p.add_argument("--requests", type=int, default=None, help="requests per size (default 600, quick 12)")
     p.add_argument("--budget-s", type=float, default=900.0, help="total time budget (later sizes are skipped)")
+    p.add_argument("--router-policy", default="kv-aware", choices=POLICIES,
+                   help="the router process's policy (default kv-aware, the product's default: it follows "
+                        "every worker's KV event stream)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(p, argv)
     deadline = Deadline(args.budget_s)
@@ -172,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         "note": note_shared_machine(), "sim_config": config.to_dict(), "health_interval_s": HEALTH_INTERVAL_S,
         "clients": CLIENTS, "prompt_tokens": PROMPT_TOKENS, "max_tokens": MAX_TOKENS,
         "targets": {"policy_admission_us_per_request": TARGET_POLICY_US, "health_core_share": TARGET_HEALTH_SHARE},
-        "router": [], "policy_admission": [],
+        "router": [], "policy_admission": [], "router_policy": args.router_policy,
     }
     block, blocks = (50, 3) if quick else (500, 9)
     for size in sorted(set(sizes) | {4}):
@@ -188,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         prefill = max(1, size // 4)
         log(f"{size} decode + {prefill} prefill simulated endpoints")
-        with sim_platform(prefill, size, args.log_dir, config, router_env=env) as plat:
+        with sim_platform(prefill, size, args.log_dir, config, router_env=env, policy=args.router_policy) as plat:
             row = measure_router(plat, size, prefill, idle_s, count, prompts)
             result["router"].append(row)
             log(f"  idle CPU {100 * row['router_idle_cpu_share']:.2f} %, "

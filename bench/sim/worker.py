@@ -19,12 +19,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.sim.config import SimConfig
+from bench.sim.prefix_cache import SimPrefixCache
 from inference.server.abortable import AbortableTasks
 from inference.server.credit import StreamCredit
 from inference.server.errors import WorkerError, bad_request, overloaded
+from inference.server.kv_events import KVEventSource
 from inference.server.load import LoadSignals
 from inference.server.metrics import WorkerMetrics
 from inference.wire import PrefillAnswer, Sampling
+from inference.wire.kv_events import WorkerLoad
 from inference.wire.sampling import field_names
 from inference.wire.stream import descriptor_line, done_line, error_line, token_line
 
@@ -123,8 +126,19 @@ class SimWorker:
         self._reservations: dict[str, _Reservation] = {}
         self._prefills: AbortableTasks[dict[str, Any]] = AbortableTasks()
         self._aborted: set[str] = set()
+        # The prompts' blocks, as the engine's prefix cache would hold them, and the real event stream of it.
+        self.prefix = SimPrefixCache(config.kv_blocks, config.block_size)
+        self.kv_events = KVEventSource(self.prefix.log, role, config.block_size, load=self.load)
 
     # ------------------------------------------------------------------ status
+    def load(self) -> WorkerLoad:
+        """The stream's load line (inference/server/core.py `Worker.load`)."""
+        health = self.health()
+        pending, rate = self.signals.prefill_queue()
+        return WorkerLoad(running=health["running"], waiting=health["queue_depth"] + health["reserved"],
+                          prompt_tokens_pending=pending, prefill_tokens_per_s=round(rate, 1) if rate else None,
+                          kv_usage=health["kv_usage"])
+
     def health(self) -> dict[str, Any]:
         """The real health answer's fields (inference/server/worker.py `Worker.health`)."""
         cfg = self.config
@@ -212,6 +226,7 @@ class SimWorker:
         if request_id in self._reservations:
             raise bad_request(f"request {request_id} is already in progress here")
         self.used_blocks += blocks
+        self.prefix.admit(ids)
         now = time.time()
         reservation = _Reservation(request_id, ids, sampling, blocks, uuid.uuid4().hex, received_at,
                                    now + cfg.kv_lease_timeout_s)
@@ -324,8 +339,9 @@ class SimWorker:
         started = time.perf_counter()
         self.signals.prefill_started(len(ids))
         computed = False
+        uncached = len(ids) - self.prefix.admit(ids)  # a cached prefix costs nothing, as on the engine
         try:
-            await asyncio.sleep(cfg.prefill_base_s + len(ids) / cfg.prefill_tokens_per_s)
+            await asyncio.sleep(cfg.prefill_base_s + uncached / cfg.prefill_tokens_per_s)
             computed = True
         finally:
             self.signals.prefill_finished(len(ids), computed=computed)

@@ -95,6 +95,30 @@ def test_generation_through_the_real_router(log_dir: Path) -> None:
     assert started and all(_gone(pid) for pid in started), [p for p in started if not _gone(p)]
 
 
+def test_a_kv_aware_router_follows_the_simulated_prefix_caches(log_dir: Path) -> None:
+    """The simulated workers serve the real KV event stream over their simulated prefix caches: the
+    router's index learns what a request's decode worker now holds, and routes the prompt's follow-ups
+    there; a prefill over a held prefix is as fast as its uncached tokens."""
+    with sim_platform(1, 3, log_dir, FAST, policy="kv-aware") as plat:
+        with httpx.Client(base_url=plat.router_url, timeout=30, trust_env=False) as client:
+            prompt = [5 + i % 97 for i in range(20 * FAST.block_size)]
+            body = {"input_ids": prompt, "max_tokens": 2, "ignore_eos": True}
+            first = client.post("/generate", json=body)
+            assert first.status_code == 200, first.text
+            holder = first.json()["decode"]
+            deadline = time.monotonic() + 10
+            held = 0
+            while held < 19 and time.monotonic() < deadline:  # bounded: the stream polls every 20 ms
+                workers = client.get("/router/status").json()["kv"]["index"]["workers"]
+                held = workers.get(holder, {}).get("blocks", 0)
+                time.sleep(0.05)
+            assert held == 19, held  # every full block of the prompt but the one with its last token
+            for i in range(4):
+                answer = client.post("/generate", json={**body, "input_ids": prompt + [7, i]})
+                assert answer.status_code == 200 and answer.json()["decode"] == holder, answer.text
+        assert plat.fleet.stats()["kv_events"] >= 4  # the router subscribed to every worker
+
+
 def test_shapes_match_a_real_worker(tiny_model_dir: Path, log_dir: Path) -> None:
     """/health and /info carry the real decode worker's keys, /metrics its metric families."""
 
@@ -133,6 +157,7 @@ def test_router_scale_quick(tmp_path: Path, log_dir: Path) -> None:
     assert profile["aiohttp_cpu_us_per_check"] > 0
     assert profile["profile_top_own_time"] and result["policy_profile"]["top_own_time"]
     assert row["fleet_idle_cpu_share"] >= 0
+    assert result["router_policy"] == "kv-aware" and row["kv_event_subscriptions"] >= 5  # each worker's stream
     (core,) = result["core_request_cost"]
     assert core["decode_endpoints"] == 4 and core["ok"] == 6 and core["cpu_us_per_request"] > 0
     fp = result["fleet_footprint"]
