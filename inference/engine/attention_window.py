@@ -56,17 +56,27 @@ def _windowed_bucket(bk: DecodeBucket, positions: torch.Tensor, window: int, dty
     return replace(bk, mask=mask.masked_fill(hidden[:, None, None, :], float("-inf")))
 
 
+def _windowed_slots(meta: BatchMetadata, window: int) -> BatchMetadata:
+    """A CPU-kernel decode step's slot rows shifted to each sequence's window (unchanged when no
+    sequence is longer than the window)."""
+    assert meta.decode_slots is not None and meta.decode_lens is not None
+    lens = meta.decode_lens
+    start = (lens - window).clamp(min=0)
+    if not bool(start.any()):
+        return meta
+    slots = meta.decode_slots
+    width = slots.shape[1]
+    idx = (start[:, None] + torch.arange(width, device=slots.device)).clamp(max=width - 1)
+    return replace(meta, decode_slots=slots.gather(1, idx).contiguous(), decode_lens=(lens - start).contiguous())
+
+
 def windowed(meta: BatchMetadata, window: int, dtype: torch.dtype) -> BatchMetadata:
-    """`meta` for a layer whose queries see only their last `window` keys (masks in `dtype`)."""
+    """`meta` for a layer whose queries see only their last `window` keys (masks in `dtype`). A mixed
+    step (prefill groups and kernel decode rows) gets both rewritten."""
     if meta.decode_slots is not None and meta.decode_lens is not None:
-        lens = meta.decode_lens
-        start = (lens - window).clamp(min=0)
-        if not bool(start.any()):
+        meta = _windowed_slots(meta, window)
+        if not meta.mixed_split:
             return meta
-        slots = meta.decode_slots
-        width = slots.shape[1]
-        idx = (start[:, None] + torch.arange(width, device=slots.device)).clamp(max=width - 1)
-        return replace(meta, decode_slots=slots.gather(1, idx).contiguous(), decode_lens=(lens - start).contiguous())
     device = meta.positions.device
     if meta.is_prefill:
         return replace(meta, prefill_groups=[_windowed_group(g, window, dtype, device) for g in meta.prefill_groups])
@@ -79,6 +89,8 @@ def bucketed(meta: BatchMetadata, dtype: torch.dtype) -> BatchMetadata:
     (masks in `dtype`); any other metadata unchanged."""
     if meta.decode_slots is None or meta.decode_lens is None:
         return meta
+    if meta.mixed_split:
+        raise ValueError("a mixed prefill + decode step needs the CPU decode kernel")
     lens = meta.decode_lens
     n = lens.shape[0]
     max_k = int(lens.max())

@@ -88,6 +88,9 @@ class BatchMetadata:
     # A verify step (speculative decoding): several rows of one sequence attend to each other's new
     # keys, so every row's K/V is written before any row attends (see `verify_metadata`).
     prewrite: bool = False
+    # A mixed step (`mixed_metadata`): rows `[0, mixed_split)` are prefill tokens (`prefill_groups`,
+    # `write_rows`), the rest one decode row per running sequence (`decode_slots` / `decode_lens`).
+    mixed_split: int = 0
 
     @property
     def is_prefill(self) -> bool:
@@ -233,6 +236,26 @@ def verify_metadata(
         decode_slots=rows.to(device), decode_lens=lens_t.to(device), prewrite=True,
     )
     return torch.tensor(ids, dtype=torch.int64, device=device), meta
+
+
+def mixed_metadata(
+    prefill: tuple[torch.Tensor, BatchMetadata], decode: tuple[torch.Tensor, BatchMetadata]
+) -> tuple[torch.Tensor, BatchMetadata]:
+    """One step's input ids and metadata carrying a prefill batch and a decode batch (vLLM's chunked
+    prefill: prompt tokens ride in the running batch's forward, one weight pass for both): the prefill
+    step's rows (`build_metadata`) first, then the CPU-kernel decode step's (`kernel_decode_metadata`).
+    Logits come out for every prefill sequence's last token, then for every decode row."""
+    p_ids, p = prefill
+    d_ids, d = decode
+    if d.decode_slots is None or d.decode_lens is None or not p.prefill_groups:
+        raise ValueError("a mixed step joins a prefill step and a CPU-kernel decode step")
+    n = p_ids.shape[0]
+    meta = BatchMetadata(
+        positions=torch.cat((p.positions, d.positions)), write_rows=p.write_rows,
+        last_index=torch.cat((p.last_index, d.last_index + n)), prefill_groups=p.prefill_groups,
+        decode_slots=d.decode_slots, decode_lens=d.decode_lens, mixed_split=n,
+    )
+    return torch.cat((p_ids, d_ids)), meta
 
 
 def decode_metadata(

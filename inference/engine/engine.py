@@ -77,6 +77,7 @@ class LLMEngine(KVHandover):
         max_queued_kv_fraction: float = DEFAULT_MAX_QUEUED_KV_FRACTION,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
+        enable_mixed_prefill: bool = False,
         speculative: SpeculativeConfig | None = None,
     ) -> None:
         """Load config, weights (and the tokenizer, if the folder has one) and allocate the KV pool.
@@ -93,7 +94,10 @@ class LLMEngine(KVHandover):
         matches transformers' fp32 token for token. `enable_prefix_caching`: full blocks are
         registered under chained content hashes and a new prefill reuses the longest cached prefix.
         `enable_chunked_prefill`: a prompt longer than `max_num_batched_tokens` is computed in chunks
-        of that many tokens, alternating with decode steps. `max_queued_kv_fraction` bounds the
+        of that many tokens, alternating with decode steps. `enable_mixed_prefill` (with chunked
+        prefill, on a CPU with the decode kernel: `ModelRunner.can_mix`): each step carries the
+        running batch's decode rows and prompt tokens in one forward, `max_num_batched_tokens` in all
+        (vLLM's chunked prefill), so streams get a token every step. `max_queued_kv_fraction` bounds the
         blocks held by reserved and ready (not yet running) sequences together, see `reserve`.
         `speculative`: n-gram speculative decoding (speculative.py; None, the default: off): decode
         steps verify proposed tokens in the same forward; outputs are distributed as without it.
@@ -116,7 +120,8 @@ class LLMEngine(KVHandover):
         self.model: LlamaForCausalLM = self.runner.model
         self.kv_cache: KVCache = self.runner.kv_cache
         self.dtype = self.runner.dtype
-        self._build_scheduling(max_batched, max_queued_kv_fraction, enable_prefix_caching, enable_chunked_prefill)
+        self._build_scheduling(max_batched, max_queued_kv_fraction, enable_prefix_caching, enable_chunked_prefill,
+                               enable_mixed_prefill and self.runner.can_mix)
         if speculative is not None:
             speculative.validate()  # before anything else is built on it: a ValueError naming the field
         self.speculator = (
@@ -130,7 +135,8 @@ class LLMEngine(KVHandover):
         )
 
     def _build_scheduling(
-        self, max_batched: int, max_queued_kv_fraction: float, prefix_caching: bool, chunked_prefill: bool
+        self, max_batched: int, max_queued_kv_fraction: float, prefix_caching: bool, chunked_prefill: bool,
+        mixed_prefill: bool = False,
     ) -> None:
         """The block manager over the pool, the scheduler, and the output processor."""
         num_blocks = self.kv_cache.num_blocks
@@ -139,6 +145,7 @@ class LLMEngine(KVHandover):
         self.scheduler = Scheduler(
             self.block_manager, self.block_size, self.max_num_seqs, max_batched,
             enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked_prefill,
+            enable_mixed_prefill=mixed_prefill,
         )
         self.outputs = OutputProcessor(
             self.scheduler, self._finish, eos_token_ids=eos_token_ids(self.config, self.tokenizer),
@@ -345,9 +352,12 @@ class LLMEngine(KVHandover):
             if not batch:
                 return outputs
             self.num_preemptions += len(plan.preempted)
-            self._inflight = list(batch)
+            self._inflight = plan.prefill + plan.decode
             try:
-                outputs.extend(self._execute(batch, is_prefill=bool(plan.prefill)))
+                if plan.prefill and plan.decode:
+                    outputs.extend(self._execute_mixed(plan.prefill, plan.decode))
+                else:
+                    outputs.extend(self._execute(batch, is_prefill=bool(plan.prefill)))
             except Exception as exc:
                 logger.exception("engine step failed; failing %d request(s)", len(batch))
                 outputs.extend(self.fail_inflight(f"engine error: {exc}"))
@@ -369,6 +379,12 @@ class LLMEngine(KVHandover):
         if is_prefill:
             return self.outputs.apply(batch, tokens, True)
         return self.outputs.apply_decode(batch, tokens)
+
+    def _execute_mixed(self, prefill: list[Sequence], decode: list[Sequence]) -> list[RequestOutput]:
+        """One forward for a prefill batch and the running batch's decode rows (mixed prefill; no
+        speculation in such a step), then both results applied."""
+        prefill_tokens, decode_tokens = self.runner.run_mixed(prefill, decode)
+        return self.outputs.apply_decode(decode, decode_tokens) + self.outputs.apply(prefill, prefill_tokens, True)
 
     def _execute_verify(self, batch: list[Sequence], proposals: list[list[int]]) -> list[RequestOutput]:
         """A decode step that verifies `proposals` (speculative.py): keep each sequence's accepted

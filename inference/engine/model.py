@@ -90,6 +90,15 @@ class Attention(nn.Module):
         q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
+        if meta.mixed_split and meta.decode_slots is not None and meta.decode_lens is not None \
+                and kv_cache is not None:
+            # A mixed step: the prefill rows attend as a prefill step, the decode rows through the kernel.
+            p = meta.mixed_split
+            self._write_kv(k[:p], v[:p], meta, kv_cache)
+            out_p = self._prefill(q[:p], k[:p], v[:p], meta, kv_cache)
+            out_d = ops.paged_decode(q[p:], k[p:], v[p:], kv_cache.rows, meta.decode_slots, meta.decode_lens,
+                                     self.layer_idx * kv_cache.layer_stride, kv_cache.block_size, self.scale)
+            return self.o_proj(torch.cat((out_p, out_d)))
         if meta.decode_slots is not None and meta.decode_lens is not None and kv_cache is not None:
             if meta.prewrite:  # a verify step: a row may attend to keys of rows another thread writes
                 self._write_kv(k, v, meta, kv_cache)

@@ -18,6 +18,7 @@ from .batch import (
     build_metadata,
     decode_metadata,
     kernel_decode_metadata,
+    mixed_metadata,
     verify_metadata,
 )
 from .compile import check_compile_available, compile_model
@@ -295,6 +296,51 @@ class ModelRunner:
         for pos, i in enumerate(order):
             tokens[i] = sampled[pos]
         return tokens
+
+    @property
+    def can_mix(self) -> bool:
+        """Whether one forward may carry a prefill batch and a decode batch: the CPU decode kernel runs
+        in this model's forward (Gemma's torch-ops forward and non-CPU devices run them apart)."""
+        return self.decode_kernel and type(self.model).forward is LlamaForCausalLM.forward
+
+    @torch.inference_mode()
+    def run_mixed(self, prefill: list[Sequence], decode: list[Sequence]) -> tuple[list[int], list[int]]:
+        """A prefill batch and a decode batch in one forward (`batch.mixed_metadata`): the sampled
+        tokens of each, in `prefill` and `decode` order. Where the model cannot mix (`can_mix`) or a
+        prompt asks for its prompt log-probabilities, they run as two forwards."""
+        if not self.can_mix or any(s.wants_prompt_logprobs for s in prefill):
+            return self.run(prefill, True), self.run(decode, False)
+        self._next_decode = None
+        order = self.order(prefill)
+        pseqs = [prefill[i] for i in order]
+        p = build_metadata(pseqs, True, self.block_size, self.kv_cache.block_stride, self.dtype, self.device)
+        n = len(decode)
+        last_index = self._aranges.get(n)
+        if last_index is None:
+            last_index = self._aranges[n] = torch.arange(n)
+        input_ids, meta = mixed_metadata(p, kernel_decode_metadata(decode, self._slots.get(decode), last_index))
+        # What the next plain decode step of this batch reuses (see `run`): the slot cache now holds it.
+        self._batch_greedy = all(s.params.greedy and not s.params.has_processors for s in decode)
+        self._batch_logprobs = any(s.params.logprobs is not None for s in decode)
+        seqs = pseqs + decode
+        greedy = self._batch_greedy and all(s.params.greedy and not s.params.has_processors for s in pseqs)
+        if not greedy:
+            prefetch_masks(seqs)
+        logits = self.model(input_ids, meta, self.kv_cache)
+        if greedy:
+            ops = self.model.cpu_ops
+            sampled: list[int] = (row_argmax(logits) if ops is None else ops.argmax_rows(logits)).tolist()
+        else:
+            sampled = sample(logits, [s.params for s in seqs],
+                             [s.params.seed_offset + len(s.output_token_ids) for s in seqs], seqs)
+        k = len(pseqs)
+        if self._batch_logprobs or any(s.params.logprobs is not None for s in pseqs):
+            attach_sampled(pseqs, logits[:k], sampled[:k], True)
+            attach_sampled(decode, logits[k:], sampled[k:], False)
+        tokens = [0] * k
+        for pos, i in enumerate(order):
+            tokens[i] = sampled[pos]
+        return tokens, sampled[k:]
 
     @torch.inference_mode()
     def run_verify(

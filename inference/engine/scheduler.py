@@ -14,8 +14,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SchedulerOutput:
-    """One step's plan: a prefill batch or a decode batch (never both), plus sequences that were
-    preempted or had to be finished because they can never fit."""
+    """One step's plan: a prefill batch, a decode batch, or both in one forward (mixed prefill), plus
+    sequences that were preempted or had to be finished because they can never fit."""
 
     prefill: list[Sequence] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
@@ -47,6 +47,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_prefix_caching: bool = False,
         enable_chunked_prefill: bool = False,
+        enable_mixed_prefill: bool = False,
     ) -> None:
         """Limits: `max_num_seqs` sequences in flight, `max_num_batched_tokens` prompt tokens per prefill.
         With `enable_prefix_caching`, an admitted sequence reuses the cached blocks of its longest
@@ -54,9 +55,14 @@ class Scheduler:
         budget is computed `max_num_batched_tokens` at a time, and every prefill step (a chunk, or whole
         prompts that fit the budget) is followed by a decode step of the running batch: a long prompt,
         or a wave of new prompts, never stalls the running streams for more than one budget's worth of
-        prefill at a time (vLLM's chunked prefill mixes the two in one step to the same end)."""
+        prefill at a time (vLLM's chunked prefill mixes the two in one step to the same end).
+        With `enable_mixed_prefill` (and chunked prefill) every step is vLLM's: the running batch's
+        decode rows plus prompt tokens up to `max_num_batched_tokens` in all (at least one block of
+        them), one forward for both."""
         self.block_manager = block_manager
         self.enable_chunked_prefill = enable_chunked_prefill
+        # Mixing needs chunks: a whole prompt over what the decode rows leave of the budget would wait.
+        self.enable_mixed_prefill = enable_mixed_prefill and enable_chunked_prefill
         self._decode_next = False  # a prefill ran last step: give the running batch a step first
         # The last step's plan (prefill tokens, prefill sequences, decode sequences), for step timings.
         self.last_plan: tuple[int, int, int] = (0, 0, 0)
@@ -124,6 +130,11 @@ class Scheduler:
 
     def _plan(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.enable_mixed_prefill:
+            # Decode rows first (they may preempt), then prompt tokens in what they leave of the budget.
+            self._plan_decode(out)
+            self._admit(out, min(len(out.decode), max(0, self.max_num_batched_tokens - self.block_size)))
+            return out
         if self._decode_next and self.running:
             self._decode_next = False
             self._plan_decode(out)
@@ -144,10 +155,10 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def _admit(self, out: SchedulerOutput) -> None:
+    def _admit(self, out: SchedulerOutput, tokens: int = 0) -> None:
         """Fill free batch slots in arrival order: ready sequences join the running batch, waiting ones
-        go into a prefill batch while blocks and the token budget allow."""
-        tokens = 0
+        go into a prefill batch while blocks and the token budget allow (`tokens` of it already taken
+        by the step's decode rows)."""
         bm = self.block_manager
         while (self.waiting or self.ready) and len(self.running) + len(out.prefill) < self.max_num_seqs:
             if self.ready and (not self.waiting or self.ready[0].arrival < self.waiting[0].arrival):
@@ -160,7 +171,7 @@ class Scheduler:
             if seq.block_ids:
                 # A chunked prefill in progress: its blocks are held, the next chunk follows.
                 remaining = seq.num_tokens - seq.num_cached
-                if out.prefill and budget < min(remaining, self.block_size):
+                if (out.prefill or out.decode) and budget < min(remaining, self.block_size):
                     break
                 self.waiting.popleft()
                 seq.chunk = budget if remaining > budget else 0
@@ -180,7 +191,7 @@ class Scheduler:
             chunked = self.enable_chunked_prefill and new_tokens > budget
             # Without chunking, always admit one, even over the token budget, or a long prompt would
             # never run; with it, a chunk fills the budget (not a sliver of it).
-            over = bool(out.prefill) and (budget < self.block_size if chunked else new_tokens > budget)
+            over = bool(out.prefill or out.decode) and (budget < self.block_size if chunked else new_tokens > budget)
             if over or not bm.can_allocate(take):
                 # FCFS among prompts: later (smaller) ones must not overtake the head of the queue. A
                 # ready sequence already holds its blocks, so it may take the slot instead: this is
