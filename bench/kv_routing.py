@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -44,6 +45,7 @@ from bench.common import (
     tiny_model_dir,
     write_result,
 )
+from bench.kv_routing_analysis import Shape, hit_ratio_ceiling, turn_report
 
 MODULE = "bench.kv_routing"
 CHAT_MODE = False  # --prompts chat
@@ -70,6 +72,7 @@ class Turn:
     prefill: str = ""
     decode: str = ""
     error: str = ""
+    timings: dict[str, Any] = field(default_factory=dict)  # the done event's (ids mode)
 
 
 async def _turn(client: Any, router: str, ids: list[int], max_tokens: int, rec: Turn) -> None:
@@ -95,8 +98,10 @@ async def _turn(client: Any, router: str, ids: list[int], max_tokens: int, rec: 
                 if rec.ttft_s is None:
                     rec.ttft_s = time.perf_counter() - start
                 rec.output.extend(ids_out)
-            if obj.get("prefill"):
-                rec.prefill, rec.decode = str(obj["prefill"]), str(obj.get("decode", ""))
+            if obj.get("prefill") or obj.get("decode"):
+                rec.prefill, rec.decode = str(obj.get("prefill") or ""), str(obj.get("decode", ""))
+            if isinstance(obj.get("timings"), dict):
+                rec.timings = obj["timings"]
 
 
 async def _chat_turn(client: Any, router: str, messages: list[dict[str, str]], max_tokens: int,
@@ -205,7 +210,7 @@ def _metric(url: str, name: str) -> float | None:
 
 
 def _run_policy(variant: tuple[str, str, dict[str, str]], model: Path, log_dir: Path, system: list[int],
-                users: list[list[list[int]]], max_tokens: int, worker_extra: list[str]) -> dict[str, Any]:
+                users: list[list[list[int]]], max_tokens: int, worker_extra: list[str], shape: Shape) -> dict[str, Any]:
     """A fresh 2 + 2 deployment with the variant's policy and settings; the chat through it; its figures."""
     name, policy, router_env = variant
     import httpx
@@ -254,6 +259,9 @@ def _run_policy(variant: tuple[str, str, dict[str, str]], model: Path, log_dir: 
         # How evenly the decode workers shared the streams: the tokens each generated.
         decode_tokens = [_metric(u, "worker_generation_tokens_total") for u in urls[2:]]
         where = {w: _metric(router_url, f'router_prefill_where_total{{where="{w}"}}') for w in ("local", "remote")}
+        # Each worker's KV pool (blocks) and its use at the end: a pool the run filled evicted prefixes.
+        kv_blocks = [_kv_blocks(p.log()) for p in procs[:4]]
+        kv_usage = [_metric(u, "worker_kv_cache_usage_ratio") for u in urls]
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -265,6 +273,7 @@ def _run_policy(variant: tuple[str, str, dict[str, str]], model: Path, log_dir: 
     served: dict[tuple[int, int], Turn] = {(t.conversation, t.turn): t for t in ok}
     same = [t for t in later if (prev := served.get((t.conversation, t.turn - 1))) and prev.prefill == t.prefill]
     predicted = (status.get("kv") or {}).get("predicted", {})
+    first_workers = {t.prefill or "local " + t.decode for t in ok if t.turn == 0}
     return {
         "policy": policy,
         "router_env": router_env,
@@ -281,6 +290,13 @@ def _run_policy(variant: tuple[str, str, dict[str, str]], model: Path, log_dir: 
         "decode_generated_tokens": decode_tokens,
         "predicted": predicted,
         "same_prefill_as_previous_turn": len(same) / len(later) if later and not CHAT_MODE else None,
+        "per_turn": turn_report(ok, shape) if not CHAT_MODE else None,
+        # The best hit ratio this workload allows (ids only: chat adds the template's tokens), with the
+        # first turns spread over as many workers as this run spread them.
+        "hit_ratio_ceiling": hit_ratio_ceiling(shape, len(first_workers)) if not CHAT_MODE else None,
+        "first_turn_workers": len(first_workers),
+        "kv_blocks": kv_blocks,
+        "kv_usage_at_end": kv_usage,
         "router_tokenizer": ((status.get("kv") or {}).get("tokenizer") or {}).get("models"),
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p90_s": percentile(ttfts, 90),
@@ -290,6 +306,33 @@ def _run_policy(variant: tuple[str, str, dict[str, str]], model: Path, log_dir: 
         "wall_s": wall,
         "output_tok_s": sum(len(t.output) for t in ok) / wall if wall else None,
     }
+
+
+def _print_turns(rows: dict[str, dict[str, Any]]) -> None:
+    """Per variant and turn: TTFT, where it went, the same workers as the previous turn; the ceiling."""
+    table = []
+    for name, r in rows.items():
+        for k, t in (r.get("per_turn") or {}).items():
+            table.append([name, k, t["n"], t["local"], fmt(t.get("same_prefill"), 2), fmt(t.get("same_decode"), 2),
+                          fmt((t["ttft_p50_s"] or 0) * 1000, 0), fmt((t["ttft_p90_s"] or 0) * 1000, 0),
+                          fmt((t["prefill_s_p50"] or 0) * 1000, 0), fmt((t["kv_transfer_s_p50"] or 0) * 1000, 1),
+                          fmt((t["ttft_minus_prefill_p50_s"] or 0) * 1000, 0)])
+    if table:
+        print(markdown_table(["variant", "turn", "n", "local", "same prefill", "same decode", "TTFT p50 ms",
+                              "TTFT p90 ms", "prefill call p50 ms", "KV transfer p50 ms", "TTFT - prefill p50 ms"],
+                             table))
+    for name, r in rows.items():
+        if r.get("hit_ratio_ceiling"):
+            ceiling = {k: round(v, 3) for k, v in r["hit_ratio_ceiling"].items()}
+            print(f"{name}: deployment hit ratio {fmt(r['deployment_hit_ratio'], 3)}, ceiling {ceiling} "
+                  f"(first turns on {r['first_turn_workers']} workers), KV blocks {r['kv_blocks']}, "
+                  f"KV use at the end {r['kv_usage_at_end']}")
+
+
+def _kv_blocks(log_text: str) -> int | None:
+    """A worker's KV pool size, from its start line (`..., N KV blocks)`)."""
+    match = re.search(r"(\d+) KV blocks\)", log_text)
+    return int(match.group(1)) if match else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context-tokens", type=int, default=0,
                    help="a conversation's own context (a document) after the system prompt, in its first turn")
     p.add_argument("--variants", default=",".join(v[0] for v in VARIANTS), help="which variants to run")
+    p.add_argument("--worker-flags", default="",
+                   help="more flags for every worker, e.g. '--no-chunked-prefill --max-num-batched-tokens 512'")
     p.add_argument("--prompts", choices=["ids", "chat"], default="ids",
                    help="ids: /generate with input_ids; chat: /v1/chat/completions messages (the router tokenizes)")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -318,14 +363,18 @@ def main(argv: list[str] | None = None) -> int:
     system = [rng.randrange(3, vocab) for _ in range(args.system_tokens)]
     users = [[[rng.randrange(3, vocab) for _ in range(args.user_tokens + (args.context_tokens if k == 0 else 0))]
               for k in range(args.turns)] for _ in range(args.conversations)]
-    worker_extra = ["--batch-size", str(max(8, args.conversations))]
+    worker_extra = ["--batch-size", str(max(8, args.conversations)), *args.worker_flags.split()]
+    args.log_dir.mkdir(parents=True, exist_ok=True)  # a fresh clone has no var/bench/logs yet
+    shape = Shape(args.conversations, args.turns, args.system_tokens, args.user_tokens, args.reply_tokens,
+                  args.context_tokens)
     load_before = os.getloadavg()
     rows: dict[str, dict[str, Any]] = {}
     chosen = args.variants.split(",")
     for variant in [v for v in VARIANTS if v[0] in chosen]:
         name = variant[0]
         log(f"{name}: {args.conversations} conversations x {args.turns} turns on 2 prefill + 2 decode ({model.name})")
-        rows[name] = _run_policy(variant, Path(model), args.log_dir, system, users, args.reply_tokens, worker_extra)
+        rows[name] = _run_policy(variant, Path(model), args.log_dir, system, users, args.reply_tokens, worker_extra,
+                                 shape)
         log(f"{name}: {rows[name]}")
     load_after = os.getloadavg()
     empty: dict[str, Any] = {}
@@ -363,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{fmt((r['later_turns_ttft_p90_s'] or 0) * 1000, 0)}",
                       fmt(r["output_tok_s"], 1), len(r["errors"])])
     print(markdown_table(headers, table))
+    _print_turns(rows)
     print(json.dumps(comparison))
     print(f"load average before {load_before}, after {load_after}")
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -372,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     write_result(args.out_dir, name, MODULE, argv, {
         "model_dir": str(model), "conversations": args.conversations, "turns": args.turns,
         "system_tokens": args.system_tokens, "user_tokens": args.user_tokens, "context_tokens": args.context_tokens,
-        "reply_tokens": args.reply_tokens, "prompts": args.prompts,
+        "reply_tokens": args.reply_tokens, "prompts": args.prompts, "worker_flags": worker_extra,
         "rows": rows, "comparison": comparison, "load_before": load_before, "load_after": load_after,
         "cpu": model_name, "machine": machine_info(),
     })
