@@ -208,9 +208,15 @@ class PrefillWorker(WorkerCore):
     async def _compute_prompt(self, run: PrefillRun) -> None:
         """Run the prompt in the engine (batched with other prefills): its first token and KV blocks."""
         n = len(run.prompt_token_ids)
+        cached = self.engine.cached_tokens(run.prompt_token_ids)
         self.metrics.prefilled_prompt_tokens.inc(n)
-        self.metrics.prefilled_cached_tokens.inc(self.engine.cached_tokens(run.prompt_token_ids))
-        self.signals.prefill_started(n)
+        self.metrics.prefilled_cached_tokens.inc(cached)
+        # The queue and rate the worker reports count the tokens to compute, as the router's own count of the
+        # prefills it sent since (their predicted uncached tokens) and a decode worker's local prefills do:
+        # counted whole, a worker holding long histories looked ~5x as busy as it was to the kv-aware cost,
+        # which then sent a conversation's next turn away from the worker that held it.
+        uncached = n - cached
+        self.signals.prefill_started(uncached)
         computed = False
         first_token: int | None = None
         block_ids: list[int] = []
@@ -231,7 +237,7 @@ class PrefillWorker(WorkerCore):
                 raise WorkerError(500, "prefill produced no first token", "engine_error")
             computed = True
         finally:
-            self.signals.prefill_finished(n, computed=computed)
+            self.signals.prefill_finished(uncached, computed=computed)
         run.first_token, run.block_ids = first_token, tuple(block_ids)
         run.prefill_s = time.perf_counter() - run.started
         self.metrics.ttft.observe(run.prefill_s)
