@@ -37,6 +37,7 @@ from inference.gateway.acceptor_protocol import (
     RECEIVED,
     RECORD_LIMIT,
     SNAPSHOT,
+    SNAPSHOT_LIMIT,
     DateHeader,
     Probe,
     Verdict,
@@ -62,6 +63,7 @@ class RouterLink:
     loop_lag_s: float = 0.0
     snapshot_at: float | None = None
     leaving: bool = False
+    oversized: bool = False  # it sent a record too large to read (logged once)
     outbox: collections.deque[tuple[bytes, socket.socket | None]] = field(default_factory=collections.deque)
     # Sent but not yet confirmed received: the acceptor's copies, handed again if the process dies.
     unconfirmed: collections.deque[tuple[bytes, socket.socket]] = field(default_factory=collections.deque)
@@ -97,6 +99,9 @@ class Acceptor:
         self._turn = 0
         self._date = DateHeader()
         self._loop = asyncio.get_running_loop()
+        # Every control record is read into this one buffer (a snapshot may be up to SNAPSHOT_LIMIT; a
+        # buffer per recv of that size would be allocated for every receipt too).
+        self._records = bytearray(max(RECORD_LIMIT, SNAPSHOT_LIMIT) + 1)
 
     def start(self) -> None:
         """Start accepting connections and router processes."""
@@ -296,16 +301,24 @@ class Acceptor:
             self._loop.add_reader(sock.fileno(), self._on_control, link)
 
     def _on_control(self, link: RouterLink) -> None:
+        buffer = self._records
         for _ in range(16):
             try:
-                record = link.sock.recv(RECORD_LIMIT)
+                size = link.sock.recv_into(buffer)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
-                record = b""
-            if not record:
+                size = 0
+            if not size:
                 self._unlink(link, redispatch=True)
                 return
+            if size == len(buffer):  # a record past SNAPSHOT_LIMIT, cut short: a sender of another version
+                if not link.oversized:
+                    logger.warning("router process %s sent a control record over %d bytes; ignored",
+                                   link.pid, SNAPSHOT_LIMIT)
+                link.oversized = True
+                continue
+            record = bytes(buffer[:size])
             tag = record[:1]
             if tag == SNAPSHOT:
                 self._snapshot(link, record[1:])
@@ -319,7 +332,7 @@ class Acceptor:
         try:
             snapshot = json.loads(payload)
         except ValueError:
-            logger.warning("router process sent a snapshot that is not JSON; ignored")
+            logger.warning("router process %s sent a snapshot that is not JSON; ignored", link.pid)
             return
         first = link.pid is None
         link.pid = snapshot.get("pid")

@@ -37,6 +37,24 @@ RECEIVED = b"A"
 QUIT_ACK = b"q"
 SNAPSHOT_INTERVAL_S = 0.25
 RECORD_LIMIT = HEAD_LIMIT + 64  # a control record's largest size (a connection's bytes + tag)
+# A snapshot record's largest size. /health lists every endpoint (~80 bytes each), so a snapshot
+# outgrew RECORD_LIMIT at ~200 endpoints: the acceptor read it cut short, never trusted the router
+# process and handed it nothing. 192 KiB (~2,400 endpoints) stays within Linux's default socket send
+# buffer (212,992 bytes: a SOCK_SEQPACKET record must fit it whole); a larger /health goes as null,
+# and the router processes then answer probes themselves.
+SNAPSHOT_LIMIT = 192 * 1024
+
+
+def snapshot_record(snapshot: dict[str, Any], dumps: Any = json.dumps) -> bytes:
+    """`S` + the snapshot as JSON, within SNAPSHOT_LIMIT: its `health` sent as null when too large."""
+    record = SNAPSHOT + _bytes(dumps(snapshot))
+    if len(record) > SNAPSHOT_LIMIT and snapshot.get("health") is not None:
+        record = SNAPSHOT + _bytes(dumps({**snapshot, "health": None, "health_bytes": len(record)}))
+    return record
+
+
+def _bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else value
 
 _PROBE_STARTS = (b"GET /health ", b"HEAD /health ")
 _VERSIONS = (b"HTTP/1.1", b"HTTP/1.0")

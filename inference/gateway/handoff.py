@@ -35,8 +35,8 @@ from inference.gateway.acceptor_protocol import (
     QUIT_ACK,
     RECEIVED,
     RECORD_LIMIT,
-    SNAPSHOT,
     SNAPSHOT_INTERVAL_S,
+    snapshot_record,
 )
 from inference.router.daemon import DaemonTask
 
@@ -56,7 +56,7 @@ class _Snapshots(DaemonTask):
     def send_now(self) -> None:
         """One snapshot from the calling thread (the first one, at registration)."""
         try:
-            self._sock.send(SNAPSHOT + orjson.dumps(self._snapshot()))
+            self._sock.send(snapshot_record(self._snapshot(), orjson.dumps))
         except (BlockingIOError, InterruptedError):
             pass  # the acceptor is behind: the next one goes in SNAPSHOT_INTERVAL_S
         except Exception:  # noqa: BLE001  a state read raced the loop, or the link is closing: next tick

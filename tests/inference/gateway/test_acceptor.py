@@ -7,7 +7,9 @@ decode workers and `python -m inference.launch_router` (acceptor â†’ gunicorn â†
   snapshot said, then 503 not-ready once it is stale, then ready again after SIGCONT;
 - silent and slow clients never delay a probe;
 - a killed router process: 503 while none serves, then gunicorn's new one serves;
-- two router processes share new connections; a killed acceptor leaves no router process.
+- two router processes share new connections; a killed acceptor leaves no router process;
+- with 250 endpoints (a /health body past one 16 KB control record) the acceptor still trusts the
+  router process's snapshots: it answers probes and hands connections over.
 """
 from __future__ import annotations
 
@@ -221,3 +223,22 @@ def test_two_router_processes_share_connections_and_die_with_a_killed_acceptor(
         assert not alive, [p.info for p in alive]
     finally:
         proc.stop()
+
+
+def test_a_router_of_250_endpoints_is_answered_for_and_served(log_dir: Path) -> None:
+    """/health lists every endpoint: at ~200 the snapshot outgrew one 16 KB record, the acceptor read it
+    cut short, never trusted the router process, answered 503 and handed it no connection."""
+    from bench.sim.config import SimConfig
+    from bench.sim.launch import sim_platform
+
+    with sim_platform(1, 249, log_dir, SimConfig(decode_tokens_per_s=400.0)) as plat:
+        def answered() -> tuple[int, dict[str, object], float] | None:
+            answer = probe(plat.router_url)
+            return answer if "router_processes" in answer[1] else None
+
+        status, body, _ = wait_until("the acceptor answering from a snapshot", answered, 30,  # type: ignore[misc]
+                                     [plat.router])
+        assert status == 200 and len(body["decode"]) == 249 and body["ready"] is True  # type: ignore[arg-type]
+        answer = httpx.post(f"{plat.router_url}/generate", timeout=30,
+                            json={"input_ids": [5, 6, 7, 8], "max_tokens": 3, "ignore_eos": True})
+        assert answer.status_code == 200 and len(answer.json()["tokens"]) == 3, answer.text

@@ -76,3 +76,18 @@ def test_dead_acceptors_directories_are_removed(tmp_path: Path) -> None:
         assert live.exists() and not dead.exists()
     finally:
         listening.close()
+
+
+def test_a_snapshot_too_large_for_one_record_goes_without_its_health() -> None:
+    import json
+
+    from inference.gateway.acceptor_protocol import SNAPSHOT, SNAPSHOT_LIMIT, snapshot_record
+
+    small = {"pid": 7, "health": {"ready": True, "decode": [{"url": "http://w:1"}]}}
+    assert snapshot_record(small) == SNAPSHOT + json.dumps(small).encode()
+    endpoints = [{"url": f"http://10.0.{i // 256}.{i % 256}:30001", "healthy": True, "inflight": 0,
+                  "last_error": None} for i in range(4000)]
+    record = snapshot_record({"pid": 7, "health": {"ready": True, "decode": endpoints}})
+    sent = json.loads(record[1:])
+    assert len(record) <= SNAPSHOT_LIMIT and sent["health"] is None and sent["pid"] == 7
+    assert sent["health_bytes"] > SNAPSHOT_LIMIT
