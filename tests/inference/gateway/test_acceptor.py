@@ -236,9 +236,11 @@ def test_a_router_of_250_endpoints_is_answered_for_and_served(log_dir: Path) -> 
             answer = probe(plat.router_url)
             return answer if "router_processes" in answer[1] else None
 
-        status, body, _ = wait_until("the acceptor answering from a snapshot", answered, 30,  # type: ignore[misc]
-                                     [plat.router])
-        assert status == 200 and len(body["decode"]) == 249 and body["ready"] is True  # type: ignore[arg-type]
-        answer = httpx.post(f"{plat.router_url}/generate", timeout=30,
+        answer = wait_until("the acceptor answering from a snapshot", answered, 30, [plat.router])
+        assert isinstance(answer, tuple)
+        status, body, _ = answer
+        decode = body["decode"]
+        assert status == 200 and isinstance(decode, list) and len(decode) == 249 and body["ready"] is True
+        served = httpx.post(f"{plat.router_url}/generate", timeout=30,
                             json={"input_ids": [5, 6, 7, 8], "max_tokens": 3, "ignore_eos": True})
-        assert answer.status_code == 200 and len(answer.json()["tokens"]) == 3, answer.text
+        assert served.status_code == 200 and len(served.json()["tokens"]) == 3, served.text
