@@ -44,6 +44,8 @@ def worker_specs(layout: str, args: Any) -> list[tuple[str, list[str]]]:
     cpus = os.cpu_count() or 1
     base = ["--num-threads", "1", "--dtype", "auto", "--context-length",
             str(args.prefix_len + args.input_len + args.output_len + 64), "--batch-size", str(max(args.concurrency))]
+    if getattr(args, "mixed_prefill", False):  # prompt tokens in the decode batch's forward, every worker
+        base.append("--mixed-prefill")
     # --prefill-budget for every worker that prefills; unset: the workers' default, both-per-cpu's BOTH_BUDGET.
     chosen = args.prefill_budget or (BOTH_BUDGET if layout == "both-per-cpu" else None)
     budget = ["--max-num-batched-tokens", str(chosen)] if chosen else []

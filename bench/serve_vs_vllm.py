@@ -207,6 +207,8 @@ def _parser() -> Any:
     p.add_argument("--prefill-budget", type=int, default=None,
                    help="prefill tokens per step (the workers' --max-num-batched-tokens) of the workers that "
                    f"prefill (default: the workers' own; both-per-cpu {BOTH_BUDGET})")
+    p.add_argument("--mixed-prefill", action="store_true",
+                   help="our workers run with --mixed-prefill (prompt tokens in the decode batch's forward)")
     p.add_argument("--layout", default=DEFAULT_LAYOUT,
                    help="our workers' placement, or several comma-separated (each measured in every round): "
                    + "; ".join(f"{k}: {v}" for k, v in LAYOUTS.items()))
@@ -247,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"note": note_shared_machine(), "model": model.name, "layouts": layouts,
                               "decode_nice": args.decode_nice, "prefill_nice": args.prefill_nice,
                               "both_nice": args.both_nice, "prefill_budget": args.prefill_budget,
+                              "mixed_prefill": args.mixed_prefill,
                               "prefix_len": args.prefix_len, "input_len": args.input_len,
                               "output_len": args.output_len, "loadavg_start": _loadavg(), "rounds": []}
     systems = [*layouts, *([] if args.no_vllm else ["vllm"])]

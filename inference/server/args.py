@@ -93,6 +93,8 @@ class ServerArgs:
     # Speculative decoding (decode steps): "ngram" or None (off), and the tokens proposed per step.
     speculative: str | None = None
     num_speculative_tokens: int | None = None
+    # Mixed prefill: prompt tokens ride in the decode batch's forward (LLMEngine enable_mixed_prefill).
+    mixed_prefill: bool = False
 
     @property
     def kv_cache_bytes(self) -> int | None:
@@ -214,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="compute a prompt longer than --max-num-batched-tokens in one step instead of in chunks "
         "alternating with decode steps (chunked prefill is on by default)",
+    )
+    p.add_argument(
+        "--mixed-prefill",
+        action="store_true",
+        help="run prompt tokens in the same forward as the running batch's decode rows, "
+        "--max-num-batched-tokens in all per step (vLLM's chunked prefill; CPU with the decode kernel, "
+        "with chunked prefill): streams get a token every step instead of waiting for a prefill step",
     )
     p.add_argument("--base-cpu-id", type=int, default=None, help="first CPU to pin the worker to")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads / CPUs pinned")
@@ -375,6 +384,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         dtype=ns.dtype,
         prefix_caching=not ns.no_prefix_caching,
         chunked_prefill=not ns.no_chunked_prefill,
+        mixed_prefill=ns.mixed_prefill,
         base_cpu_id=ns.base_cpu_id,
         num_threads=ns.num_threads,
         max_sequence_length=ns.max_sequence_length,

@@ -51,6 +51,7 @@ def load_engine(args: ServerArgs, device: torch.device) -> LLMEngine:
             dtype=args.dtype,
             enable_prefix_caching=args.prefix_caching,
             enable_chunked_prefill=args.chunked_prefill,
+            enable_mixed_prefill=args.mixed_prefill,
             max_model_len=args.max_sequence_length or args.context_length,
             kv_cache_bytes=args.kv_cache_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization,
@@ -174,6 +175,7 @@ class WorkerCore:
             "dtype": self.layout.dtype,
             "prefix_caching": self.args.prefix_caching,
             "chunked_prefill": self.args.chunked_prefill,
+            "mixed_prefill": self.args.mixed_prefill,
             "speculative": self.args.speculative,
             "num_speculative_tokens": (self.args.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
             if self.args.speculative else None,
