@@ -7,13 +7,14 @@ In one process: registers/updates the Node with the detected resources; recovers
 (adopts processes still running, relaunches lost ones, drains and stops orphans of replaced workers);
 runs the supervisor thread and the heartbeat thread; and, in the main thread, a Celery worker consuming
 ONLY the queue node.<name> (threads pool, small concurrency: the tasks just hand requests to the
-supervisor). Its registration reconciles at once the deployments waiting for capacity (they are placed
-without waiting for the controller's periodic reconcile). On SIGTERM/SIGINT it marks the node OFFLINE so
-the controller re-places its workers, stops them (SIGTERM, then SIGKILL) and exits; a signal while it
-starts (before its Celery worker handles them) is remembered (inference.agent.stop_signals): it still
-recovers the node's workers and then stops them, instead of dying and leaving them running. With --keep-workers the processes are left running for the next
-agent to adopt. An agent killed outright (SIGKILL, OOM) leaves its workers serving: the controller marks
-the node UNREACHABLE and keeps them in rotation while their /health answers (inference.controller).
+supervisor). Once it has recovered them, it reconciles at once the deployments waiting for capacity (they
+are placed without waiting for the controller's periodic reconcile). On SIGTERM/SIGINT it marks the node
+OFFLINE so the controller re-places its workers, stops them (SIGTERM, then SIGKILL) and exits; a signal
+while it starts (before its Celery worker handles them) is remembered (inference.agent.stop_signals): it
+still recovers the node's workers and then stops them, instead of dying and leaving them running. With
+--keep-workers the processes are left running for the next agent to adopt. An agent killed outright
+(SIGKILL, OOM) leaves its workers serving: the controller marks the node UNREACHABLE and keeps them in
+rotation while their /health answers (inference.controller).
 """
 from __future__ import annotations
 
@@ -124,10 +125,6 @@ class Command(BaseCommand):
             name=name, address=options["address"], resources=resources, port_range=port_range, labels=labels
         )
         logger.info("agent %s: %s", name, resources.to_dict())
-        # Capacity came (back): deployments waiting for it are placed now, not at the next periodic reconcile.
-        waiting = node_workers.place_waiting_deployments(node)
-        if waiting:
-            logger.info("agent %s: deployments waiting for capacity reconciled: %s", name, waiting)
         log_dir = Path(options["log_dir"]) if options["log_dir"] else Path(settings.AGENT_LOG_DIR) / name
         supervisor = Supervisor(
             node.pk, SupervisorConfig.from_settings(log_dir=log_dir, bind_host=options["bind_host"])
@@ -142,6 +139,10 @@ class Command(BaseCommand):
             if stop_signals.requested():
                 logger.info("agent %s: stop signal during start-up; stopping", name)
                 return
+            # Capacity came (back): deployments waiting for it are placed now, not at the next periodic reconcile.
+            waiting = node_workers.place_waiting_deployments(node)
+            if waiting:
+                logger.info("agent %s: deployments waiting for capacity reconciled: %s", name, waiting)
             threads = [
                 threading.Thread(target=supervisor.run, args=(stop,), name="supervisor", daemon=True),
                 threading.Thread(
