@@ -271,7 +271,10 @@ def _run_policy(variant: tuple[str, str, dict[str, str]], model: Path, log_dir: 
     later_ttfts = [t.ttft_s for t in later if t.ttft_s is not None]
     # Turns after the first that the same prefill worker served as the conversation's previous turn.
     served: dict[tuple[int, int], Turn] = {(t.conversation, t.turn): t for t in ok}
-    same = [t for t in later if (prev := served.get((t.conversation, t.turn - 1))) and prev.prefill == t.prefill]
+    # Of those prefilled remotely (a local prefill has no prefill worker, and two local turns are no "same").
+    later_remote = [t for t in later if t.prefill]
+    same = [t for t in later_remote
+            if (prev := served.get((t.conversation, t.turn - 1))) and prev.prefill == t.prefill]
     predicted = (status.get("kv") or {}).get("predicted", {})
     first_workers = {t.prefill or "local " + t.decode for t in ok if t.turn == 0}
     return {
@@ -289,7 +292,7 @@ def _run_policy(variant: tuple[str, str, dict[str, str]], model: Path, log_dir: 
                                  if sum(t for _, t in prefilled) else None),
         "decode_generated_tokens": decode_tokens,
         "predicted": predicted,
-        "same_prefill_as_previous_turn": len(same) / len(later) if later and not CHAT_MODE else None,
+        "same_prefill_as_previous_turn": len(same) / len(later_remote) if later_remote and not CHAT_MODE else None,
         "per_turn": turn_report(ok, shape) if not CHAT_MODE else None,
         # The best hit ratio this workload allows (ids only: chat adds the template's tokens), with the
         # first turns spread over as many workers as this run spread them.
