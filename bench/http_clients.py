@@ -64,11 +64,10 @@ uvicorn.run(app, host=sys.argv[1], port=int(sys.argv[2]), log_level="warning")
 
 
 def _free_port() -> int:
-    import socket
+    """A port outside the kernel's ephemeral range, reserved across processes (tests/support/ports.py)."""
+    from tests.support.processes import free_port
 
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
+    return free_port()
 
 
 async def _run(concurrency: int, total: int, one: Callable[[], Awaitable[int]]) -> tuple[float, int]:

@@ -165,13 +165,12 @@ def test_stream_drill_quick(tmp_path: Path) -> None:
 def test_serve_vs_vllm_counts_a_connection_failure_as_a_failed_request() -> None:
     """A request whose connection fails is one error in the results, not the end of the run."""
     import asyncio
-    import socket
 
     import aiohttp
 
-    with socket.socket() as s:  # a free port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tests.support.processes import free_port
+
+    port = free_port()  # nothing listens on it
 
     async def one() -> dict[str, Any]:
         async with aiohttp.ClientSession() as session:

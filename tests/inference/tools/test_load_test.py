@@ -6,7 +6,6 @@ import asyncio
 import csv
 import itertools
 import json
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -173,10 +172,10 @@ def server() -> Iterator[FakeServer]:
 
 
 def _free_port() -> int:
-    """A port with nothing listening on it (bound then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port with nothing listening on it, outside the kernel's ephemeral range (tests/support/ports.py)."""
+    from tests.support.processes import free_port
+
+    return free_port()
 
 
 def _read_csv(path: Path) -> list[dict[str, str]]:
