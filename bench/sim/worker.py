@@ -165,7 +165,8 @@ class SimWorker:
             "context_length": cfg.context_length, "max_sequence_length": cfg.context_length,
             "block_size": cfg.block_size, "num_kv_blocks": cfg.kv_blocks, "kv_transport": "tcp",
             "max_tokens_limit": cfg.max_tokens_limit, "batch_size": cfg.batch_size, "max_queue": cfg.max_queue,
-            "dtype": cfg.dtype, "prefix_caching": True, "chunked_prefill": False, "speculative": None,
+            "dtype": cfg.dtype, "prefix_caching": True, "chunked_prefill": False, "mixed_prefill": False,
+            "speculative": None,
             "num_speculative_tokens": None, "device": "sim", "cpus": [],
             "started_at": self.started_at,
         }
