@@ -23,6 +23,13 @@ class SchedulerOutput:
     too_long: list[Sequence] = field(default_factory=list)
 
 
+# A prompt whose next uncached blocks another prompt of the same step computes waits one step when they
+# are at least this many tokens, then finds them cached (SGLang's in-batch prefix caching check, to the
+# same end): a burst of conversations sharing a system prompt computes it once, not once each. Below it
+# (a chat template's common first block) waiting a step would cost more than computing the blocks.
+SHARED_PREFIX_WAIT_TOKENS = 64
+
+
 class Scheduler:
     """Waiting queue + ready queue + running list over a `BlockManager`.
 
@@ -69,6 +76,9 @@ class Scheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_query_tokens = 0  # prompt tokens admitted for prefill (prefix caching on)
         self.prefix_hit_tokens = 0  # of which served from cached blocks
+        self.shared_prefix_waits = 0  # admissions put off a step for blocks a prompt ahead computes
+        # None: never wait (every prompt of a burst computes a shared prefix itself; benchmarks compare).
+        self.shared_prefix_wait_tokens: int | None = SHARED_PREFIX_WAIT_TOKENS
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -160,6 +170,7 @@ class Scheduler:
         go into a prefill batch while blocks and the token budget allow (`tokens` of it already taken
         by the step's decode rows)."""
         bm = self.block_manager
+        computing: set[bytes] = set()  # hashes of the prompt blocks this step's prefills complete
         while (self.waiting or self.ready) and len(self.running) + len(out.prefill) < self.max_num_seqs:
             if self.ready and (not self.waiting or self.ready[0].arrival < self.waiting[0].arrival):
                 self.add_running(self.ready.popleft())
@@ -177,6 +188,7 @@ class Scheduler:
                 seq.chunk = budget if remaining > budget else 0
                 out.prefill.append(seq)
                 tokens += min(remaining, budget)
+                self._note_computing(seq, min(remaining, budget), computing)
                 continue
             n = seq.num_tokens  # a preempted sequence recomputes its generated tokens too
             need = self.blocks_for(n)
@@ -186,6 +198,13 @@ class Scheduler:
                 out.too_long.append(seq)
                 continue
             hits = self.cached_prefix(seq)
+            if computing and self._shares_computing(seq, len(hits), computing):
+                # Its next blocks are being computed by a prompt ahead of it: cached after this step.
+                self.shared_prefix_waits += 1
+                if self.ready:
+                    self.add_running(self.ready.popleft())
+                    continue
+                break
             take = bm.blocks_to_take(hits, need - len(hits))
             new_tokens = n - len(hits) * self.block_size
             chunked = self.enable_chunked_prefill and new_tokens > budget
@@ -206,6 +225,33 @@ class Scheduler:
             seq.chunk = budget if chunked else 0
             out.prefill.append(seq)
             tokens += min(new_tokens, budget) if chunked else new_tokens
+            self._note_computing(seq, min(new_tokens, budget) if chunked else new_tokens, computing)
+
+    def _note_computing(self, seq: Sequence, step_tokens: int, computing: set[bytes]) -> None:
+        """Add the hashes of `seq`'s prompt blocks that this step's `step_tokens` complete."""
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
+            return
+        first = seq.num_cached // self.block_size
+        last = min(seq.num_cached + step_tokens, seq.num_tokens) // self.block_size
+        if last <= first:
+            return
+        if len(seq.block_hashes) < last:  # a chunk's registration keeps only the hashes of computed blocks
+            seq.block_hashes = block_hashes(seq.all_token_ids()[: last * self.block_size], self.block_size,
+                                            seq.block_hashes)
+        computing.update(seq.block_hashes[first:last])
+
+    def _shares_computing(self, seq: Sequence, cached_blocks: int, computing: set[bytes]) -> bool:
+        """Whether `seq`'s blocks after its cached ones start with `shared_prefix_wait_tokens` or more that
+        a prefill of this step completes."""
+        if self.shared_prefix_wait_tokens is None:
+            return False
+        usable = (seq.num_tokens - 1) // self.block_size
+        shared = 0
+        for h in seq.block_hashes[cached_blocks:usable]:
+            if h not in computing:
+                break
+            shared += 1
+        return shared * self.block_size >= self.shared_prefix_wait_tokens
 
     def take_prefix(self, seq: Sequence, hits: list[int], need: int) -> None:
         """Give `seq` its cached prefix blocks `hits` plus fresh ones up to `need` blocks, and count the

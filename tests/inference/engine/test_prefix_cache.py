@@ -156,3 +156,28 @@ def test_decode_reservation_never_skips_the_last_block(llama: TinyModel) -> None
     assert decode.reserved_hits("b") == 3
     drain(decode)
     assert decode.kv_usage() == 0.0
+
+
+def test_a_burst_sharing_a_system_prompt_computes_it_once(llama: TinyModel) -> None:
+    """Three requests arriving together with the same 64-token system prompt: the first computes it, the
+    others wait one step (their next blocks are being computed) and then find it cached; the tokens are
+    those of an engine without prefix caching. A prompt sharing one block with them does not wait."""
+    system = llama.prompts[3][:64]
+    prompts = [system + tail for tail in ([5, 6, 7], [8] * 20, [9, 10])]
+    plain = LLMEngine(llama.path, block_size=16, num_blocks=64, enable_prefix_caching=False)
+    expected = [r.token_ids for r in plain.generate(prompts, GREEDY)]
+    engine = LLMEngine(llama.path, block_size=16, num_blocks=64)
+    results: dict[str, Collected] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, GREEDY)
+    absorb(results, engine.step())
+    assert engine.scheduler.last_plan[1] == 1 and engine.scheduler.shared_prefix_waits == 1  # only r0 prefilled
+    drain(engine, results)
+    assert [results[f"r{i}"].token_ids for i in range(3)] == expected
+    assert engine.scheduler.prefix_hit_tokens == 2 * 64  # computed once, reused twice
+    one_block = [system[:16] + [11] * 30, system[:16] + [12] * 30]
+    other = LLMEngine(llama.path, block_size=16, num_blocks=64)
+    for i, p in enumerate(one_block):
+        other.add_request(f"s{i}", p, GREEDY)
+    other.step()
+    assert other.scheduler.last_plan[1] == 2 and other.scheduler.shared_prefix_waits == 0
