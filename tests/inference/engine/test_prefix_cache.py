@@ -71,13 +71,19 @@ def test_repeated_prompt_hits_and_matches(llama: TinyModel) -> None:
     assert engine.kv_usage() == 0.0 and engine.block_manager.num_cached > 0
 
 
+def _shared_prefix_prompts(llama: TinyModel, prefix: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Three prompts sharing their first `prefix` tokens, and the greedy tokens of each from an engine
+    without prefix caching."""
+    system = llama.prompts[3][:prefix]
+    prompts = [system + tail for tail in ([5, 6, 7], [8] * 20, [9, 10])]
+    plain = LLMEngine(llama.path, block_size=16, num_blocks=64, enable_prefix_caching=False)
+    return prompts, [r.token_ids for r in plain.generate(prompts, GREEDY)]
+
+
 def test_shared_system_prompt_while_running(llama: TinyModel) -> None:
     """Requests sharing a 48-token prefix run together on shared blocks; outputs equal an engine
     without prefix caching, and every block is unreferenced at the end."""
-    system = llama.prompts[3][:48]
-    prompts = [system + tail for tail in ([5, 6, 7], [8] * 20, [9, 10])]
-    plain = LLMEngine(llama.path, block_size=16, num_blocks=64, enable_prefix_caching=False)
-    expected = [r.token_ids for r in plain.generate(prompts, GREEDY)]
+    prompts, expected = _shared_prefix_prompts(llama, 48)
     engine = LLMEngine(llama.path, block_size=16, num_blocks=64)
     results: dict[str, Collected] = {}
     engine.add_request("warm", prompts[0], SamplingParams(max_tokens=1, temperature=0.0))
@@ -162,10 +168,8 @@ def test_a_burst_sharing_a_system_prompt_computes_it_once(llama: TinyModel) -> N
     """Three requests arriving together with the same 64-token system prompt: the first computes it, the
     others wait one step (their next blocks are being computed) and then find it cached; the tokens are
     those of an engine without prefix caching. A prompt sharing one block with them does not wait."""
-    system = llama.prompts[3][:64]
-    prompts = [system + tail for tail in ([5, 6, 7], [8] * 20, [9, 10])]
-    plain = LLMEngine(llama.path, block_size=16, num_blocks=64, enable_prefix_caching=False)
-    expected = [r.token_ids for r in plain.generate(prompts, GREEDY)]
+    prompts, expected = _shared_prefix_prompts(llama, 64)
+    system = prompts[0][:64]
     engine = LLMEngine(llama.path, block_size=16, num_blocks=64)
     results: dict[str, Collected] = {}
     for i, p in enumerate(prompts):
