@@ -22,7 +22,7 @@ from inference.agent.launch import WORKER_MARKER_ENV, worker_marker
 from inference.agent.processes import is_zombie, marked_worker_processes
 from inference.agent.supervisor import Supervisor
 from inference.models import Worker, WorkerStatus
-from tests.inference.agent.test_supervisor import config, fresh, kill_leftovers, status
+from tests.inference.agent.test_supervisor import config, fresh, kill_leftovers, pending_tiny_decode, status
 from tests.support.control_plane import make_deployment, make_model, make_node, make_worker
 from tests.support.processes import free_port
 
@@ -73,11 +73,8 @@ def sleeper(marker: str, port: int) -> subprocess.Popen[bytes]:
 def test_worker_launched_by_an_agent_killed_before_recording_it_is_adopted_once_and_stopped(
     tiny_model_dir: Path, log_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = make_model(path=str(tiny_model_dir))
-    dep = make_deployment(model=model, context_length=256, batch_size=4, block_size=16, threads_per_worker=1)
-    node = make_node(address="127.0.0.1", last_heartbeat=timezone.now())
-    decode = make_worker(dep, node, role="decode", port=free_port(), kv_port=free_port(), status="pending",
-                         pid=None, cpu_ids=[0])
+    decode = pending_tiny_decode(tiny_model_dir)
+    node = decode.node
     first = Supervisor(node.pk, config(log_dir / f"agent-{uuid.uuid4().hex[:6]}"))
     orphan = launch_and_die(first, decode, monkeypatch)
     second: Supervisor | None = None

@@ -43,6 +43,16 @@ def fresh(worker: Worker) -> Worker:
     return Worker.objects.get(pk=worker.pk)
 
 
+def pending_tiny_decode(tiny_model_dir: Path) -> Worker:
+    """A pending decode worker of a one-thread tiny-model deployment on a fresh local node (to be launched
+    by a Supervisor of that node)."""
+    model = make_model(path=str(tiny_model_dir))
+    dep = make_deployment(model=model, context_length=256, batch_size=4, block_size=16, threads_per_worker=1)
+    node = make_node(address="127.0.0.1", last_heartbeat=timezone.now())
+    return make_worker(dep, node, role="decode", port=free_port(), kv_port=free_port(), status="pending",
+                       pid=None, cpu_ids=[0])
+
+
 def config(log_dir: Path, **overrides: Any) -> SupervisorConfig:
     values: dict[str, Any] = {
         "log_dir": log_dir, "health_interval_s": 0.3, "health_timeout_s": 2.0, "health_failures": 3,
@@ -187,11 +197,8 @@ def test_server_args_round_trip_through_the_command_line(tmp_path: Path, monkeyp
 def test_real_worker_crash_restart_adopt_and_drain(tiny_model_dir: Path, log_dir: Path) -> None:
     """A real tiny-model decode worker: SIGKILL → restarted (restarts + 1); a restarted agent adopts it;
     drained with a request in flight, it stops only once that request is gone."""
-    model = make_model(path=str(tiny_model_dir))
-    dep = make_deployment(model=model, context_length=256, batch_size=4, block_size=16, threads_per_worker=1)
-    node = make_node(address="127.0.0.1", last_heartbeat=timezone.now())
-    decode = make_worker(dep, node, role="decode", port=free_port(), kv_port=free_port(), status="pending",
-                         pid=None, cpu_ids=[0])
+    decode = pending_tiny_decode(tiny_model_dir)
+    node = decode.node
     first = Supervisor(node.pk, config(log_dir / f"agent-{uuid.uuid4().hex[:6]}"))
     second: Supervisor | None = None
     pids: list[int | None] = []
@@ -225,7 +232,7 @@ def test_real_worker_crash_restart_adopt_and_drain(tiny_model_dir: Path, log_dir
         assert d2.process_started_at and abs(d2.process_started_at - psutil_start(d2.pid)) < 0.01
         second = Supervisor(node.pk, config(log_dir / f"agent-{uuid.uuid4().hex[:6]}"))
         assert second.recover()["adopted"] == [decode.pk]
-        adopted = ScaleEvent.objects.get(deployment=dep, reason__startswith="adopted")
+        adopted = ScaleEvent.objects.get(deployment=decode.deployment, reason__startswith="adopted")
         assert adopted.source == "recovery" and f"pid {d2.pid}" in adopted.reason
         second.tick()
         assert fresh(decode).pid == d2.pid and status(decode) == WorkerStatus.RUNNING
