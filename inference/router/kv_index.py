@@ -26,7 +26,6 @@ import contextvars
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from itertools import takewhile
 from typing import Any
 
 import numpy as np
@@ -283,13 +282,8 @@ class KVIndex:
         return dict(zip(urls[slots].tolist(), depth[slots].tolist(), strict=True))
 
     def cached_tokens(self, url: str, prompt: PromptBlocks) -> int:
-        """Tokens of `prompt` the worker at `url` holds the KV of (its longest cached prefix); 0 when unknown.
-        One worker's lookup; a choice among many uses `match`."""
-        worker = self._workers.get(url)
-        if worker is None:
-            return 0
-        held_prefix = takewhile(worker.held.__contains__, prompt.hashes(worker.block_size))
-        return len(list(held_prefix)) * worker.block_size
+        """Tokens of `prompt` the worker at `url` holds the KV of (its longest cached prefix); 0 when unknown."""
+        return self.match(prompt).get(url, 0)
 
     def prefix_watch(self, endpoints: Iterable[Endpoint]) -> PrefixWatch:
         """A `PrefixWatch` over the workers of `endpoints` the index has a snapshot of."""

@@ -159,31 +159,39 @@ def test_the_decode_choice_weighs_cached_tokens_by_what_they_save_there() -> Non
 
 def test_the_inverted_match_equals_each_workers_own_prefix_through_changes() -> None:
     """`KVIndex.match` (one walk over the prompt, masks of workers per block) says for every worker what
-    its own held set says, through snapshots, batches with holes, drops, slot reuse and two block sizes."""
+    a plain model of its held set says (the run of the prompt's hashes from the first that it holds),
+    through snapshots, batches with holes, drops, slot reuse and two block sizes."""
+    from itertools import takewhile
+
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 900) for _ in range(rng.randrange(1, 130))] for _ in range(6)]
     prompts += [prompts[0][:40] + [rng.randrange(3, 900) for _ in range(50)]]  # shares a prefix
     index = KVIndex()
     urls = [f"http://w{i}:1" for i in range(40)]  # more workers than 32: masks past one machine word
     sizes = {url: rng.choice([4, 4, 8]) for url in urls}
+    held: dict[str, set[bytes]] = {}  # the model: what each worker holds
     for step in range(400):
         url = rng.choice(urls)
         size = sizes[url]
         action = rng.random()
-        if action < 0.3 or not index.knows(url):
-            held = [h for p in rng.sample(prompts, 2) for h in block_hashes(p[: rng.randrange(0, len(p) + 1)], size)]
-            index.apply_snapshot(url, KVSnapshot(role="decode", block_size=size, epoch="e", seq=step, hashes=held))
+        if action < 0.3 or url not in held:
+            hashes = [h for p in rng.sample(prompts, 2) for h in block_hashes(p[: rng.randrange(0, len(p) + 1)], size)]
+            index.apply_snapshot(url, KVSnapshot(role="decode", block_size=size, epoch="e", seq=step, hashes=hashes))
+            held[url] = set(hashes)
         elif action < 0.85:
             some = block_hashes(rng.choice(prompts), size)
             stored = rng.sample(some, min(len(some), rng.randrange(0, 6)))
             removed = [h for h in rng.sample(some, min(len(some), rng.randrange(0, 3))) if h not in stored]
             index.apply_batch(url, KVEventBatch(seq=step, stored=stored, removed=removed))
+            held[url] = (held[url] - set(removed)) | set(stored)
         else:
             index.drop(url)
+            held.pop(url)
         prompt = PromptBlocks(rng.choice(prompts))
         match = index.match(prompt)
         for u in urls:
-            assert match.get(u, 0) == index.cached_tokens(u, prompt), (step, u)
+            expected = len(list(takewhile(held.get(u, set()).__contains__, prompt.hashes(sizes[u])))) * sizes[u]
+            assert match.get(u, 0) == expected, (step, u)
         assert index.match(prompt) is match  # unchanged index: the prompt's last match again
     assert index.status()["distinct_blocks"] >= 1
 
