@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from email.utils import formatdate
 from typing import Any
@@ -45,16 +46,14 @@ RECORD_LIMIT = HEAD_LIMIT + 64  # a control record's largest size (a connection'
 SNAPSHOT_LIMIT = 192 * 1024
 
 
-def snapshot_record(snapshot: dict[str, Any], dumps: Any = json.dumps) -> bytes:
-    """`S` + the snapshot as JSON, within SNAPSHOT_LIMIT: its `health` sent as null when too large."""
-    record = SNAPSHOT + _bytes(dumps(snapshot))
+def snapshot_record(snapshot: dict[str, Any],
+                    dumps: Callable[[Any], bytes] = lambda o: json.dumps(o).encode()) -> bytes:
+    """`S` + the snapshot as JSON (`dumps`: to bytes), within SNAPSHOT_LIMIT: its `health` sent as null
+    when too large."""
+    record = SNAPSHOT + dumps(snapshot)
     if len(record) > SNAPSHOT_LIMIT and snapshot.get("health") is not None:
-        record = SNAPSHOT + _bytes(dumps({**snapshot, "health": None, "health_bytes": len(record)}))
+        record = SNAPSHOT + dumps({**snapshot, "health": None, "health_bytes": len(record)})
     return record
-
-
-def _bytes(value: str | bytes) -> bytes:
-    return value.encode() if isinstance(value, str) else value
 
 _PROBE_STARTS = (b"GET /health ", b"HEAD /health ")
 _VERSIONS = (b"HTTP/1.1", b"HTTP/1.0")
