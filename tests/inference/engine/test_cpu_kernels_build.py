@@ -101,7 +101,9 @@ def test_two_processes_starting_at_once_build_once_and_both_load(tmp_path: Path)
     for proc, (out, err) in zip(procs, results, strict=True):
         assert proc.returncode == 0, err
         assert '"answer": 42' in out, (out, err)
-    assert sum("waiting for it" in err for _, err in results) == 1, [err for _, err in results]
+    # At most one waited on the lock: on a busy host the first can finish its build before the second
+    # reaches the lock, which then finds it up to date. Building once is what the ninja log shows below.
+    assert sum("waiting for it" in err for _, err in results) <= 1, [err for _, err in results]
     # ninja's log: one compile and one link, however many processes loaded the result
     entries = [line for line in (root / "probe_ext" / ".ninja_log").read_text().splitlines()
                if not line.startswith("#")]
