@@ -242,12 +242,16 @@ def prometheus(deployment: dict[str, str], tmp_path: Path, log_dir: Path) -> Ite
 
 def test_prometheus_evaluates_every_panel_query(prometheus: str) -> None:
     deadline = time.monotonic() + SCRAPE_WAIT_S
-    while time.monotonic() < deadline:  # every target scraped, and twice: rates have two points
-        up = _query(prometheus, 'up{job="disagg"} == 1')
-        if len(up) == 3 and _query(prometheus, 'rate(process_cpu_seconds_total{component="router"}[1m])'):
+    # Every target scraped, and each twice: a rate needs two points of the same target, and the
+    # targets' scrapes are offset from one another (waiting on the router's alone left the workers'
+    # rates empty on a busy host).
+    every_rate = 'rate(process_cpu_seconds_total{job="disagg"}[1m])'
+    while time.monotonic() < deadline:
+        if len(_query(prometheus, 'up{job="disagg"} == 1')) == 3 and len(_query(prometheus, every_rate)) == 3:
             break
         time.sleep(1)
     assert len(_query(prometheus, 'up{job="disagg"} == 1')) == 3, _query(prometheus, "up")
+    assert len(_query(prometheus, every_rate)) == 3, _query(prometheus, every_rate)
 
     empty: set[str] = set()
     for title, expr in dashboard_queries():
