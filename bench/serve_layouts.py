@@ -11,7 +11,10 @@ Layouts (one thread per worker, `--dtype auto`):
 - `both-per-cpu`: one `--service-type both` worker per CPU and no prefill worker (a colocated pool:
   each worker prefills its own prompts), chunked prefill at `--prefill-budget` tokens per step with a
   decode step of the running batch after every prefill step, so no process preempts another and a
-  decode waits for at most one budget's worth of prefill.
+  decode waits for at most one budget's worth of prefill;
+- `both-mixed`: the same workers with `--mixed-prefill`: every step one forward carrying the running
+  batch's decode rows and up to `--mixed-budget` prompt tokens on top of them (measured beside
+  `both-per-cpu` in one run).
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ DEFAULT_LAYOUT = "both-per-cpu"
 
 # both-per-cpu's prefill tokens per step unless --prefill-budget says otherwise.
 BOTH_BUDGET = 256
+# both-mixed's prompt tokens per step (on top of the decode rows) unless --mixed-budget says otherwise.
+MIXED_BUDGET = 64
 
 LAYOUTS = {
     "split": "prefill on CPU 0, one decode worker on CPU 1",
@@ -36,6 +41,8 @@ LAYOUTS = {
     "prefill-yields": "one decode worker per CPU at nice 0, the prefill worker beside the first at --prefill-nice",
     "both-per-cpu": "one --service-type both worker per CPU (local prefill, --prefill-budget tokens a step), "
                     "no prefill worker",
+    "both-mixed": "both-per-cpu's workers with --mixed-prefill, --mixed-budget prompt tokens a step on top of "
+                  "the decode rows",
 }
 
 
@@ -61,6 +68,10 @@ def worker_specs(layout: str, args: Any) -> list[tuple[str, list[str]]]:
         return [("prefill", [*at(0, args.prefill_nice), *budget])] + [("decode", at(c, 0)) for c in range(cpus)]
     if layout == "both-per-cpu":
         return [("both", [*at(c, args.both_nice), *budget]) for c in range(cpus)]
+    if layout == "both-mixed":
+        tokens = getattr(args, "mixed_budget", None) or MIXED_BUDGET
+        mixed = ["--mixed-prefill", "--max-num-batched-tokens", str(tokens)]
+        return [("both", [*at(c, args.both_nice), *mixed]) for c in range(cpus)]
     raise ValueError(f"unknown layout {layout!r}")
 
 

@@ -44,7 +44,7 @@ from bench.common import (
     write_result,
 )
 from bench.engine_throughput import VLLM_VENV, vllm_serve_process
-from bench.serve_layouts import BOTH_BUDGET, DEFAULT_LAYOUT, LAYOUTS, serving, step_summary
+from bench.serve_layouts import BOTH_BUDGET, DEFAULT_LAYOUT, LAYOUTS, MIXED_BUDGET, serving, step_summary
 
 MODULE = "bench.serve_vs_vllm"
 
@@ -209,6 +209,8 @@ def _parser() -> Any:
                    f"prefill (default: the workers' own; both-per-cpu {BOTH_BUDGET})")
     p.add_argument("--mixed-prefill", action="store_true",
                    help="our workers run with --mixed-prefill (prompt tokens in the decode batch's forward)")
+    p.add_argument("--mixed-budget", type=int, default=MIXED_BUDGET,
+                   help="layout both-mixed: prompt tokens per step on top of the decode rows")
     p.add_argument("--layout", default=DEFAULT_LAYOUT,
                    help="our workers' placement, or several comma-separated (each measured in every round): "
                    + "; ".join(f"{k}: {v}" for k, v in LAYOUTS.items()))
@@ -249,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"note": note_shared_machine(), "model": model.name, "layouts": layouts,
                               "decode_nice": args.decode_nice, "prefill_nice": args.prefill_nice,
                               "both_nice": args.both_nice, "prefill_budget": args.prefill_budget,
-                              "mixed_prefill": args.mixed_prefill,
+                              "mixed_prefill": args.mixed_prefill, "mixed_budget": args.mixed_budget,
                               "prefix_len": args.prefix_len, "input_len": args.input_len,
                               "output_len": args.output_len, "loadavg_start": _loadavg(), "rounds": []}
     systems = [*layouts, *([] if args.no_vllm else ["vllm"])]

@@ -96,9 +96,10 @@ class LLMEngine(KVHandover):
         `enable_chunked_prefill`: a prompt longer than `max_num_batched_tokens` is computed in chunks
         of that many tokens, alternating with decode steps. `enable_mixed_prefill` (with chunked
         prefill, on a CPU with the decode kernel: `ModelRunner.can_mix`): each step carries the
-        running batch's decode rows and prompt tokens in one forward, `max_num_batched_tokens` in all
-        (vLLM's chunked prefill), so streams get a token every step. `max_queued_kv_fraction` bounds the
-        blocks held by reserved and ready (not yet running) sequences together, see `reserve`.
+        running batch's decode rows and up to `max_num_batched_tokens` prompt tokens in one forward
+        (vLLM's chunked prefill; the rows on top of the budget), so streams get a token every step.
+        `max_queued_kv_fraction` bounds the blocks held by reserved and ready (not yet running)
+        sequences together, see `reserve`.
         `speculative`: n-gram speculative decoding (speculative.py; None, the default: off): decode
         steps verify proposed tokens in the same forward; outputs are distributed as without it.
         """

@@ -220,9 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mixed-prefill",
         action="store_true",
-        help="run prompt tokens in the same forward as the running batch's decode rows, "
-        "--max-num-batched-tokens in all per step (vLLM's chunked prefill; CPU with the decode kernel, "
-        "with chunked prefill): streams get a token every step instead of waiting for a prefill step",
+        help="run prompt tokens in the same forward as the running batch's decode rows, up to "
+        "--max-num-batched-tokens prompt tokens per step on top of the rows (vLLM's chunked prefill; CPU "
+        "with the decode kernel, with chunked prefill): streams get a token every step instead of waiting "
+        "for a prefill step",
     )
     p.add_argument("--base-cpu-id", type=int, default=None, help="first CPU to pin the worker to")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads / CPUs pinned")

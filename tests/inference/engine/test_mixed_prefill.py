@@ -47,12 +47,35 @@ def test_streams_get_a_token_every_step_while_a_prompt_is_prefilled(llama: TinyM
         absorb(results, outs)
         plans.append(engine.scheduler.last_plan)
         assert any(o.request_id == "short" for o in outs)  # a token in every step
-    # 70 tokens, 19 a step beside the decode row: 4 steps, each with one prefill and one decode sequence.
+    # 70 tokens, 20 a step beside the decode row: 4 steps, each with one prefill and one decode sequence.
     assert [(seqs, dec) for _, seqs, dec in plans] == [(1, 1)] * 4
-    assert sum(tokens for tokens, _, _ in plans) == 70
+    assert [tokens for tokens, _, _ in plans] == [20, 20, 20, 10]
     drain(engine, results)
     assert results["long"].token_ids == llama.greedy[3]
     assert results["short"].token_ids == llama.greedy[0]
+    assert engine.kv_usage() == 0.0
+
+
+def test_decode_rows_do_not_take_the_prompt_budget(llama: TinyModel) -> None:
+    """With more running streams than the budget has tokens, a prompt still gets the whole budget of
+    prompt tokens each step beside all the decode rows (the rows once counted against it: a prompt then
+    got one block a step, or none), and every request ends with transformers' tokens."""
+    engine = LLMEngine(llama.path, block_size=16, num_blocks=64, max_num_batched_tokens=16,
+                       enable_mixed_prefill=True)
+    results: dict[str, Collected] = {}
+    for i in range(3):  # 3 short prompts decoding: 3 rows beside a 16-token budget
+        engine.add_request(f"s{i}", llama.prompts[0], GREEDY)
+    absorb(results, engine.step())
+    assert engine.scheduler.last_plan == (9, 3, 0)
+    engine.add_request("long", llama.prompts[3], GREEDY)
+    plans = []
+    while "long" not in results or not results["long"].token_ids:
+        absorb(results, engine.step())
+        plans.append(engine.scheduler.last_plan)
+    assert plans == [(16, 1, 3)] * 4 + [(6, 1, 3)]
+    drain(engine, results)
+    assert results["long"].token_ids == llama.greedy[3]
+    assert all(results[f"s{i}"].token_ids == llama.greedy[0] for i in range(3))
     assert engine.kv_usage() == 0.0
 
 
