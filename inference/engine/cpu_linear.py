@@ -16,8 +16,8 @@ at most (5.3e-5 before; test_logits_parity.py allows 5e-4), greedy tokens unchan
 On an AVX2-only CPU (sixth session, AMD EPYC without AVX-512) fp32 runs on the engine's own panel
 kernel instead (csrc/panel_gemm.cpp, `PanelLinear`): oneDNN's fp32 kernel streamed the weights of an
 8-row decode step at ~13 GB/s there, the panel kernel ran SmolLM2's projections 1.25-1.4x faster at 8
-and 16 rows and 1.05-1.1x at 64-256. On AVX-512 CPUs oneDNN's 16-wide kernels stay (the panel kernel is
-8 wide and was not measured there); `INFERENCE_PANEL_GEMM=1` / `0` forces it on / off.
+and 16 rows and 1.05-1.1x at 64-256. On AVX-512 CPUs oneDNN's 16-wide kernels stayed then (the panel kernel
+was 8 wide and was not measured there); `INFERENCE_PANEL_GEMM=1` / `0` forces it on / off.
 
 Since the seventh session the panel kernel has AVX-512 variants (csrc/panel_gemm512.cpp): 16-wide fp32,
 and bf16 with AVX512-BF16's `vdpbf16ps` (weights packed once in the pair-interleaved layout it reads,
@@ -26,6 +26,13 @@ ran in 0.59-0.90x oneDNN's time in bf16 and 0.73-0.91x in fp32 at 1-64 rows, and
 at 256 (bench/engine_linears.py, docs/benchmarks.md). So the choice is per row count
 (`panel_rows_limit`): rows up to the limit run on the panels, more rows (prefill chunks) on oneDNN's
 prepacked copy of the same weight, kept beside the panels only where the limit is finite.
+
+On an Intel Xeon with AMX-BF16 (family 6 model 207, twelfth session) oneDNN's bf16 kernel runs on AMX
+tiles (`brg_matmul:avx10_1_512_amx` in ONEDNN_VERBOSE): a SmolLM2 step's projections took about as long
+at 64 rows as at 8 (34 ms against 29), where the AVX512-BF16 panels grow with the rows (205 ms at 64).
+The panels win there only at 1-4 rows (0.58-0.87x of oneDNN's time; oneDNN's small-row path is slow),
+so bf16 uses them up to `AMX_BF16_PANEL_ROWS` rows and the AMX kernel above. AMX has no fp32 tiles:
+fp32 runs on the 16-wide panels up to 64 rows (0.80-0.94x of oneDNN's avx512_core kernel), as on Zen 4.
 """
 from __future__ import annotations
 
@@ -50,14 +57,20 @@ ALL_ROWS = 1 << 62
 # the final tiles): bf16 0.59-0.90x of oneDNN's time at 1-64 rows, 1.05x at 256; fp32 0.73-0.91x at 1-64,
 # 1.00x at 256. AMD EPYC Zen 5 (eighth session, a step's projections without the LM head, load 6-9): bf16
 # 0.47-0.72x at 1-64 rows, 0.60x at 128, 0.78-0.90x at 256 (one run of three 1.38x), 0.90-0.94x at 512,
-# 1.02-1.05x at 2048; fp32 0.62-0.92x at 1-64 rows, 1.00-1.04x at 256-2048. CPUs with AMX are left to
-# oneDNN (its AMX kernels, not measured against these).
+# 1.02-1.05x at 2048; fp32 0.62-0.92x at 1-64 rows, 1.00-1.04x at 256-2048. Intel Xeon with AMX (family 6
+# model 207, twelfth session): bf16 0.58-0.78x at 1-2 rows, 0.87x at 4, 1.00x at 6, 1.04-1.12x at 8 and
+# 1.5-11x at 12-256 (oneDNN's AMX tiles: a 64-row step's projections in 34 ms against the panels' 205), so
+# bf16 runs on the panels up to AMX_BF16_PANEL_ROWS and on oneDNN's AMX kernel above; fp32 (no AMX for
+# fp32: oneDNN's avx512_core kernel) 0.80-0.94x at 1-64 rows, 1.04-1.06x at 128-256.
+AMX_BF16_PANEL_ROWS = 4
 PANEL_ROWS: dict[tuple[str, torch.dtype], int] = {
     ("avx2", torch.float32): ALL_ROWS,
     ("avx512", torch.float32): 64,
     ("avx512", torch.bfloat16): 64,
     ("avx512-zen5", torch.float32): 64,
     ("avx512-zen5", torch.bfloat16): 512,
+    ("avx512-amx", torch.float32): 64,
+    ("avx512-amx", torch.bfloat16): AMX_BF16_PANEL_ROWS,
 }
 # AMD's Zen 5 (EPYC 9005) is cpu family 26 (0x1a); Zen 4 and Zen 3 are 25.
 ZEN5_FAMILY = 26

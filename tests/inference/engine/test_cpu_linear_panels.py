@@ -12,6 +12,7 @@ from torch import nn
 
 from inference.engine.cpu_linear import (
     ALL_ROWS,
+    AMX_BF16_PANEL_ROWS,
     PANEL_ROWS,
     PANEL_SWITCH,
     PanelLinear,
@@ -154,6 +155,9 @@ def test_choice_rule_per_cpu_kind(monkeypatch: pytest.MonkeyPatch) -> None:
     if kind == "avx512-zen5":  # Zen 5: bf16 prefill chunks up to 512 rows on the panels too
         assert panel_rows_limit(torch.float32, ops) == 64
         assert bf16 == 512
+    if kind == "avx512-amx":  # Intel Xeon with AMX: oneDNN's AMX tiles for bf16 past a single row
+        assert panel_rows_limit(torch.float32, ops) == 64
+        assert bf16 in (0, AMX_BF16_PANEL_ROWS)
     monkeypatch.setenv(PANEL_SWITCH, "0")
     assert panel_rows_limit(torch.float32, ops) == panel_rows_limit(torch.bfloat16, ops) == 0
     monkeypatch.setenv(PANEL_SWITCH, "1")
@@ -162,11 +166,18 @@ def test_choice_rule_per_cpu_kind(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cpu_kind_sets_amx_apart(monkeypatch: pytest.MonkeyPatch) -> None:
-    """AVX-512 CPUs with AMX tiles are their own kind (no panel rows: oneDNN's AMX kernels)."""
+    """AVX-512 CPUs with AMX tiles are their own kind: bf16 on oneDNN's AMX kernels past the few rows where
+    the panels won (the panels were 2-11x slower at 16-256 rows there), fp32 on the panels up to 64 rows."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr("inference.engine.cpu_linear._cpu_flags", lambda: {"avx512f", "amx_tile", "amx_bf16"})
     assert cpu_kind() == "avx512-amx"
-    assert not any(kind == "avx512-amx" for kind, _ in PANEL_ROWS)
+    assert PANEL_ROWS[("avx512-amx", torch.float32)] == 64
+    assert 0 < PANEL_ROWS[("avx512-amx", torch.bfloat16)] == AMX_BF16_PANEL_ROWS < 8
+    monkeypatch.delenv(PANEL_SWITCH, raising=False)
+    ops = _kernels()
+    assert panel_rows_limit(torch.float32, ops) == 64
+    if "bfloat16" in ops.panel_variants():
+        assert panel_rows_limit(torch.bfloat16, ops) == AMX_BF16_PANEL_ROWS
     monkeypatch.setattr("inference.engine.cpu_linear._cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     monkeypatch.setattr("inference.engine.cpu_linear.cpu_family", lambda: ("AuthenticAMD", 25))
     assert cpu_kind() == "avx512"
