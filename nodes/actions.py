@@ -6,6 +6,7 @@ the agent's reports) is in `inference.actions.workers` and `inference.actions.no
 """
 from __future__ import annotations
 
+import enum
 import logging
 from datetime import datetime
 from typing import Any
@@ -61,10 +62,23 @@ def register_node(
     return node
 
 
-def heartbeat(node_id: int, *, metrics: dict[str, Any] | None = None) -> bool:
+class Beat(enum.Enum):
+    """What a heartbeat found: the node row gone, the node alive as it was, or the node back ONLINE."""
+
+    GONE = "gone"
+    ALIVE = "alive"
+    BACK = "back"
+
+    def __bool__(self) -> bool:
+        return self is not Beat.GONE
+
+
+def heartbeat(node_id: int, *, metrics: dict[str, Any] | None = None) -> Beat:
     """An agent is alive: stamp last_heartbeat (and host metrics); an OFFLINE/UNREACHABLE node is ONLINE again.
 
-    Returns False when the node no longer exists (deleted in the admin): the agent then re-registers.
+    Returns `Beat.GONE` (falsy) when the node no longer exists (deleted in the admin): the agent then
+    re-registers; `Beat.BACK` when this beat brought the node back ONLINE: its capacity returned, so the
+    caller places what waits for it.
     """
     now = _now()
     fields: dict[str, Any] = {"last_heartbeat": now}
@@ -77,7 +91,9 @@ def heartbeat(node_id: int, *, metrics: dict[str, Any] | None = None) -> bool:
         ).update(status=NodeStatus.ONLINE)
         if came_back:
             logger.info("node #%s is back online", node_id)
-    return bool(updated)
+            return Beat.BACK
+        return Beat.ALIVE
+    return Beat.GONE
 
 
 def activate_node(node: Node) -> Node:

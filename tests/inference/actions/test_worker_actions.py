@@ -49,14 +49,15 @@ def test_register_creates_then_updates_and_keeps_a_drain() -> None:
 
 def test_heartbeat_stamps_and_brings_an_offline_node_back() -> None:
     node = make_node(status=NodeStatus.OFFLINE, last_heartbeat=timezone.now() - timedelta(hours=1))
-    assert node_actions.heartbeat(node.pk, metrics={"cpu_utilization": 0.5})
+    assert node_actions.heartbeat(node.pk, metrics={"cpu_utilization": 0.5}) is node_actions.Beat.BACK
     node.refresh_from_db()
     assert node.status == NodeStatus.ONLINE
     assert node.last_metrics == {"cpu_utilization": 0.5}
     assert timezone.now() - node.last_heartbeat < timedelta(seconds=5)
-    assert node_actions.heartbeat(10**9) is False  # deleted node
+    assert node_actions.heartbeat(10**9) is node_actions.Beat.GONE  # deleted node
+    assert node_actions.heartbeat(node.pk) is node_actions.Beat.ALIVE  # ONLINE already
     unreachable = make_node(status=NodeStatus.UNREACHABLE, last_heartbeat=timezone.now() - timedelta(hours=1))
-    assert node_actions.heartbeat(unreachable.pk)
+    assert node_actions.heartbeat(unreachable.pk) is node_actions.Beat.BACK
     unreachable.refresh_from_db()
     assert unreachable.status == NodeStatus.ONLINE  # its agent is back (and adopts the workers)
     draining = make_node(status=NodeStatus.DRAINING)
