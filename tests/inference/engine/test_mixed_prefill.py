@@ -37,6 +37,7 @@ def test_streams_get_a_token_every_step_while_a_prompt_is_prefilled(llama: TinyM
     engine = LLMEngine(llama.path, block_size=16, num_blocks=64, max_num_batched_tokens=20,
                        enable_mixed_prefill=True)
     assert engine.scheduler.enable_mixed_prefill
+    engine.scheduler.mixed_queue_scale = 1  # chunks of the budget, however deep the queue
     engine.add_request("short", llama.prompts[0], GREEDY)
     results: dict[str, Collected] = {}
     absorb(results, engine.step())  # the short prompt's prefill: it is running now
@@ -62,6 +63,7 @@ def test_decode_rows_do_not_take_the_prompt_budget(llama: TinyModel) -> None:
     got one block a step, or none), and every request ends with transformers' tokens."""
     engine = LLMEngine(llama.path, block_size=16, num_blocks=64, max_num_batched_tokens=16,
                        enable_mixed_prefill=True)
+    engine.scheduler.mixed_queue_scale = 1
     results: dict[str, Collected] = {}
     for i in range(3):  # 3 short prompts decoding: 3 rows beside a 16-token budget
         engine.add_request(f"s{i}", llama.prompts[0], GREEDY)
@@ -76,6 +78,31 @@ def test_decode_rows_do_not_take_the_prompt_budget(llama: TinyModel) -> None:
     drain(engine, results)
     assert results["long"].token_ids == llama.greedy[3]
     assert all(results[f"s{i}"].token_ids == llama.greedy[0] for i in range(3))
+    assert engine.kv_usage() == 0.0
+
+
+def test_a_deep_queue_takes_bigger_mixed_steps(llama: TinyModel) -> None:
+    """A burst on an idle engine takes up to 8 budgets of prompt tokens in one step; a prompt arriving
+    while more streams run than its tokens fill budgets keeps the budget a step; outputs unchanged."""
+    # No prefix caching: the late prompt repeats one of the burst's and must be computed in full.
+    engine = LLMEngine(llama.path, block_size=16, num_blocks=64, max_num_batched_tokens=16,
+                       enable_mixed_prefill=True, enable_prefix_caching=False)
+    results: dict[str, Collected] = {}
+    for i in range(4):  # 3 + 17 + 40 + 70 = 130 prompt tokens, no stream running yet
+        engine.add_request(f"b{i}", llama.prompts[i], GREEDY)
+    absorb(results, engine.step())
+    assert engine.scheduler.last_plan == (128, 4, 0)  # 8 budgets: the last prompt's first 68 tokens
+    absorb(results, engine.step())
+    assert engine.scheduler.last_plan == (2, 1, 3)
+    engine.add_request("late", llama.prompts[2], GREEDY)  # 40 tokens beside 4 streams: 10 per stream
+    plans = []
+    while "late" not in results or not results["late"].token_ids:
+        absorb(results, engine.step())
+        plans.append(engine.scheduler.last_plan)
+    assert plans == [(16, 1, 4), (16, 1, 4), (8, 1, 4)]
+    drain(engine, results)
+    assert [results[f"b{i}"].token_ids for i in range(4)] == llama.greedy
+    assert results["late"].token_ids == llama.greedy[2]
     assert engine.kv_usage() == 0.0
 
 
