@@ -8,7 +8,8 @@ one torch thread, and then the engine's decode throughput at several batch sizes
 - **bandwidth share**: weight bytes read per second by the engine's steps ÷ the measured read
   bandwidth (a STREAM-like sum over a buffer far larger than the caches);
 - **compute share**: FLOP per second of the engine's projections ÷ the measured peak of a large
-  square GEMM in the engine's dtype (oneDNN/MKL through `torch.mm`: the practical peak of one core).
+  square GEMM in the engine's dtype (the faster of `torch.mm` and the engine's prepacked oneDNN linear:
+  the practical peak of one core; AMX tiles in bf16 where the CPU has them).
 
 Both from two measurements per batch size: tok/s over whole `generate` calls (prompts prefilled, the
 batch ramping up and draining: what a client sees), and the **steady** decode step (the median
@@ -64,20 +65,42 @@ def read_bandwidth_gbs(megabytes: int, repeats: int) -> dict[str, Any]:
 
 
 def peak_gemm_gflops(dtype: str, n: int, repeats: int) -> dict[str, Any]:
-    """Best-of-`repeats` GFLOP/s of one thread multiplying two n x n matrices in `dtype` (torch.mm)."""
+    """Best-of-`repeats` GFLOP/s of one thread multiplying two n x n matrices in `dtype`, on the fastest
+    of the GEMMs at hand: `torch.mm` (oneDNN or MKL) and the engine's prepacked oneDNN linear (its weight
+    reordered once, as `cpu_linear.PrepackedLinear` runs it). On an AMX CPU both reach oneDNN's AMX
+    kernel in bf16 (`brg_matmul:avx10_1_512_amx` in ONEDNN_VERBOSE); elsewhere the faster one counts."""
     import torch
 
     torch_dtype = getattr(torch, dtype)
     a = torch.randn(n, n).to(torch_dtype)
     b = torch.randn(n, n).to(torch_dtype)
-    torch.mm(a, b)
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - started)
-    best = min(times)
-    return {"dtype": dtype, "n": n, "repeats": repeats, "best_s": best, "gflops": 2 * n**3 / best / 1e9}
+    kernels = {"torch.mm": lambda: torch.mm(a, b)}
+    try:
+        from torch import nn
+
+        from inference.engine.cpu_linear import PrepackedLinear, prepacked_linear_available
+
+        if prepacked_linear_available(torch_dtype, torch.device("cpu")):
+            linear = nn.Linear(n, n, bias=False).to(torch_dtype)
+            with torch.no_grad():
+                linear.weight.copy_(b.t())
+            packed = PrepackedLinear(linear, batch_hint=n)
+            kernels["onednn prepacked"] = lambda: packed(a)
+    except (ImportError, RuntimeError):  # no oneDNN in this torch: torch.mm alone
+        pass
+    best = {}
+    with torch.inference_mode():
+        for name, run in kernels.items():
+            run()  # warm-up: primitive creation, page faults
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - started)
+            best[name] = 2 * n**3 / min(times) / 1e9
+    kernel = max(best, key=lambda k: best[k])
+    return {"dtype": dtype, "n": n, "repeats": repeats, "kernel": kernel, "gflops": best[kernel],
+            "gflops_per_kernel": best}
 
 
 def weight_elements(model_dir: Path) -> dict[str, int]:
@@ -206,8 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           fmt(r["steady_step_ms"], 2), f"{100 * r['steady']['bandwidth_share']:.0f} %",
           f"{100 * r['steady']['compute_share']:.0f} %"]
          for r in rows])
+    per_kernel = ", ".join(f"{k} {v:.1f}" for k, v in peak["gflops_per_kernel"].items())
     print(f"read bandwidth {bandwidth['gb_per_s']:.1f} GB/s; {dtype} GEMM peak {peak['gflops']:.1f} GFLOP/s "
-          f"(n = {args.gemm_n}, one thread)\n{table}")
+          f"({peak['kernel']}; {per_kernel}; n = {args.gemm_n}, one thread)\n{table}")
     name = "cpu_limits_quick" if args.quick else f"cpu_limits_{model_dir.name}_{dtype}"
     path = write_result(args.out_dir, name, MODULE, argv, {
         "model": model_dir.name, "dtype": dtype, "weights": weights, "read_bandwidth": bandwidth,

@@ -191,6 +191,10 @@ def test_cpu_limits_quick(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert result["weights"]["linear"] == layers * (2 * h * h + 2 * h * kv + 3 * h * inter)
     assert result["weights"]["lm_head"] == cfg["vocab_size"] * h
     assert _positive(result["read_bandwidth"]["gb_per_s"]) and _positive(result["gemm_peak"]["gflops"])
+    # The peak is the fastest GEMM probed: torch.mm and, where oneDNN packs this dtype, the engine's linear.
+    peak = result["gemm_peak"]
+    assert "torch.mm" in peak["gflops_per_kernel"] and peak["gflops"] == max(peak["gflops_per_kernel"].values())
+    assert peak["gflops_per_kernel"][peak["kernel"]] == peak["gflops"]
     assert [r["batch"] for r in result["decode"]] == [1, 4]
     bytes_per_weight = 4 if result["dtype"] == "float32" else 2
     for row in result["decode"]:
