@@ -106,6 +106,26 @@ def test_a_deep_queue_takes_bigger_mixed_steps(llama: TinyModel) -> None:
     assert engine.kv_usage() == 0.0
 
 
+def test_the_queue_counts_only_uncached_prompt_tokens(llama: TinyModel) -> None:
+    """A waiting prompt whose prefix is cached adds only its uncached tokens to the queue that sizes a
+    mixed step: 6 + 40 queued tokens beside 2 streams give 23 a step (counted whole, 110: all 46)."""
+    engine = LLMEngine(llama.path, block_size=16, num_blocks=64, max_num_batched_tokens=16,
+                       enable_mixed_prefill=True)
+    results: dict[str, Collected] = {}
+    engine.add_request("first", llama.prompts[3], GREEDY)  # 70 tokens: 4 blocks cached when it is done
+    drain(engine, results)
+    for i in range(2):
+        engine.add_request(f"s{i}", llama.prompts[i], GREEDY)
+    absorb(results, engine.step())
+    engine.add_request("again", llama.prompts[3], GREEDY)  # 64 cached, 6 to compute
+    engine.add_request("fresh", llama.prompts[2], GREEDY)
+    absorb(results, engine.step())
+    assert engine.scheduler.last_plan == (23, 2, 2)
+    drain(engine, results)
+    assert results["again"].token_ids == results["first"].token_ids == llama.greedy[3]
+    assert results["fresh"].token_ids == llama.greedy[2]
+
+
 @pytest.mark.parametrize("budget", [16, 40])
 def test_greedy_and_seeded_outputs_equal_separate_steps(llama: TinyModel, budget: int) -> None:
     """Prompts arriving while others decode: greedy tokens equal transformers', seeded sampling with
