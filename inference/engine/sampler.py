@@ -68,6 +68,21 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return x.max(dim=-1).indices
 
 
+def inverse_cdf_sample(probs: torch.Tensor) -> torch.Tensor:
+    """One index per row of `probs` `[rows, vocab]`, drawn from the row's distribution by one uniform
+    number against its cumulative sum (in float64: the tail's sums stay exact to ~1e-16).
+
+    Unseeded rows take this path instead of the exponential race (argmax of probs / Exp(1) noise):
+    the race draws one exponential number per vocabulary entry, and torch's CPU `exponential_` cost
+    1.4 ms a row for SmolLM2's 49,152 entries on the AMX Xeon (a third of a 16-row decode step at
+    temperature 1.0); the cumulative sum and one search cost a fraction of it. Same distribution; a
+    zero-probability entry is never drawn (its cumulative sum equals its predecessor's).
+    """
+    cdf = probs.double().cumsum_(dim=-1)
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
 def _greedy_ids(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -122,11 +137,20 @@ def sample(
         x = torch.where(finite[:, None], x, torch.zeros_like(x))
     x = _filter(x, picked)
     probs = torch.softmax(x, dim=-1)
-    noise = torch.empty_like(probs).exponential_()
-    for j, p in enumerate(picked):
-        if p.seed is not None:
-            noise[j] = seeded_noise(p.seed, steps[rows[j]], probs.shape[-1]).to(noise.device)
-    choice = row_argmax(probs / noise)
+    seeded = [j for j, p in enumerate(picked) if p.seed is not None]
+    if not seeded:
+        choice = inverse_cdf_sample(probs)
+    else:
+        # A seeded row draws its own exponential race (the same noise in any batch: reproducible).
+        noise = torch.empty_like(probs)
+        for j in seeded:
+            noise[j] = seeded_noise(picked[j].seed, steps[rows[j]], probs.shape[-1]).to(noise.device)
+        free = [j for j in range(len(picked)) if picked[j].seed is None]
+        if free:
+            noise[free] = 1.0  # replaced below
+        choice = row_argmax(probs / noise)
+        if free:
+            choice[free] = inverse_cdf_sample(probs[free])
     if not all_finite:
         choice = torch.where(finite, choice, _greedy_ids(logits, params, histories, rows))
     if len(rows) == len(params):

@@ -282,9 +282,10 @@ def test_unseeded_sampling_distributed_as_plain_decoding(copying_model: Path) ->
         a = Counter(r[pos] for r in samples[0])
         b = Counter(r[pos] for r in samples[1])
         tv = 0.5 * sum(abs(a[t] - b[t]) for t in set(a) | set(b)) / n
-        # Sampling noise alone stays near 0.03-0.05 here; accepting a proposal too often (or too
+        # Sampling noise alone: 0.02-0.07 at positions 1-2, 0.067-0.092 at position 3 (torch seeds 0-5,
+        # the exponential race and the inverse-CDF draw alike); accepting a proposal too often (or too
         # rarely) by a factor 1.25 already moves the top token's share by 0.15 or more.
-        assert tv < 0.08, (pos, tv)
+        assert tv < 0.11, (pos, tv)
 
 
 # -------------------------------------------------------------------------------- when not to speculate
