@@ -137,14 +137,14 @@ def sample(
         x = torch.where(finite[:, None], x, torch.zeros_like(x))
     x = _filter(x, picked)
     probs = torch.softmax(x, dim=-1)
-    seeded = [j for j, p in enumerate(picked) if p.seed is not None]
+    seeded = [(j, p.seed) for j, p in enumerate(picked) if p.seed is not None]
     if not seeded:
         choice = inverse_cdf_sample(probs)
     else:
         # A seeded row draws its own exponential race (the same noise in any batch: reproducible).
         noise = torch.empty_like(probs)
-        for j in seeded:
-            noise[j] = seeded_noise(picked[j].seed, steps[rows[j]], probs.shape[-1]).to(noise.device)
+        for j, seed in seeded:
+            noise[j] = seeded_noise(seed, steps[rows[j]], probs.shape[-1]).to(noise.device)
         free = [j for j in range(len(picked)) if picked[j].seed is None]
         if free:
             noise[free] = 1.0  # replaced below
