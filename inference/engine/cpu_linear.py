@@ -72,6 +72,14 @@ PANEL_ROWS: dict[tuple[str, torch.dtype], int] = {
     ("avx512-amx", torch.float32): 64,
     ("avx512-amx", torch.bfloat16): AMX_BF16_PANEL_ROWS,
 }
+# Up to how many rows sharing one call oneDNN's prepacked kernel computes each row exactly as it computes
+# that row alone, per CPU kind and dtype, where that bound matters (measured, twelfth session, Intel Xeon
+# with AMX, family 6 model 207, weights packed with a batch hint of 32: bf16 on the AMX kernel, SmolLM2's
+# projection and LM-head shapes, bit-identical rows up to 32 and not at 33-300; splitting 40-256 rows into
+# 32-row calls cost 1.6-2.4x one call). The panel kernel computes each row alone at every row count.
+ONEDNN_ROW_INVARIANT_ROWS: dict[tuple[str, torch.dtype], int] = {
+    ("avx512-amx", torch.bfloat16): 32,
+}
 # AMD's Zen 5 (EPYC 9005) is cpu family 26 (0x1a); Zen 4 and Zen 3 are 25.
 ZEN5_FAMILY = 26
 
@@ -215,6 +223,22 @@ def panel_rows_limit(dtype: torch.dtype, ops: Any) -> int:
     if switch in ("1", "true", "yes", "on"):
         return ALL_ROWS
     return PANEL_ROWS.get((cpu_kind(), dtype), 0)
+
+
+def row_invariant_plan(dtype: torch.dtype, ops: Any) -> tuple[int, int | None]:
+    """(panel rows, the most rows a step may run) under which every linear computes a row the same
+    whatever other rows share the step: what speculative decoding needs for its greedy tokens to be
+    plain decoding's (a verify step runs more rows than the decode step it replaces).
+
+    Where oneDNN is bit-stable only up to a row count (`ONEDNN_ROW_INVARIANT_ROWS`: the AMX kernel in
+    bf16) and faster than the panels there, oneDNN alone within that many rows; else, with panels for
+    `dtype` in the build, the panels at every row count; else the usual choice with no row bound.
+    """
+    limit = ONEDNN_ROW_INVARIANT_ROWS.get((cpu_kind(), dtype))
+    if limit is not None and os.environ.get(PANEL_SWITCH, "auto").strip().lower() == "auto":
+        return 0, limit
+    rows = panel_rows_limit(dtype, ops)
+    return (ALL_ROWS if rows > 0 else 0), None
 
 
 # Above this many bytes of linear weights the panels serve every row count, instead of a oneDNN copy of

@@ -116,6 +116,9 @@ class LLMEngine(KVHandover):
             max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
             kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
             device=self.device, dtype=dtype, use_compile=use_compile,
+            # A verify step runs more rows than the decode step it replaces: each row must come out as
+            # it would alone, or greedy tokens drift from plain decoding's (bf16 on an AMX CPU did).
+            row_invariant=speculative is not None,
         )
         self.max_num_seqs = self.runner.max_num_seqs
         self.model: LlamaForCausalLM = self.runner.model
@@ -126,7 +129,8 @@ class LLMEngine(KVHandover):
         if speculative is not None:
             speculative.validate()  # before anything else is built on it: a ValueError naming the field
         self.speculator = (
-            NgramSpeculator(speculative, self.block_manager, block_size) if speculative is not None else None
+            NgramSpeculator(speculative, self.block_manager, block_size, max_rows=self.runner.max_step_rows)
+            if speculative is not None else None
         )
         self._init_request_state()
         logger.info(

@@ -24,7 +24,14 @@ from .batch import (
 from .compile import check_compile_available, compile_model
 from .config import ModelConfig
 from .cpu_kernels import load_kernels
-from .cpu_linear import ALL_ROWS, panel_rows_limit, panel_rows_with_memory, prepack_linears, prepacked_linear_available
+from .cpu_linear import (
+    ALL_ROWS,
+    panel_rows_limit,
+    panel_rows_with_memory,
+    prepack_linears,
+    prepacked_linear_available,
+    row_invariant_plan,
+)
 from .dtypes import dtype_name, resolve_dtype
 from .grammar import prefetch_masks
 from .kv_cache import KVCache
@@ -67,12 +74,15 @@ class ModelRunner:
         device: torch.device,
         dtype: str | torch.dtype,
         use_compile: bool = False,
+        row_invariant: bool = False,
     ) -> None:
         """`num_blocks` given: exactly that pool (`max_num_seqs` defaults to the CPU cap then). Otherwise
         the pool is sized from memory: `kv_cache_bytes` when given, else a share of the available host
         memory on a CPU and `gpu_memory_utilization` of the GPU minus the profiled peak on a GPU; `max_num_seqs` None is
         derived from the pool. Raises `KVPoolTooSmall` when that pool cannot hold one `max_model_len`
-        sequence, `CompileUnavailable` for `use_compile` without a usable compiler."""
+        sequence, `CompileUnavailable` for `use_compile` without a usable compiler. `row_invariant`: the
+        linears compute each row as they would alone (cpu_linear.row_invariant_plan), within
+        `max_step_rows` rows a step (None: any), as speculative decoding needs."""
         self.config = config
         self.device = device
         self.dtype = resolve_dtype(dtype, device, config.hidden_size)
@@ -81,8 +91,9 @@ class ModelRunner:
             check_compile_available(device)  # before the weights load: fail fast
         self.model: LlamaForCausalLM = load_model(model_path, config, device, self.dtype)
         ops = self._choose_kernels(use_compile)
+        self.max_step_rows: int | None = None
         if not use_compile:
-            self._prepack(ops)
+            self._prepack(ops, row_invariant)
         num_blocks = self._size_pool(
             num_blocks, max_num_seqs, max_model_len, max_num_batched_tokens, kv_cache_bytes, gpu_memory_utilization
         )
@@ -110,14 +121,17 @@ class ModelRunner:
             return load_kernels()
         return None
 
-    def _prepack(self, ops: Any) -> None:
+    def _prepack(self, ops: Any, row_invariant: bool = False) -> None:
         """Pack the linear layers' weights once for the kernels that run them: the panel GEMM up to the
         row count where it beat oneDNN on this CPU kind (cpu_linear.panel_rows_limit: fp32 on an AVX2 CPU,
         bf16 and fp32 decode batches with AVX-512), oneDNN's reordered weights for the rest on a CPU
         (unless the weights are too large for two copies: panel_rows_with_memory); left as they are
-        otherwise."""
+        otherwise. `row_invariant`: the choice under which a row's result does not depend on the rows
+        beside it (panels at every row count, or oneDNN within the rows it is stable for)."""
         onednn = prepacked_linear_available(self.dtype, self.device)
         rows = panel_rows_limit(self.dtype, ops) if self.device.type == "cpu" else 0
+        if row_invariant and self.device.type == "cpu" and ops is not None:
+            rows, self.max_step_rows = row_invariant_plan(self.dtype, ops)
         if rows > 0:
             rows = panel_rows_with_memory(rows, self.model) if onednn else ALL_ROWS
             prepack_linears(self.model, panel_ops=ops, panel_rows=rows)

@@ -205,10 +205,14 @@ class NgramSpeculator:
     """Proposes tokens for a decode batch, reserving the KV slots they need, learns per sequence
     whether proposing pays (`record`) and what a step costs per row count (`observe`)."""
 
-    def __init__(self, config: SpeculativeConfig, block_manager: BlockManager, block_size: int) -> None:
-        """Proposals per `config`; lookahead blocks come from `block_manager`."""
+    def __init__(
+        self, config: SpeculativeConfig, block_manager: BlockManager, block_size: int, max_rows: int | None = None
+    ) -> None:
+        """Proposals per `config`; lookahead blocks come from `block_manager`. `max_rows`: the most rows a
+        verify step may run (the linears' row-invariant bound, ModelRunner.max_step_rows; None: any)."""
         config.validate()
         self.config = config
+        self.max_rows = max_rows
         self.block_manager = block_manager
         self.block_size = block_size
         self.steps = 0  # decode steps seen (the clock of the per-sequence cool-downs)
@@ -242,16 +246,19 @@ class NgramSpeculator:
         self.steps += 1
         cfg = self.config
         b = len(batch)
+        # Past the linears' row-invariant bound a verified row would not be what plain decoding computes.
+        cap = b * (1 + cfg.num_speculative_tokens) if self.max_rows is None else min(
+            self.max_rows, b * (1 + cfg.num_speculative_tokens))
         costs: list[float] | None = None
         if cfg.row_tile is None:
-            costs = self.costs.curve(b, b * (1 + cfg.num_speculative_tokens))
+            costs = self.costs.curve(b, cap) if cap > b else None
             if costs is None:  # the plain step's cost first: every budget is relative to it
                 return None
-            budget = b * cfg.num_speculative_tokens
+            budget = cap - b
         elif cfg.row_tile:
-            budget = -(-b // cfg.row_tile) * cfg.row_tile - b
+            budget = min(-(-b // cfg.row_tile) * cfg.row_tile, cap) - b
         else:
-            budget = cfg.num_speculative_tokens * b
+            budget = cap - b
         if budget <= 0:
             return None
         found = self._lookup(batch)

@@ -189,6 +189,25 @@ def test_proposals_follow_the_measured_cost(copying_model: Path) -> None:
     assert eng2.speculator.propose(seqs2) is None
 
 
+def test_proposals_stay_within_the_linears_row_bound(copying_model: Path) -> None:
+    """A verify step never runs more rows than the linears compute alike alone and together
+    (`NgramSpeculator.max_rows`, from ModelRunner.max_step_rows): under a flat cost curve 8 sequences
+    would propose up to 32 tokens; with a bound of 12 rows they propose 4, with 8 (or fewer) none."""
+    for bound, most in ((12, 4), (8, 0), (5, 0)):
+        eng = engine(copying_model)
+        seqs = running(eng, copying_model, 8)
+        s = eng.speculator
+        assert s is not None
+        s.max_rows = bound
+        for rows in range(8, 41):
+            s.observe(rows, 0.010 + 0.00001 * (rows - 8))
+        proposals = s.propose(seqs)
+        assert (sum(map(len, proposals)) if proposals else 0) == most, bound
+        if proposals:
+            for seq in seqs:
+                s.trim(seq)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_tokens_identical_with_the_learned_budget(copying_model: Path, tiny_model_dir: Path,
                                                          dtype: str) -> None:

@@ -1,0 +1,73 @@
+"""Speculative decoding's linears compute each row as they would alone (cpu_linear.row_invariant_plan):
+a verify step runs more rows than the decode step it replaces, so a row whose result depended on the
+rows beside it would drift from plain decoding's greedy tokens, as bf16 on oneDNN's AMX kernel did past
+32 rows (and on the panels at 1-4 rows beside oneDNN above) on the twelfth session's Xeon."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from inference.engine import cpu_linear
+from inference.engine.cpu_linear import (
+    ALL_ROWS,
+    ONEDNN_ROW_INVARIANT_ROWS,
+    PANEL_SWITCH,
+    prepack_linears,
+    prepacked_linear_available,
+    row_invariant_plan,
+)
+
+CPU = torch.device("cpu")
+
+
+def _kernels():  # type: ignore[no-untyped-def]
+    from inference.engine.cpu_kernels import load_kernels
+
+    ops = load_kernels()
+    if ops is None:
+        pytest.skip("CPU kernels unavailable here (no compiler or the build failed)")
+    return ops
+
+
+def test_the_plan_per_cpu_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AMX bf16: oneDNN alone, at most its stable row count a step; elsewhere the panels at every row
+    count where the build has them; a forced switch is obeyed (no row bound then)."""
+    ops = _kernels()
+    monkeypatch.delenv(PANEL_SWITCH, raising=False)
+    monkeypatch.setattr(cpu_linear, "cpu_kind", lambda: "avx512-amx")
+    assert row_invariant_plan(torch.bfloat16, ops) == (0, ONEDNN_ROW_INVARIANT_ROWS[("avx512-amx", torch.bfloat16)])
+    assert row_invariant_plan(torch.float32, ops) == (ALL_ROWS, None)  # fp32 panels on AMX: every row count
+    monkeypatch.setenv(PANEL_SWITCH, "0")
+    assert row_invariant_plan(torch.bfloat16, ops) == (0, None)
+    monkeypatch.setenv(PANEL_SWITCH, "auto")
+    monkeypatch.setattr(cpu_linear, "cpu_kind", lambda: "avx512-zen5")
+    bf16_panels = "bfloat16" in ops.panel_variants()
+    assert row_invariant_plan(torch.bfloat16, ops) == ((ALL_ROWS, None) if bf16_panels else (0, None))
+    monkeypatch.setattr(cpu_linear, "cpu_kind", lambda: "sse4")  # no panel entry: no panels, no bound
+    assert row_invariant_plan(torch.float32, ops) == (0, None)
+    assert row_invariant_plan(torch.float16, ops) == (0, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linears_under_the_plan_compute_each_row_alone(dtype: torch.dtype) -> None:
+    """On this machine's CPU: SmolLM2's MLP and LM-head shapes packed as the plan says give, for every
+    row count up to its bound (80 where there is none), each row bit for bit what that row gives alone."""
+    ops = _kernels()
+    if not prepacked_linear_available(dtype, CPU):
+        pytest.skip(f"no oneDNN {dtype} linears on this CPU")
+    panel_rows, bound = row_invariant_plan(dtype, ops)
+    top = bound or 80
+    torch.manual_seed(0)
+    for in_f, out_f in ((576, 1536), (1536, 576), (576, 4096)):
+        model = nn.Sequential(nn.Linear(in_f, out_f, bias=False)).to(dtype)
+        if panel_rows > 0:
+            prepack_linears(model, panel_ops=ops, panel_rows=panel_rows)
+        else:
+            prepack_linears(model)
+        x = torch.randn(top, in_f, dtype=dtype)
+        with torch.no_grad():
+            alone = torch.cat([model(x[i : i + 1]) for i in range(top)])
+            for rows in sorted({1, 2, 4, 5, 8, 9, 16, 17, 31, top // 2, top - 1, top}):
+                together = model(x[:rows])
+                assert torch.equal(together, alone[:rows]), (in_f, out_f, rows, panel_rows, bound)
