@@ -30,8 +30,12 @@ prepacked copy of the same weight, kept beside the panels only where the limit i
 On an Intel Xeon with AMX-BF16 (family 6 model 207, twelfth session) oneDNN's bf16 kernel runs on AMX
 tiles (`brg_matmul:avx10_1_512_amx` in ONEDNN_VERBOSE): a SmolLM2 step's projections took about as long
 at 64 rows as at 8 (34 ms against 29), where the AVX512-BF16 panels grow with the rows (205 ms at 64).
-The panels win there only at 1-4 rows (0.58-0.87x of oneDNN's time; oneDNN's small-row path is slow),
-so bf16 uses them up to `AMX_BF16_PANEL_ROWS` rows and the AMX kernel above. AMX has no fp32 tiles:
+The panels won there only at 1-4 rows (0.58-0.87x of oneDNN's time), and only because oneDNN's path for
+1-2 rows is slow (a step's projections 42.8 ms at 1-2 rows, 25.1 ms at 4): padded with zero rows to 4
+(`ONEDNN_MIN_ROWS`), 1-3 rows cost what 4 do, as much as the panels' 24.7 ms. So bf16 runs on oneDNN's
+AMX kernel at every row count: one kernel from 1 to 32 rows, which computes each row alike however many
+rows share the call (`ONEDNN_ROW_INVARIANT_ROWS`), so speculative decoding's verify steps give plain
+decoding's greedy tokens (the panels at 1-4 rows beside oneDNN above did not). AMX has no fp32 tiles:
 fp32 runs on the 16-wide panels up to 64 rows (0.80-0.94x of oneDNN's avx512_core kernel), as on Zen 4.
 """
 from __future__ import annotations
@@ -59,10 +63,9 @@ ALL_ROWS = 1 << 62
 # 0.47-0.72x at 1-64 rows, 0.60x at 128, 0.78-0.90x at 256 (one run of three 1.38x), 0.90-0.94x at 512,
 # 1.02-1.05x at 2048; fp32 0.62-0.92x at 1-64 rows, 1.00-1.04x at 256-2048. Intel Xeon with AMX (family 6
 # model 207, twelfth session): bf16 0.58-0.78x at 1-2 rows, 0.87x at 4, 1.00x at 6, 1.04-1.12x at 8 and
-# 1.5-11x at 12-256 (oneDNN's AMX tiles: a 64-row step's projections in 34 ms against the panels' 205), so
-# bf16 runs on the panels up to AMX_BF16_PANEL_ROWS and on oneDNN's AMX kernel above; fp32 (no AMX for
-# fp32: oneDNN's avx512_core kernel) 0.80-0.94x at 1-64 rows, 1.04-1.06x at 128-256.
-AMX_BF16_PANEL_ROWS = 4
+# 1.5-11x at 12-256 (oneDNN's AMX tiles: a 64-row step's projections in 34 ms against the panels' 205), and
+# oneDNN padded to 4 rows matches the panels at 1-3 (ONEDNN_MIN_ROWS), so bf16 stays on oneDNN; fp32 (no AMX
+# for fp32: oneDNN's avx512_core kernel) 0.80-0.94x at 1-64 rows, 1.04-1.06x at 128-256.
 PANEL_ROWS: dict[tuple[str, torch.dtype], int] = {
     ("avx2", torch.float32): ALL_ROWS,
     ("avx512", torch.float32): 64,
@@ -70,7 +73,6 @@ PANEL_ROWS: dict[tuple[str, torch.dtype], int] = {
     ("avx512-zen5", torch.float32): 64,
     ("avx512-zen5", torch.bfloat16): 512,
     ("avx512-amx", torch.float32): 64,
-    ("avx512-amx", torch.bfloat16): AMX_BF16_PANEL_ROWS,
 }
 # Up to how many rows sharing one call oneDNN's prepacked kernel computes each row exactly as it computes
 # that row alone, per CPU kind and dtype, where that bound matters (measured, twelfth session, Intel Xeon
@@ -79,6 +81,12 @@ PANEL_ROWS: dict[tuple[str, torch.dtype], int] = {
 # 32-row calls cost 1.6-2.4x one call). The panel kernel computes each row alone at every row count.
 ONEDNN_ROW_INVARIANT_ROWS: dict[tuple[str, torch.dtype], int] = {
     ("avx512-amx", torch.bfloat16): 32,
+}
+# Fewer rows than this are padded with zero rows for oneDNN's prepacked kernel, per CPU kind and dtype:
+# on the AMX Xeon (twelfth session) 1-2 bf16 rows took a slower path than 4 (a SmolLM2 step's projections
+# 42.8 ms against 25.1), and a padded row is bit for bit the row computed alone.
+ONEDNN_MIN_ROWS: dict[tuple[str, torch.dtype], int] = {
+    ("avx512-amx", torch.bfloat16): 4,
 }
 # AMD's Zen 5 (EPYC 9005) is cpu family 26 (0x1a); Zen 4 and Zen 3 are 25.
 ZEN5_FAMILY = 26
@@ -133,12 +141,18 @@ class PrepackedLinear(_PackedLinear):
 
     def __init__(self, linear: nn.Linear, batch_hint: int) -> None:
         """Wrap `linear`; `batch_hint` is the row count oneDNN picks its blocking for (any row count
-        works; decode batches are the hot case)."""
+        works; decode batches are the hot case). Fewer rows than `ONEDNN_MIN_ROWS` for this CPU kind
+        are padded to it."""
         super().__init__(linear)
         self.register_buffer("packed_weight", _onednn_pack(linear.weight, batch_hint), persistent=False)
         self.packed_weight: torch.Tensor
+        self.min_rows = ONEDNN_MIN_ROWS.get((cpu_kind(), linear.weight.dtype), 1)
 
     def _linear2d(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if 0 < rows < self.min_rows:
+            padded = torch.cat([x, x.new_zeros(self.min_rows - rows, x.shape[1])])
+            return _onednn_linear(padded, self.packed_weight, self.bias)[:rows]
         return _onednn_linear(x, self.packed_weight, self.bias)
 
 

@@ -31,6 +31,21 @@ def test_prepacked_linear_equals_linear(bias: bool, rows: int) -> None:
         assert torch.equal(packed(x.view(1, rows, 96)), lin(x).view(1, rows, 160))  # leading dims kept
 
 
+@needs_bf16
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_padded_to_the_minimum_are_the_rows_alone(dtype: torch.dtype) -> None:
+    """A call with fewer rows than oneDNN's fast path takes (ONEDNN_MIN_ROWS: 4 for bf16 on AMX) is padded
+    with zero rows: each real row bit for bit what the unpadded call gives."""
+    torch.manual_seed(0)
+    lin = nn.Linear(576, 1536, bias=True).to(dtype)
+    padded, plain = PrepackedLinear(lin, batch_hint=32), PrepackedLinear(lin, batch_hint=32)
+    padded.min_rows, plain.min_rows = 4, 1
+    x = torch.randn(5, 576, dtype=dtype)
+    with torch.inference_mode():
+        for rows in range(1, 6):
+            assert torch.equal(padded(x[:rows]), plain(x[:rows])), rows
+
+
 def test_prepack_keeps_parameters_and_ties() -> None:
     model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 50, bias=False))
     model[1].weight = model[0].weight  # a tied LM head

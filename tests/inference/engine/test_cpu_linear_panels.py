@@ -12,7 +12,7 @@ from torch import nn
 
 from inference.engine.cpu_linear import (
     ALL_ROWS,
-    AMX_BF16_PANEL_ROWS,
+    ONEDNN_MIN_ROWS,
     PANEL_ROWS,
     PANEL_SWITCH,
     PanelLinear,
@@ -155,9 +155,9 @@ def test_choice_rule_per_cpu_kind(monkeypatch: pytest.MonkeyPatch) -> None:
     if kind == "avx512-zen5":  # Zen 5: bf16 prefill chunks up to 512 rows on the panels too
         assert panel_rows_limit(torch.float32, ops) == 64
         assert bf16 == 512
-    if kind == "avx512-amx":  # Intel Xeon with AMX: oneDNN's AMX tiles for bf16 past a single row
+    if kind == "avx512-amx":  # Intel Xeon with AMX: oneDNN's AMX tiles for bf16 at every row count
         assert panel_rows_limit(torch.float32, ops) == 64
-        assert bf16 in (0, AMX_BF16_PANEL_ROWS)
+        assert bf16 == 0
     monkeypatch.setenv(PANEL_SWITCH, "0")
     assert panel_rows_limit(torch.float32, ops) == panel_rows_limit(torch.bfloat16, ops) == 0
     monkeypatch.setenv(PANEL_SWITCH, "1")
@@ -166,18 +166,19 @@ def test_choice_rule_per_cpu_kind(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cpu_kind_sets_amx_apart(monkeypatch: pytest.MonkeyPatch) -> None:
-    """AVX-512 CPUs with AMX tiles are their own kind: bf16 on oneDNN's AMX kernels past the few rows where
-    the panels won (the panels were 2-11x slower at 16-256 rows there), fp32 on the panels up to 64 rows."""
+    """AVX-512 CPUs with AMX tiles are their own kind: bf16 on oneDNN's AMX kernel at every row count (the
+    panels were 2-11x slower at 16-256 rows there, and as fast as oneDNN padded to 4 rows at 1-3), fp32 on
+    the panels up to 64 rows."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr("inference.engine.cpu_linear._cpu_flags", lambda: {"avx512f", "amx_tile", "amx_bf16"})
     assert cpu_kind() == "avx512-amx"
     assert PANEL_ROWS[("avx512-amx", torch.float32)] == 64
-    assert 0 < PANEL_ROWS[("avx512-amx", torch.bfloat16)] == AMX_BF16_PANEL_ROWS < 8
+    assert ("avx512-amx", torch.bfloat16) not in PANEL_ROWS
+    assert ONEDNN_MIN_ROWS[("avx512-amx", torch.bfloat16)] == 4
     monkeypatch.delenv(PANEL_SWITCH, raising=False)
     ops = _kernels()
     assert panel_rows_limit(torch.float32, ops) == 64
-    if "bfloat16" in ops.panel_variants():
-        assert panel_rows_limit(torch.bfloat16, ops) == AMX_BF16_PANEL_ROWS
+    assert panel_rows_limit(torch.bfloat16, ops) == 0
     monkeypatch.setattr("inference.engine.cpu_linear._cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     monkeypatch.setattr("inference.engine.cpu_linear.cpu_family", lambda: ("AuthenticAMD", 25))
     assert cpu_kind() == "avx512"
