@@ -30,12 +30,14 @@ prepacked copy of the same weight, kept beside the panels only where the limit i
 On an Intel Xeon with AMX-BF16 (family 6 model 207, twelfth session) oneDNN's bf16 kernel runs on AMX
 tiles (`brg_matmul:avx10_1_512_amx` in ONEDNN_VERBOSE): a SmolLM2 step's projections took about as long
 at 64 rows as at 8 (34 ms against 29), where the AVX512-BF16 panels grow with the rows (205 ms at 64).
-The panels won there only at 1-4 rows (0.58-0.87x of oneDNN's time), and only because oneDNN's path for
-1-2 rows is slow (a step's projections 42.8 ms at 1-2 rows, 25.1 ms at 4): padded with zero rows to 4
-(`ONEDNN_MIN_ROWS`), 1-3 rows cost what 4 do, as much as the panels' 24.7 ms. So bf16 runs on oneDNN's
-AMX kernel at every row count: one kernel from 1 to 32 rows, which computes each row alike however many
-rows share the call (`ONEDNN_ROW_INVARIANT_ROWS`), so speculative decoding's verify steps give plain
-decoding's greedy tokens (the panels at 1-4 rows beside oneDNN above did not). AMX has no fp32 tiles:
+The panels won there only at 1-4 rows: 0.58-0.87x of oneDNN's time in a busy run, where oneDNN's 1-2-row
+time swung between 24.5 and 50 ms a step's projections from run to run (AMX tiles are shared by a core's
+two hyperthreads); on a quiet core oneDNN took the same 9.3 ms at 1 to 8 rows for 30 gate/up projections
+and the panels 8.0 ms at 1 row (1.16x). bf16 runs on oneDNN's AMX kernel at every row count anyway, 1-3
+rows padded with zero rows to 4 (`ONEDNN_MIN_ROWS`; 3 % faster at 1 row when quiet): one kernel from 1 to
+32 rows, which computes each row alike however many rows share the call (`ONEDNN_ROW_INVARIANT_ROWS`), so
+a speculative engine's verify steps give a plain engine's greedy tokens (the panels at 1-4 rows beside
+oneDNN above did not), for at most ~15 % of a lone stream's projections. AMX has no fp32 tiles:
 fp32 runs on the 16-wide panels up to 64 rows (0.80-0.94x of oneDNN's avx512_core kernel), as on Zen 4.
 """
 from __future__ import annotations
@@ -83,8 +85,9 @@ ONEDNN_ROW_INVARIANT_ROWS: dict[tuple[str, torch.dtype], int] = {
     ("avx512-amx", torch.bfloat16): 32,
 }
 # Fewer rows than this are padded with zero rows for oneDNN's prepacked kernel, per CPU kind and dtype:
-# on the AMX Xeon (twelfth session) 1-2 bf16 rows took a slower path than 4 (a SmolLM2 step's projections
-# 42.8 ms against 25.1), and a padded row is bit for bit the row computed alone.
+# on the AMX Xeon (twelfth session) 1-2 bf16 rows were never faster than 4 (quiet: 9.55 against 9.26 ms for
+# 30 gate/up projections; busy runs: up to 42.8 against 25.1 ms a step), and a padded row is bit for bit
+# the row computed alone.
 ONEDNN_MIN_ROWS: dict[tuple[str, torch.dtype], int] = {
     ("avx512-amx", torch.bfloat16): 4,
 }
