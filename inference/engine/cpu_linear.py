@@ -234,12 +234,20 @@ def panel_rows_limit(dtype: torch.dtype, ops: Any) -> int:
         return 0
     if dtype == torch.bfloat16 and "bfloat16" not in ops.panel_variants():
         return 0  # no AVX512-BF16 here: the build has no bf16 panels
-    switch = os.environ.get(PANEL_SWITCH, "auto").strip().lower()
-    if switch in ("0", "false", "no", "off"):
+    switch = _panel_switch()
+    if switch == "off":
         return 0
-    if switch in ("1", "true", "yes", "on"):
+    if switch == "on":
         return ALL_ROWS
     return PANEL_ROWS.get((cpu_kind(), dtype), 0)
+
+
+def _panel_switch() -> str:
+    """`INFERENCE_PANEL_GEMM` as "on", "off" or "auto" (unset or anything else)."""
+    switch = os.environ.get(PANEL_SWITCH, "auto").strip().lower()
+    if switch in ("0", "false", "no", "off"):
+        return "off"
+    return "on" if switch in ("1", "true", "yes", "on") else "auto"
 
 
 def row_invariant_plan(dtype: torch.dtype, ops: Any) -> tuple[int, int | None]:
@@ -252,7 +260,7 @@ def row_invariant_plan(dtype: torch.dtype, ops: Any) -> tuple[int, int | None]:
     `dtype` in the build, the panels at every row count; else the usual choice with no row bound.
     """
     limit = ONEDNN_ROW_INVARIANT_ROWS.get((cpu_kind(), dtype))
-    if limit is not None and os.environ.get(PANEL_SWITCH, "auto").strip().lower() == "auto":
+    if limit is not None and _panel_switch() == "auto":
         return 0, limit
     rows = panel_rows_limit(dtype, ops)
     return (ALL_ROWS if rows > 0 else 0), None

@@ -129,9 +129,12 @@ class ModelRunner:
         otherwise. `row_invariant`: the choice under which a row's result does not depend on the rows
         beside it (panels at every row count, or oneDNN within the rows it is stable for)."""
         onednn = prepacked_linear_available(self.dtype, self.device)
-        rows = panel_rows_limit(self.dtype, ops) if self.device.type == "cpu" else 0
-        if row_invariant and self.device.type == "cpu" and ops is not None:
+        if self.device.type != "cpu":
+            rows = 0
+        elif row_invariant and ops is not None:
             rows, self.max_step_rows = row_invariant_plan(self.dtype, ops)
+        else:
+            rows = panel_rows_limit(self.dtype, ops)
         if rows > 0:
             rows = panel_rows_with_memory(rows, self.model) if onednn else ALL_ROWS
             prepack_linears(self.model, panel_ops=ops, panel_rows=rows)

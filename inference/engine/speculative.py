@@ -246,9 +246,10 @@ class NgramSpeculator:
         self.steps += 1
         cfg = self.config
         b = len(batch)
-        # Past the linears' row-invariant bound a verified row would not be what plain decoding computes.
-        cap = b * (1 + cfg.num_speculative_tokens) if self.max_rows is None else min(
-            self.max_rows, b * (1 + cfg.num_speculative_tokens))
+        cap = b * (1 + cfg.num_speculative_tokens)  # the step's rows at most
+        if self.max_rows is not None:
+            # Past the linears' row-invariant bound a verified row would not be what plain decoding computes.
+            cap = min(cap, self.max_rows)
         costs: list[float] | None = None
         if cfg.row_tile is None:
             costs = self.costs.curve(b, cap) if cap > b else None
