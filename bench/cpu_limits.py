@@ -130,6 +130,27 @@ def weight_elements(model_dir: Path) -> dict[str, int]:
     return {"linear": linear, "lm_head": head or embedding, "tied": int(not head)}
 
 
+def request_gflop(model_dir: Path, prompt_len: int, max_tokens: int) -> float:
+    """GFLOP one request of `prompt_len` prompt tokens and `max_tokens` output tokens costs any engine.
+
+    Every prompt token passes through every projection (2 FLOP per weight element), the LM head runs
+    once per emitted token (the prefill's last row gives the first), and attention adds 4 FLOP per
+    query head dimension per attended position (q·k and the weighted sum of v; causal in the prefill).
+    Nothing an engine can skip on a fresh prompt: the floor both engines of a comparison share.
+    """
+    config = json.loads((model_dir / "config.json").read_text())
+    weights = weight_elements(model_dir)
+    layers = int(config["num_hidden_layers"])
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    tokens = prompt_len + max_tokens - 1  # every token but the last emitted one is fed through the model
+    # attended positions summed over the fed tokens: token i (0-based) attends to i + 1 positions
+    attended = tokens * (tokens + 1) // 2
+    flop = (2 * weights["linear"] * tokens + 2 * weights["lm_head"] * max_tokens
+            + 4 * layers * heads * head_dim * attended)
+    return flop / 1e9
+
+
 def engine_decode_tps(model_dir: Path, dtype: str, batch: int, max_tokens: int, waves: int) -> dict[str, Any]:
     """Output tok/s of the engine with exactly `batch` sequences decoding (short prompts, fixed length)."""
     from bench.engine_throughput import _engine, engine_generate_tps

@@ -12,6 +12,12 @@ vLLM with `OMP_NUM_THREADS` = the same count, its own defaults otherwise (note: 
 scheduler and its model worker in separate processes, so it can overlap scheduling with the forward
 on a second core; our engine is one process).
 
+The same run also measures the core's GEMM peak in the dtype (bench.cpu_limits' probe, before and after
+the rounds, the better kept) and counts the FLOP every request costs any engine (projections, LM head,
+attention: `cpu_limits.request_gflop`), so each round reports both engines' GFLOP/s as a share of
+that peak and the **ceiling**: peak ÷ vLLM's GFLOP/s, the most any engine could lead vLLM by in that
+round. Where the ceiling is below a target ratio, the target needs more than the core can compute.
+
     .venv/bin/python -m bench.engine_vs_vllm                        # tiny hd64 + SmolLM2, bf16 and fp32
     .venv/bin/python -m bench.engine_vs_vllm --models tiny --dtypes bfloat16 --rounds 1
     .venv/bin/python -m bench.engine_vs_vllm --cpus 1      # both confined to one core
@@ -40,8 +46,10 @@ from bench.common import (
     smollm2_dir,
     synthetic_prompts,
     tiny_llama_hd64_dir,
+    torch_threads,
     write_result,
 )
+from bench.cpu_limits import peak_gemm_gflops, request_gflop
 
 MODULE = "bench.engine_vs_vllm"
 VLLM_VENV = ROOT / "bench" / ".venv-vllm"
@@ -152,6 +160,41 @@ def measure_pair(model_dir: Path, dtype: str, vllm_dtype: str, concurrency: list
             "greedy_tokens_equal_first_4": same_greedy, "ours_runs": ours, "vllm_runs": theirs}
 
 
+def add_compute_shares(result: dict[str, Any], model_dir: Path, peak_gflops: float, target: float = 1.5) -> None:
+    """Per concurrency and round: each engine's GFLOP/s from its tok/s and the workload's FLOP per
+    request, as a share of `peak_gflops`, and the ceiling peak ÷ vLLM's GFLOP/s (the best lead any engine
+    could have had in that round) beside the share of the peak `target` x vLLM would have needed."""
+    per_request = request_gflop(model_dir, result["prompt_tokens"], result["max_tokens"])
+    result["request_gflop"] = per_request
+    result["peak_gflops"] = peak_gflops
+    for row in result["rows"]:
+        def gflops(tps: list[float]) -> list[float]:
+            return [t / result["max_tokens"] * per_request for t in tps]
+        ours, theirs = gflops(row["ours_tokens_per_s"]), gflops(row["vllm_tokens_per_s"])
+        row["ours_gflops"], row["vllm_gflops"] = ours, theirs
+        row["ours_peak_share"] = [g / peak_gflops for g in ours]
+        row["vllm_peak_share"] = [g / peak_gflops for g in theirs]
+        row["ceiling_ratio"] = [peak_gflops / g for g in theirs]
+        row["target_needs_peak_share"] = [target * g / peak_gflops for g in theirs]
+
+
+def _compute_table(results: list[dict[str, Any]]) -> str:
+    """Per round: both engines' share of the measured peak, the ceiling, and what 1.5x would need."""
+    rows = []
+    for res in results:
+        if "peak_gflops" not in res:
+            continue
+        for r in res["rows"]:
+            def pct(xs: list[float]) -> str:
+                return " ".join(f"{100 * x:.0f}" for x in xs)
+            rows.append([res["model"], res["dtype"], r["concurrency"], fmt(res["request_gflop"], 2),
+                         fmt(res["peak_gflops"], 0), pct(r["ours_peak_share"]), pct(r["vllm_peak_share"]),
+                         " ".join(f"{x:.2f}" for x in r["ceiling_ratio"]), pct(r["target_needs_peak_share"])])
+    return markdown_table(["model", "dtype", "in flight", "GFLOP per request", "peak GFLOP/s",
+                           "ours % of peak (per round)", "vLLM % of peak", "ceiling: peak ÷ vLLM",
+                           "1.5x vLLM needs % of peak"], rows)
+
+
 def _table(results: list[dict[str, Any]]) -> str:
     rows = []
     for res in results:
@@ -165,6 +208,14 @@ def _table(results: list[dict[str, Any]]) -> str:
                            "ours ÷ vLLM (median of rounds)", "best ÷ best", "per round"], rows)
 
 
+def _peak(dtype: str, args: Any) -> dict[str, Any]:
+    """The GEMM peak probe in `dtype` with the rounds' thread count (small and quick under --quick)."""
+    with torch_threads(args.threads):
+        probe = peak_gemm_gflops(dtype, 256 if args.quick else args.gemm_n, 2 if args.quick else 5)
+    log(f"{dtype} GEMM peak {probe['gflops']:.0f} GFLOP/s ({probe['kernel']})")
+    return probe
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the pairs, print the table, write the JSON."""
     p = base_parser(__doc__.splitlines()[0])
@@ -176,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=1500.0)
     p.add_argument("--vllm-venv", type=Path, default=VLLM_VENV)
     p.add_argument("--name", default="engine_vs_vllm_inprocess", help="result file name (without .json)")
+    p.add_argument("--no-peak", action="store_true",
+                   help="skip the GEMM peak probe (and the shares of it) before and after each pair's rounds")
+    p.add_argument("--gemm-n", type=int, default=2048, help="square GEMM size of the peak probe")
     p.add_argument("--cpus", default=None,
                    help="pin both systems (all their processes) to these CPUs, e.g. 1: vLLM runs its scheduler "
                    "and model worker in separate processes, so unpinned it can use a second core; ours cannot")
@@ -200,13 +254,22 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
             if deadline.expired():
                 break
+            peaks = [] if args.no_peak else [_peak(dtype, args)]
             res = measure_pair(model_dir, dtype, dtype, concurrency, max_tokens, 32, min_requests,
                                1 if args.quick else args.rounds, args.threads, deadline, args.vllm_venv,
                                {int(c) for c in args.cpus.split(",")} if args.cpus else None)
             res["model"] = MODELS[key]
+            if peaks:
+                # Interference only ever slows a probe down: the better of the two is the core's peak.
+                peaks.append(_peak(dtype, args))
+                res["peak_probes"] = peaks
+                add_compute_shares(res, model_dir, max(p["gflops"] for p in peaks))
             results.append(res)
     print_header("our engine vs vLLM offline, both in-process")
     print(_table(results))
+    if any("peak_gflops" in r for r in results):
+        print_header("against the core's GEMM peak (one thread)")
+        print(_compute_table(results))
     path = write_result(args.out_dir, args.name, MODULE, argv,
                         {"note": note_shared_machine(), "threads": args.threads, "results": results})
     print(f"\nresult: {path}")

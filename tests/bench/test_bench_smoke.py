@@ -15,6 +15,7 @@ from bench import (
     cpu_limits,
     disagg_itl,
     engine_throughput,
+    engine_vs_vllm,
     kv_transfer,
     peer_clients,
     router_overhead,
@@ -178,6 +179,33 @@ def test_serve_vs_vllm_counts_a_connection_failure_as_a_failed_request() -> None
 
     result = asyncio.run(one())
     assert result["ok"] is False and "ClientConnectorError" in result["error"]
+
+
+def test_request_gflop_counts_projections_head_and_attention(tiny_model_dir: Path) -> None:
+    """A request's FLOP: every fed token through the projections, the LM head once per output token,
+    and causal attention over the positions each fed token sees (checked by hand on the tiny model)."""
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    weights = cpu_limits.weight_elements(tiny_model_dir)
+    # 3 prompt tokens, 2 output tokens: 4 tokens are fed (the last output token never is), attending
+    # to 1 + 2 + 3 + 4 = 10 positions in all; the LM head runs for the 2 output tokens.
+    expected = 2 * weights["linear"] * 4 + 2 * weights["lm_head"] * 2 + 4 * layers * heads * head_dim * 10
+    assert math.isclose(cpu_limits.request_gflop(tiny_model_dir, 3, 2), expected / 1e9, rel_tol=1e-12)
+    assert cpu_limits.request_gflop(tiny_model_dir, 32, 32) > cpu_limits.request_gflop(tiny_model_dir, 32, 8)
+
+
+def test_engine_vs_vllm_compute_shares(tiny_model_dir: Path) -> None:
+    """The ceiling is the peak over vLLM's GFLOP/s in the same round: a round where vLLM reached half
+    the peak leaves any engine at most a 2x lead, and 1.5x then needs 75 % of the peak."""
+    per_request = cpu_limits.request_gflop(tiny_model_dir, 32, 8)
+    tps_at_half_peak = 0.5 * 100.0 / per_request * 8  # vLLM's tok/s at 50 GFLOP/s against a 100 peak
+    result: dict[str, Any] = {"prompt_tokens": 32, "max_tokens": 8, "rows": [
+        {"concurrency": 8, "ours_tokens_per_s": [tps_at_half_peak * 1.2], "vllm_tokens_per_s": [tps_at_half_peak]}]}
+    engine_vs_vllm.add_compute_shares(result, tiny_model_dir, 100.0)
+    row = result["rows"][0]
+    assert math.isclose(row["vllm_peak_share"][0], 0.5) and math.isclose(row["ours_peak_share"][0], 0.6)
+    assert math.isclose(row["ceiling_ratio"][0], 2.0) and math.isclose(row["target_needs_peak_share"][0], 0.75)
 
 
 def test_cpu_limits_quick(tmp_path: Path, tiny_model_dir: Path) -> None:
