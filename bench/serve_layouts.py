@@ -14,7 +14,9 @@ Layouts (one thread per worker, `--dtype auto`):
   decode waits for at most one budget's worth of prefill;
 - `both-mixed`: the same workers with `--mixed-prefill`: every step one forward carrying the running
   batch's decode rows and up to `--mixed-budget` prompt tokens on top of them (measured beside
-  `both-per-cpu` in one run).
+  `both-per-cpu` in one run);
+- `both-burst`: `both-mixed` with the scheduler's burst rule on (`ENGINE_MIXED_BURST_TOKENS`, default
+  `BURST_TOKENS`): while as many prompts wait at a worker as streams run there, a step takes them all.
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ DEFAULT_LAYOUT = "both-per-cpu"
 BOTH_BUDGET = 256
 # both-mixed's prompt tokens per step (on top of the decode rows) unless --mixed-budget says otherwise.
 MIXED_BUDGET = 64
+# both-burst's cap on a burst step's prompt tokens (vllm serve's max_num_batched_tokens on a CPU).
+BURST_TOKENS = 2048
 
 LAYOUTS = {
     "split": "prefill on CPU 0, one decode worker on CPU 1",
@@ -43,6 +47,8 @@ LAYOUTS = {
                     "no prefill worker",
     "both-mixed": "both-per-cpu's workers with --mixed-prefill, --mixed-budget prompt tokens a step on top of "
                   "the decode rows",
+    "both-burst": "both-mixed with the burst rule: while as many prompts wait as streams run, a step takes "
+                  f"them all (up to {BURST_TOKENS} tokens)",
 }
 
 
@@ -68,11 +74,18 @@ def worker_specs(layout: str, args: Any) -> list[tuple[str, list[str]]]:
         return [("prefill", [*at(0, args.prefill_nice), *budget])] + [("decode", at(c, 0)) for c in range(cpus)]
     if layout == "both-per-cpu":
         return [("both", [*at(c, args.both_nice), *budget]) for c in range(cpus)]
-    if layout == "both-mixed":
+    if layout in ("both-mixed", "both-burst"):
         tokens = getattr(args, "mixed_budget", None) or MIXED_BUDGET
         mixed = ["--mixed-prefill", "--max-num-batched-tokens", str(tokens)]
         return [("both", [*at(c, args.both_nice), *mixed]) for c in range(cpus)]
     raise ValueError(f"unknown layout {layout!r}")
+
+
+def layout_env(layout: str) -> dict[str, str]:
+    """Environment `layout`'s workers start with on top of the benchmark's (the scheduler's switches)."""
+    from inference.engine.scheduler import MIXED_BURST_ENV
+
+    return {MIXED_BURST_ENV: str(BURST_TOKENS)} if layout == "both-burst" else {}
 
 
 @contextlib.contextmanager
@@ -81,7 +94,7 @@ def serving(layout: str, model: Path, log_dir: Path, args: Any, step_dir: Path |
     stop everything on exit. With `step_dir`, the workers log per-step timings there (ENGINE_STEP_LOG)."""
     from tests.support.processes import Proc, start_router, start_worker
 
-    env = {"ENGINE_STEP_LOG": str(step_dir)} if step_dir is not None else {}
+    env = {**layout_env(layout), **({"ENGINE_STEP_LOG": str(step_dir)} if step_dir is not None else {})}
     log_dir.mkdir(parents=True, exist_ok=True)  # a fresh clone has no var/bench/logs yet
     specs = worker_specs(layout, args)
     procs: list[Proc] = []

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections import deque
 from collections.abc import Set
 from dataclasses import dataclass, field
@@ -36,6 +37,23 @@ SHARED_PREFIX_WAIT_TOKENS = 64
 # step (TTFT p99 5.1 s against 3.8 s with alternating 256-token prefill steps, Xeon, 64/64); in steady
 # state the streams outnumber the queued tokens' budgets and the step keeps the budget.
 MIXED_QUEUE_SCALE = 8
+
+# Mixed prefill: while at least as many prompts wait as streams run (a burst: a closed loop's start, or
+# a group of streams that started together finishing together), a step takes the waiting prompts'
+# uncached tokens up to this many instead of the queue-scaled budget. The few running streams lose one
+# step's gap, but protecting them would delay more first tokens than it saves: the burst drained at
+# `MIXED_QUEUE_SCALE` budgets a step, each step also paying every running row, put the last first token
+# of a 32-prompt burst seconds behind vllm serve's, which takes up to 2,048 tokens a step on a CPU (its
+# `max_num_batched_tokens` there, decode rows included). 0: off (the env switch below overrides).
+MIXED_BURST_TOKENS = 0
+MIXED_BURST_ENV = "ENGINE_MIXED_BURST_TOKENS"
+
+
+def mixed_burst_tokens() -> int:
+    """The burst cap of mixed steps: `ENGINE_MIXED_BURST_TOKENS` when set (0 turns bursts off, for A/B
+    runs of the serving benchmark), else `MIXED_BURST_TOKENS`."""
+    value = os.environ.get(MIXED_BURST_ENV, "").strip()
+    return max(0, int(value)) if value else MIXED_BURST_TOKENS
 
 
 class Scheduler:
@@ -74,7 +92,8 @@ class Scheduler:
         With `enable_mixed_prefill` (and chunked prefill) every step is one forward carrying the running
         batch's decode rows plus up to `max_num_batched_tokens` prompt tokens (the rows do not count
         against it: vLLM counts both in a budget far larger than its batch), more while the waiting
-        prompts' tokens per running stream exceed it (up to `mixed_queue_scale` budgets)."""
+        prompts' tokens per running stream exceed it (up to `mixed_queue_scale` budgets), and the whole
+        queue (up to `mixed_burst_tokens`) while as many prompts wait as streams run."""
         self.block_manager = block_manager
         self.enable_chunked_prefill = enable_chunked_prefill
         # Mixing needs chunks: a whole prompt over what the decode rows leave of the budget would wait.
@@ -89,6 +108,7 @@ class Scheduler:
         # None: never wait (every prompt of a burst computes a shared prefix itself; benchmarks compare).
         self.shared_prefix_wait_tokens: int | None = SHARED_PREFIX_WAIT_TOKENS
         self.mixed_queue_scale = MIXED_QUEUE_SCALE  # 1: a mixed step's prompt tokens never pass the budget
+        self.mixed_burst_tokens = mixed_burst_tokens()  # 0: a burst takes the queue-scaled budget too
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -174,10 +194,17 @@ class Scheduler:
 
     def _mixed_prompt_budget(self, rows: int) -> int:
         """Prompt tokens a mixed step with `rows` decode rows may take: the budget, or the waiting
-        prompt tokens per row when that is more (up to `mixed_queue_scale` budgets), the waiting
-        tokens counted after their cached prefixes."""
+        prompt tokens per row when that is more (up to `mixed_queue_scale` budgets), or all of them (up
+        to `mixed_burst_tokens`) when no fewer prompts wait than rows run; the waiting tokens counted
+        after their cached prefixes."""
         budget = self.max_num_batched_tokens
-        if not self.waiting or self.mixed_queue_scale <= 1:
+        if not self.waiting:
+            return budget
+        if self.mixed_burst_tokens > 0 and len(self.waiting) >= rows:
+            # A burst (MIXED_BURST_TOKENS): the waiting prompts outnumber the streams; take them whole.
+            queued = sum(self._uncached_tokens(seq) for seq in self.waiting)
+            return max(budget, min(queued, self.mixed_burst_tokens))
+        if self.mixed_queue_scale <= 1:
             return budget
         queued = sum(self._uncached_tokens(seq) for seq in self.waiting)
         return min(self.mixed_queue_scale * budget, max(budget, queued // max(rows, 1)))
