@@ -16,7 +16,7 @@ Layouts (one thread per worker, `--dtype auto`):
   batch's decode rows and up to `--mixed-budget` prompt tokens on top of them (measured beside
   `both-per-cpu` in one run);
 - `both-burst`: `both-mixed` with the scheduler's burst rule on (`ENGINE_MIXED_BURST_TOKENS`, default
-  `BURST_TOKENS`): while as many prompts wait at a worker as streams run there, a step takes them all.
+  `BURST_TOKENS`): while more prompts wait at a worker than streams run there, a step takes them all.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ LAYOUTS = {
                     "no prefill worker",
     "both-mixed": "both-per-cpu's workers with --mixed-prefill, --mixed-budget prompt tokens a step on top of "
                   "the decode rows",
-    "both-burst": "both-mixed with the burst rule: while as many prompts wait as streams run, a step takes "
+    "both-burst": "both-mixed with the burst rule: while more prompts wait than streams run, a step takes "
                   f"them all (up to {BURST_TOKENS} tokens)",
 }
 

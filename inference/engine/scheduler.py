@@ -38,10 +38,10 @@ SHARED_PREFIX_WAIT_TOKENS = 64
 # state the streams outnumber the queued tokens' budgets and the step keeps the budget.
 MIXED_QUEUE_SCALE = 8
 
-# Mixed prefill: while at least as many prompts wait as streams run (a burst: a closed loop's start, or
-# a group of streams that started together finishing together), a step takes the waiting prompts'
-# uncached tokens up to this many instead of the queue-scaled budget. The few running streams lose one
-# step's gap, but protecting them would delay more first tokens than it saves: the burst drained at
+# Mixed prefill: while more prompts wait than streams run (a burst: a closed loop's start, or a group
+# of streams that started together finishing together), a step takes the waiting prompts' uncached
+# tokens up to this many instead of the queue-scaled budget. The fewer running streams lose one step's
+# gap, but protecting them would delay more first tokens than it saves: the burst drained at
 # `MIXED_QUEUE_SCALE` budgets a step, each step also paying every running row, put the last first token
 # of a 32-prompt burst seconds behind vllm serve's, which takes up to 2,048 tokens a step on a CPU (its
 # `max_num_batched_tokens` there, decode rows included). 0: off (the env switch below overrides).
@@ -93,7 +93,7 @@ class Scheduler:
         batch's decode rows plus up to `max_num_batched_tokens` prompt tokens (the rows do not count
         against it: vLLM counts both in a budget far larger than its batch), more while the waiting
         prompts' tokens per running stream exceed it (up to `mixed_queue_scale` budgets), and the whole
-        queue (up to `mixed_burst_tokens`) while as many prompts wait as streams run."""
+        queue (up to `mixed_burst_tokens`) while more prompts wait than streams run."""
         self.block_manager = block_manager
         self.enable_chunked_prefill = enable_chunked_prefill
         # Mixing needs chunks: a whole prompt over what the decode rows leave of the budget would wait.
@@ -195,12 +195,12 @@ class Scheduler:
     def _mixed_prompt_budget(self, rows: int) -> int:
         """Prompt tokens a mixed step with `rows` decode rows may take: the budget, or the waiting
         prompt tokens per row when that is more (up to `mixed_queue_scale` budgets), or all of them (up
-        to `mixed_burst_tokens`) when no fewer prompts wait than rows run; the waiting tokens counted
+        to `mixed_burst_tokens`) when more prompts wait than rows run; the waiting tokens counted
         after their cached prefixes."""
         budget = self.max_num_batched_tokens
         if not self.waiting:
             return budget
-        if self.mixed_burst_tokens > 0 and len(self.waiting) >= rows:
+        if self.mixed_burst_tokens > 0 and len(self.waiting) > rows:
             # A burst (MIXED_BURST_TOKENS): the waiting prompts outnumber the streams; take them whole.
             queued = sum(self._uncached_tokens(seq) for seq in self.waiting)
             return max(budget, min(queued, self.mixed_burst_tokens))

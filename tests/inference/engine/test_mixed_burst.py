@@ -1,5 +1,5 @@
-"""Mixed prefill's burst rule (Scheduler.mixed_burst_tokens): while at least as many prompts wait as
-streams run, a mixed step takes the waiting prompts whole (up to the cap) instead of the queue-scaled
+"""Mixed prefill's burst rule (Scheduler.mixed_burst_tokens): while more prompts wait than streams
+run, a mixed step takes the waiting prompts whole (up to the cap) instead of the queue-scaled
 budget; outputs stay transformers' greedy tokens."""
 from __future__ import annotations
 
@@ -77,17 +77,22 @@ def test_waiting_prompts_that_outnumber_the_streams_run_in_one_step(llama: TinyM
         assert engine.kv_usage() == 0.0
 
 
-def test_streams_that_outnumber_the_waiting_prompts_keep_the_budget(llama: TinyModel) -> None:
-    """2 prompts (40 + 70 tokens) arriving while 3 streams run: no burst; the queued tokens per row
-    (36) a step, with or without the rule."""
+@pytest.mark.parametrize(("streams", "plan"), [
+    (3, (36, 1, 3)),  # 110 // 3: the 40-token prompt's first 36
+    (2, (40, 1, 2)),  # as many waiting as running, no burst either: 110 // 2 = 55, the 40 (15 < a block)
+])
+def test_streams_as_many_as_the_waiting_prompts_keep_the_budget(llama: TinyModel, streams: int,
+                                                                plan: tuple[int, int, int]) -> None:
+    """2 prompts (40 + 70 tokens) arriving while 2 or 3 streams run: no burst; the queued tokens per
+    row a step, with or without the rule."""
     for burst in (1000, 0):
         engine = _engine(llama, burst)
         results: dict[str, Collected] = {}
-        _running(engine, llama, 3, results)
+        _running(engine, llama, streams, results)
         for i in (2, 3):
             engine.add_request(f"b{i}", llama.prompts[i], GREEDY)
         absorb(results, engine.step())
-        assert engine.scheduler.last_plan == (36, 1, 3)  # the 40-token prompt's first 36
+        assert engine.scheduler.last_plan == plan
         drain(engine, results)
         _check_outputs(results, llama, {"b2": 2, "b3": 3})
 
