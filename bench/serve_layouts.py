@@ -15,8 +15,9 @@ Layouts (one thread per worker, `--dtype auto`):
 - `both-mixed`: the same workers with `--mixed-prefill`: every step one forward carrying the running
   batch's decode rows and up to `--mixed-budget` prompt tokens on top of them (measured beside
   `both-per-cpu` in one run);
-- `both-burst`: `both-mixed` with the scheduler's burst rule on (`ENGINE_MIXED_BURST_TOKENS`, default
-  `BURST_TOKENS`): while more prompts wait at a worker than streams run there, a step takes them all.
+- `both-burst`: `both-mixed` (at `--burst-budget` tokens a step when given) with the scheduler's burst
+  rule on (`ENGINE_MIXED_BURST_TOKENS`, default `BURST_TOKENS`): while more prompts wait at a worker
+  than streams run there, a step takes them all.
 """
 from __future__ import annotations
 
@@ -76,6 +77,8 @@ def worker_specs(layout: str, args: Any) -> list[tuple[str, list[str]]]:
         return [("both", [*at(c, args.both_nice), *budget]) for c in range(cpus)]
     if layout in ("both-mixed", "both-burst"):
         tokens = getattr(args, "mixed_budget", None) or MIXED_BUDGET
+        if layout == "both-burst":  # its own budget when given: the two measured side by side
+            tokens = getattr(args, "burst_budget", None) or tokens
         mixed = ["--mixed-prefill", "--max-num-batched-tokens", str(tokens)]
         return [("both", [*at(c, args.both_nice), *mixed]) for c in range(cpus)]
     raise ValueError(f"unknown layout {layout!r}")

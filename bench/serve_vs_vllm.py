@@ -211,6 +211,8 @@ def _parser() -> Any:
                    help="our workers run with --mixed-prefill (prompt tokens in the decode batch's forward)")
     p.add_argument("--mixed-budget", type=int, default=MIXED_BUDGET,
                    help="layout both-mixed: prompt tokens per step on top of the decode rows")
+    p.add_argument("--burst-budget", type=int, default=None,
+                   help="layout both-burst: prompt tokens per step on top of the decode rows (default: --mixed-budget)")
     p.add_argument("--layout", default=DEFAULT_LAYOUT,
                    help="our workers' placement, or several comma-separated (each measured in every round): "
                    + "; ".join(f"{k}: {v}" for k, v in LAYOUTS.items()))
@@ -252,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                               "decode_nice": args.decode_nice, "prefill_nice": args.prefill_nice,
                               "both_nice": args.both_nice, "prefill_budget": args.prefill_budget,
                               "mixed_prefill": args.mixed_prefill, "mixed_budget": args.mixed_budget,
+                              "burst_budget": args.burst_budget,
                               "prefix_len": args.prefix_len, "input_len": args.input_len,
                               "output_len": args.output_len, "loadavg_start": _loadavg(), "rounds": []}
     systems = [*layouts, *([] if args.no_vllm else ["vllm"])]
