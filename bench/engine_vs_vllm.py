@@ -1,7 +1,8 @@
 """Our engine against vLLM, both in-process: `LLMEngine.generate` against vLLM's offline `LLM.generate`.
 
 Same checkpoint, same token-id prompts, greedy with `ignore_eos` and a fixed output length, requests in
-waves of exactly `concurrency` (8 / 32 / 64 in flight by default). No HTTP on either side (the serving
+waves of exactly `concurrency` (8 / 32 / 64 in flight by default), every wave's prompts new to both
+engines (no prefix-cache hits on either side). No HTTP on either side (the serving
 comparison through `vllm serve` is bench/serve_vs_vllm.py and `engine_throughput --vllm`).
 
 Each (model, dtype) pair runs our engine and vLLM alternately for `--rounds` rounds, each side in a
@@ -25,6 +26,7 @@ round. Where the ceiling is below a target ratio, the target needs more than the
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -77,7 +79,7 @@ for _ in range(cfg["rounds"]):
         tokens = 0
         t = time.perf_counter()
         for w in range(waves):
-            for res in engine.generate([prompts[(w * c + i) % len(prompts)] for i in range(c)], params):
+            for res in engine.generate(cfg["wave_prompts"][str(c)][w * c:(w + 1) * c], params):
                 tokens += len(res.token_ids)
         el = time.perf_counter() - t
         row[str(c)] = {"output_tokens": tokens, "seconds": el, "tokens_per_s": tokens / el}
@@ -119,7 +121,18 @@ def measure_pair(model_dir: Path, dtype: str, vllm_dtype: str, concurrency: list
     """Alternating rounds of our engine and vLLM on one checkpoint; per concurrency the per-round
     tok/s of both and the median of ours ÷ vLLM."""
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
-    cfg = {"model": str(model_dir), "prompts": synthetic_prompts(max(concurrency), prompt_len, vocab, seed=1),
+    # Every wave of every concurrency gets prompts of its own, unseen by the warm-up and the waves
+    # before it: an engine whose prefix cache kept an earlier wave's blocks would otherwise skip part
+    # of the prefill (ours caches 16-token blocks; vLLM's CPU default is 128-token blocks, so a
+    # 32-token prompt never hits there) and the ratio would measure the cache, not the engine.
+    waves_of = {c: max(1, math.ceil(min_requests / c)) for c in concurrency}
+    fresh = synthetic_prompts(sum(c * n for c, n in waves_of.items()), prompt_len, vocab, seed=2)
+    wave_prompts, start = {}, 0
+    for c in concurrency:
+        wave_prompts[str(c)] = fresh[start:start + c * waves_of[c]]
+        start += c * waves_of[c]
+    cfg = {"model": str(model_dir), "prompts": synthetic_prompts(4, prompt_len, vocab, seed=1),
+           "wave_prompts": wave_prompts,
            "max_tokens": max_tokens, "concurrency": concurrency, "waves_min_requests": min_requests,
            "rounds": 1, "max_model_len": prompt_len + max_tokens + 16, "max_num_seqs": max(concurrency),
            "threads": threads}

@@ -3,7 +3,8 @@ Python of bench/.venv-vllm (``-P``, so the repository is not importable: stdlib 
 
     bench/.venv-vllm/bin/python -P bench/vllm_offline_child.py CONFIG.json
 
-CONFIG: {"model", "dtype", "prompts" (token-id lists), "max_tokens", "concurrency" (list), "waves",
+CONFIG: {"model", "dtype", "prompts" (token-id lists: the warm-up's and the greedy check's),
+"wave_prompts" (per concurrency, the token-id lists of its waves in order), "max_tokens", "concurrency" (list), "waves",
 "rounds", "max_model_len", "max_num_seqs"}. Prints one line ``RESULT {json}``: per concurrency the
 output tokens/s of each round. Each wave is one ``LLM.generate`` call of exactly `concurrency` prompts
 (greedy, ``ignore_eos``), so the batch is as wide as ours in the same benchmark.
@@ -41,7 +42,7 @@ def main() -> int:
             tokens = 0
             t = time.perf_counter()
             for w in range(waves):
-                wave = [prompts[(w * c + i) % len(prompts)] for i in range(c)]
+                wave = [TokensPrompt(prompt_token_ids=p) for p in cfg["wave_prompts"][str(c)][w * c:(w + 1) * c]]
                 for out in llm.generate(wave, params, use_tqdm=False):
                     tokens += len(out.outputs[0].token_ids)
             elapsed = time.perf_counter() - t
