@@ -85,10 +85,13 @@ def worker_specs(layout: str, args: Any) -> list[tuple[str, list[str]]]:
 
 
 def layout_env(layout: str) -> dict[str, str]:
-    """Environment `layout`'s workers start with on top of the benchmark's (the scheduler's switches)."""
+    """Environment `layout`'s workers start with on top of the benchmark's (the scheduler's switches):
+    both-mixed keeps the mixed steps of the sessions before the burst rule whatever the engine's
+    default, both-burst turns the rule on."""
     from inference.engine.scheduler import MIXED_BURST_ENV
 
-    return {MIXED_BURST_ENV: str(BURST_TOKENS)} if layout == "both-burst" else {}
+    return {"both-mixed": {MIXED_BURST_ENV: "0"},
+            "both-burst": {MIXED_BURST_ENV: str(BURST_TOKENS)}}.get(layout, {})
 
 
 @contextlib.contextmanager
