@@ -44,8 +44,11 @@ MIXED_QUEUE_SCALE = 8
 # gap, but protecting them would delay more first tokens than it saves: the burst drained at
 # `MIXED_QUEUE_SCALE` budgets a step, each step also paying every running row, put the last first token
 # of a 32-prompt burst seconds behind vllm serve's, which takes up to 2,048 tokens a step on a CPU (its
-# `max_num_batched_tokens` there, decode rows included). 0: off (the env switch below overrides).
-MIXED_BURST_TOKENS = 0
+# `max_num_batched_tokens` there, decode rows included). On Zen 4 (64/64 at 32 / 64 in flight, two runs)
+# TTFT p99 0.72x / 0.95x vllm serve's became 0.50x / 0.49x, ITL p99 stayed under vLLM's as far
+# (docs/benchmarks.md, "Tails against vllm serve, thirteenth session"). 0: off (the env switch below
+# overrides it, for A/B runs).
+MIXED_BURST_TOKENS = 2048
 MIXED_BURST_ENV = "ENGINE_MIXED_BURST_TOKENS"
 
 

@@ -87,6 +87,7 @@ def test_a_deep_queue_takes_bigger_mixed_steps(llama: TinyModel) -> None:
     # No prefix caching: the late prompt repeats one of the burst's and must be computed in full.
     engine = LLMEngine(llama.path, block_size=16, num_blocks=64, max_num_batched_tokens=16,
                        enable_mixed_prefill=True, enable_prefix_caching=False)
+    engine.scheduler.mixed_burst_tokens = 0  # the queue scale alone (test_mixed_burst: with the burst rule)
     results: dict[str, Collected] = {}
     for i in range(4):  # 3 + 17 + 40 + 70 = 130 prompt tokens, no stream running yet
         engine.add_request(f"b{i}", llama.prompts[i], GREEDY)
