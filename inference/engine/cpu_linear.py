@@ -251,19 +251,24 @@ def _panel_switch() -> str:
 
 
 def row_invariant_plan(dtype: torch.dtype, ops: Any) -> tuple[int, int | None]:
-    """(panel rows, the most rows a step may run) under which every linear computes a row the same
-    whatever other rows share the step: what speculative decoding needs for its greedy tokens to be
-    plain decoding's (a verify step runs more rows than the decode step it replaces).
+    """(panel rows, the most rows a verify step may run) under which a speculative engine computes
+    every token as a plain engine does, so that its greedy tokens are plain decoding's.
 
-    Where oneDNN is bit-stable only up to a row count (`ONEDNN_ROW_INVARIANT_ROWS`: the AMX kernel in
-    bf16) and faster than the panels there, oneDNN alone within that many rows; else, with panels for
-    `dtype` in the build, the panels at every row count; else the usual choice with no row bound.
+    Two things must hold. A verify step runs more rows than the decode step it replaces, so its rows
+    must run on a kernel that computes each row as it would alone. And the prompt must be computed
+    with the plain engine's kernels: the usual choice (`panel_rows_limit`) for every step, prefill
+    chunks included (panels at every row count would give a prefill of more rows than the usual limit
+    other bits than the plain engine's oneDNN: greedy tokens drifted on a Zen 4 EPYC, thirteenth
+    session). So: where oneDNN is bit-stable only up to a row count (`ONEDNN_ROW_INVARIANT_ROWS`: the
+    AMX kernel in bf16, which serves every row count there), oneDNN with verify steps within that many
+    rows; else the usual panel limit, verify steps within it (the panels compute each row alone); with
+    panels at every row count no bound; without panels the usual choice and no bound.
     """
     limit = ONEDNN_ROW_INVARIANT_ROWS.get((cpu_kind(), dtype))
     if limit is not None and _panel_switch() == "auto":
         return 0, limit
     rows = panel_rows_limit(dtype, ops)
-    return (ALL_ROWS if rows > 0 else 0), None
+    return rows, (rows if 0 < rows < ALL_ROWS else None)
 
 
 # Above this many bytes of linear weights the panels serve every row count, instead of a oneDNN copy of

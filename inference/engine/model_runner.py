@@ -126,8 +126,9 @@ class ModelRunner:
         row count where it beat oneDNN on this CPU kind (cpu_linear.panel_rows_limit: fp32 on an AVX2 CPU,
         bf16 and fp32 decode batches with AVX-512), oneDNN's reordered weights for the rest on a CPU
         (unless the weights are too large for two copies: panel_rows_with_memory); left as they are
-        otherwise. `row_invariant`: the choice under which a row's result does not depend on the rows
-        beside it (panels at every row count, or oneDNN within the rows it is stable for)."""
+        otherwise. `row_invariant`: the usual choice with verify steps bounded so that a row's result does
+        not depend on the rows beside it (cpu_linear.row_invariant_plan: within the panel row limit, or
+        within the rows oneDNN is stable for)."""
         onednn = prepacked_linear_available(self.dtype, self.device)
         if self.device.type != "cpu":
             rows = 0
@@ -137,6 +138,8 @@ class ModelRunner:
             rows = panel_rows_limit(self.dtype, ops)
         if rows > 0:
             rows = panel_rows_with_memory(rows, self.model) if onednn else ALL_ROWS
+            if rows >= ALL_ROWS:  # the panels take every row count, each row computed alone: no bound
+                self.max_step_rows = None
             prepack_linears(self.model, panel_ops=ops, panel_rows=rows)
         elif onednn:
             prepack_linears(self.model)
