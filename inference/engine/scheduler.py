@@ -56,7 +56,12 @@ def mixed_burst_tokens() -> int:
     """The burst cap of mixed steps: `ENGINE_MIXED_BURST_TOKENS` when set (0 turns bursts off, for A/B
     runs of the serving benchmark), else `MIXED_BURST_TOKENS`."""
     value = os.environ.get(MIXED_BURST_ENV, "").strip()
-    return max(0, int(value)) if value else MIXED_BURST_TOKENS
+    if not value:
+        return MIXED_BURST_TOKENS
+    try:
+        return max(0, int(value))
+    except ValueError:
+        raise ValueError(f"{MIXED_BURST_ENV} must be a whole number of prompt tokens (0: off), got {value!r}") from None
 
 
 class Scheduler:

@@ -121,3 +121,6 @@ def test_the_cap_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch, lla
         .scheduler.mixed_burst_tokens == 2048
     monkeypatch.setenv(MIXED_BURST_ENV, "0")
     assert mixed_burst_tokens() == 0
+    monkeypatch.setenv(MIXED_BURST_ENV, "lots")
+    with pytest.raises(ValueError, match=f"{MIXED_BURST_ENV} must be a whole number"):
+        mixed_burst_tokens()
