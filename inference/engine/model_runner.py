@@ -132,7 +132,7 @@ class ModelRunner:
         onednn = prepacked_linear_available(self.dtype, self.device)
         if self.device.type != "cpu":
             rows = 0
-        elif row_invariant and ops is not None:
+        elif row_invariant:  # without the kernels too: oneDNN's own row bound (AMX bf16) still holds
             rows, self.max_step_rows = row_invariant_plan(self.dtype, ops)
         else:
             rows = panel_rows_limit(self.dtype, ops)

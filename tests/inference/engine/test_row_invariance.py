@@ -119,3 +119,26 @@ def test_linears_under_the_plan_compute_each_row_alone(dtype: torch.dtype) -> No
             for rows in sorted({1, 2, 4, 5, 8, 9, 16, 17, 31, top // 2, top - 1, top}):
                 together = model(x[:rows])
                 assert torch.equal(together, alone[:rows]), (in_f, out_f, rows, panel_rows, bound)
+
+
+def test_the_amx_bound_holds_without_the_cpu_kernels(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN's own row bound (AMX bf16) does not depend on the engine's kernels: a speculative engine
+    with them turned off still caps its verify steps there, and one on any other CPU kind has no bound."""
+    if not prepacked_linear_available(torch.bfloat16, CPU):
+        pytest.skip("no oneDNN bf16 linears on this CPU")
+    from inference.engine.model_runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "_choose_kernels", lambda self, use_compile: None)  # no CPU kernels
+    monkeypatch.delenv(PANEL_SWITCH, raising=False)
+    monkeypatch.setattr(cpu_linear, "cpu_kind", lambda: "avx512-amx")
+
+    def spec_engine() -> LLMEngine:
+        return LLMEngine(str(tiny_model_dir), num_blocks=64, block_size=8, max_num_seqs=4, dtype="bfloat16",
+                         speculative=SpeculativeConfig(num_speculative_tokens=4))
+
+    engine = spec_engine()
+    bound = ONEDNN_ROW_INVARIANT_ROWS[("avx512-amx", torch.bfloat16)]
+    assert engine.runner.max_step_rows == bound
+    assert engine.speculator is not None and engine.speculator.max_rows == bound
+    monkeypatch.setattr(cpu_linear, "cpu_kind", lambda: "avx512")
+    assert spec_engine().runner.max_step_rows is None
