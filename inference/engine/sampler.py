@@ -137,18 +137,16 @@ def sample(
         x = torch.where(finite[:, None], x, torch.zeros_like(x))
     x = _filter(x, picked)
     probs = torch.softmax(x, dim=-1)
-    seeded = [(j, p.seed) for j, p in enumerate(picked) if p.seed is not None]
-    if not seeded:
+    seeds = {j: p.seed for j, p in enumerate(picked) if p.seed is not None}
+    if not seeds:
         choice = inverse_cdf_sample(probs)
     else:
+        choice = torch.empty(len(picked), dtype=torch.long, device=probs.device)
         # A seeded row draws its own exponential race (the same noise in any batch: reproducible).
-        noise = torch.empty_like(probs)
-        for j, seed in seeded:
-            noise[j] = seeded_noise(seed, steps[rows[j]], probs.shape[-1]).to(noise.device)
-        free = [j for j in range(len(picked)) if picked[j].seed is None]
-        if free:
-            noise[free] = 1.0  # replaced below
-        choice = row_argmax(probs / noise)
+        seeded = list(seeds)
+        noise = torch.stack([seeded_noise(seed, steps[rows[j]], probs.shape[-1]) for j, seed in seeds.items()])
+        choice[seeded] = row_argmax(probs[seeded] / noise.to(device=probs.device, dtype=probs.dtype))
+        free = [j for j, p in enumerate(picked) if p.seed is None]
         if free:
             choice[free] = inverse_cdf_sample(probs[free])
     if not all_finite:
