@@ -206,15 +206,12 @@ class Scheduler:
         to `mixed_burst_tokens`) when more prompts wait than rows run; the waiting tokens counted
         after their cached prefixes."""
         budget = self.max_num_batched_tokens
-        if not self.waiting:
-            return budget
-        if self.mixed_burst_tokens > 0 and len(self.waiting) > rows:
-            # A burst (MIXED_BURST_TOKENS): the waiting prompts outnumber the streams; take them whole.
-            queued = sum(self._uncached_tokens(seq) for seq in self.waiting)
-            return max(budget, min(queued, self.mixed_burst_tokens))
-        if self.mixed_queue_scale <= 1:
+        burst = self.mixed_burst_tokens > 0 and len(self.waiting) > rows
+        if not self.waiting or (not burst and self.mixed_queue_scale <= 1):
             return budget
         queued = sum(self._uncached_tokens(seq) for seq in self.waiting)
+        if burst:  # MIXED_BURST_TOKENS: the waiting prompts outnumber the streams; take them whole
+            return max(budget, min(queued, self.mixed_burst_tokens))
         return min(self.mixed_queue_scale * budget, max(budget, queued // max(rows, 1)))
 
     def _uncached_tokens(self, seq: Sequence) -> int:
