@@ -28,6 +28,7 @@ from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceStatus
 from .speculative import NgramSpeculator, SpeculativeConfig, accepted_tokens
 from .status import EngineStatus
+from .step_cost import MixedStepBudget, StepTarget
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class LLMEngine(KVHandover):
         enable_chunked_prefill: bool = True,
         enable_mixed_prefill: bool = False,
         speculative: SpeculativeConfig | None = None,
+        mixed_step_target: StepTarget | None = None,
     ) -> None:
         """Load config, weights (and the tokenizer, if the folder has one) and allocate the KV pool.
 
@@ -102,6 +104,8 @@ class LLMEngine(KVHandover):
         sequences together, see `reserve`.
         `speculative`: n-gram speculative decoding (speculative.py; None, the default: off): decode
         steps verify proposed tokens in the same forward; outputs are distributed as without it.
+        `mixed_step_target` (with mixed prefill; None: off): a mixed step's prompt tokens are those that
+        keep it within this time on the step cost measured here (step_cost.py), once measured.
         """
         _check_limits(block_size, max_num_seqs, max_queued_kv_fraction)
         self.model_path = model_path
@@ -126,6 +130,10 @@ class LLMEngine(KVHandover):
         self.dtype = self.runner.dtype
         self._build_scheduling(max_batched, max_queued_kv_fraction, enable_prefix_caching, enable_chunked_prefill,
                                enable_mixed_prefill and self.runner.can_mix)
+        if mixed_step_target is not None and self.scheduler.enable_mixed_prefill:
+            self.scheduler.step_budget = MixedStepBudget(
+                mixed_step_target, floor=min(block_size, max_batched),
+                cap=self.scheduler.mixed_queue_scale * max_batched)
         if speculative is not None:
             speculative.validate()  # before anything else is built on it: a ValueError naming the field
         self.speculator = (
@@ -358,6 +366,7 @@ class LLMEngine(KVHandover):
                 return outputs
             self.num_preemptions += len(plan.preempted)
             self._inflight = plan.prefill + plan.decode
+            started = time.perf_counter()
             try:
                 if plan.prefill and plan.decode:
                     outputs.extend(self._execute_mixed(plan.prefill, plan.decode))
@@ -367,6 +376,9 @@ class LLMEngine(KVHandover):
                 logger.exception("engine step failed; failing %d request(s)", len(batch))
                 outputs.extend(self.fail_inflight(f"engine error: {exc}"))
             self._inflight = []
+            budget = self.scheduler.step_budget
+            if budget is not None and (plan.prefill or self.speculator is None):  # no verify rows in the fit
+                budget.observe(len(plan.decode), self.scheduler.last_plan[0], time.perf_counter() - started)
             return outputs
 
     def _execute(self, batch: list[Sequence], is_prefill: bool) -> list[RequestOutput]:

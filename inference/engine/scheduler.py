@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, block_hashes
 from .sequence import Sequence, SequenceStatus
+from .step_cost import MixedStepBudget
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,9 @@ class Scheduler:
         self.shared_prefix_wait_tokens: int | None = SHARED_PREFIX_WAIT_TOKENS
         self.mixed_queue_scale = MIXED_QUEUE_SCALE  # 1: a mixed step's prompt tokens never pass the budget
         self.mixed_burst_tokens = mixed_burst_tokens()  # 0: a burst takes the queue-scaled budget too
+        # A budget from the measured step cost (step_cost.py) instead of the fixed / queue-scaled one
+        # once it has samples; None: off. The engine sets it and feeds it every step's time.
+        self.step_budget: MixedStepBudget | None = None
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -204,9 +208,16 @@ class Scheduler:
         """Prompt tokens a mixed step with `rows` decode rows may take: the budget, or the waiting
         prompt tokens per row when that is more (up to `mixed_queue_scale` budgets), or all of them (up
         to `mixed_burst_tokens`) when more prompts wait than rows run; the waiting tokens counted
-        after their cached prefixes."""
+        after their cached prefixes. With `step_budget`, once it knows the step cost, what keeps a
+        step beside `rows` rows within its time target replaces the first two (a burst still goes
+        whole)."""
         budget = self.max_num_batched_tokens
         burst = self.mixed_burst_tokens > 0 and len(self.waiting) > rows
+        if self.step_budget is not None and rows and not burst:
+            # The measured cost decides (no queue scaling: a deep queue's larger steps were the tails).
+            measured = self.step_budget.tokens(rows)
+            if measured is not None:
+                return measured
         if not self.waiting or (not burst and self.mixed_queue_scale <= 1):
             return budget
         queued = sum(self._uncached_tokens(seq) for seq in self.waiting)

@@ -8,6 +8,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+# Torch-free (the engine package imports its parts lazily): the agent imports this module too.
+from inference.engine.step_cost import AUTO_FACTOR, DEFAULT_MIXED_STEP_TARGET, TARGET_FORMS, parse_step_target
+
 # A good --stream-window once the worker's send buffers are small (they are, with the flag on); off
 # by default: on a busy 2-core machine it cost ~7% tokens/s for clients that read everything and did
 # not clearly reduce hang-up waste (docs/benchmarks.md §8).
@@ -95,6 +98,8 @@ class ServerArgs:
     num_speculative_tokens: int | None = None
     # Mixed prefill: prompt tokens ride in the decode batch's forward (LLMEngine enable_mixed_prefill).
     mixed_prefill: bool = False
+    # With mixed prefill: the time a mixed step keeps within on the measured step cost (step_cost.py).
+    mixed_step_target: str = DEFAULT_MIXED_STEP_TARGET
 
     @property
     def kv_cache_bytes(self) -> int | None:
@@ -225,6 +230,14 @@ def build_parser() -> argparse.ArgumentParser:
         "with the decode kernel, with chunked prefill): streams get a token every step instead of waiting "
         "for a prefill step",
     )
+    p.add_argument(
+        "--mixed-step-target",
+        default=DEFAULT_MIXED_STEP_TARGET,
+        help=f"with --mixed-prefill: a mixed step takes the prompt tokens that keep it within this time on "
+        f"the step cost the worker measures (a + b*rows + c*prompt tokens, fitted online), instead of "
+        f"--max-num-batched-tokens (used until the cost is measured): {TARGET_FORMS} (auto: "
+        f"{AUTO_FACTOR:g}x; default {DEFAULT_MIXED_STEP_TARGET})",
+    )
     p.add_argument("--base-cpu-id", type=int, default=None, help="first CPU to pin the worker to")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads / CPUs pinned")
     p.add_argument(
@@ -344,6 +357,10 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                 f"--num-speculative-tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, "
                 f"got {ns.num_speculative_tokens}"
             )
+    try:
+        parse_step_target(ns.mixed_step_target)
+    except ValueError as exc:
+        parser.error(str(exc))
     if not 0 <= ns.nice <= 19:
         parser.error(f"--nice must be between 0 and 19, got {ns.nice}")
     if ns.base_cpu_id is not None:
@@ -386,6 +403,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         prefix_caching=not ns.no_prefix_caching,
         chunked_prefill=not ns.no_chunked_prefill,
         mixed_prefill=ns.mixed_prefill,
+        mixed_step_target=ns.mixed_step_target,
         base_cpu_id=ns.base_cpu_id,
         num_threads=ns.num_threads,
         max_sequence_length=ns.max_sequence_length,

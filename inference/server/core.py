@@ -20,6 +20,7 @@ from inference.engine.compile import CompileUnavailable
 from inference.engine.kv_events import KVEventLog
 from inference.engine.memory import KVPoolTooSmall
 from inference.engine.sampling_params import load_sampling_defaults
+from inference.engine.step_cost import parse_step_target
 from inference.kv_transfer import KVLayout
 from inference.kv_transfer.verbs import VerbsDevice
 from inference.server.args import DEFAULT_SPECULATIVE_TOKENS, ServerArgs
@@ -52,6 +53,7 @@ def load_engine(args: ServerArgs, device: torch.device) -> LLMEngine:
             enable_prefix_caching=args.prefix_caching,
             enable_chunked_prefill=args.chunked_prefill,
             enable_mixed_prefill=args.mixed_prefill,
+            mixed_step_target=parse_step_target(args.mixed_step_target),
             max_model_len=args.max_sequence_length or args.context_length,
             kv_cache_bytes=args.kv_cache_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization,
@@ -176,6 +178,7 @@ class WorkerCore:
             "prefix_caching": self.args.prefix_caching,
             "chunked_prefill": self.args.chunked_prefill,
             "mixed_prefill": self.args.mixed_prefill,
+            "mixed_step_target": self.args.mixed_step_target if self.args.mixed_prefill else None,
             "speculative": self.args.speculative,
             "num_speculative_tokens": (self.args.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
             if self.args.speculative else None,

@@ -1,0 +1,191 @@
+"""How many prompt tokens a mixed step may carry: as many as keep the step within a time target, on the
+step cost this engine measures (Sarathi-Serve's stall-free batching: a step's prompt tokens are chosen
+so that the running streams' next token is not delayed past a bound).
+
+Why not a fixed token budget: what a prompt token and a running row cost depends on the CPU, the model,
+the dtype, the context and whatever else runs on the cores. On an Intel Xeon with AMX a decode step of
+8 rows took 77-97 ms and a 64-token chunk after a 384-token cached prefix added ~90 ms; `vllm serve`'s
+ITL p99 on that workload was 164 ms, so a step could carry only ~60-80 ms of prompt work, which a
+fixed 64-token budget does not know (docs/benchmarks.md, issue 19's tails).
+
+The model. A step of `r` decode rows and `p` prompt tokens takes `a + b*r` when `p` is 0 and
+`a + b*r + d + c*p` otherwise, `(a, b)` fitted on the decode-only steps and `(d, c)` on the residuals
+of the steps with prompt tokens, each an exponentially weighted least-squares fit (`DECAY` per
+sample of its kind: a recent window, so the fit follows the context growing and other processes
+coming and going; mixed steps are rarer than decode steps and keep their own memory). Each fit has a
+weak prior where its data cannot decide: a flat decode cost while every step had the same rows (the
+slope `b` is pulled to 0), a proportional prompt cost while every mixed step had the same tokens (the
+intercept `d` is pulled to 0; a zero slope there would make prompt tokens free). A sample far over the
+prediction (another process took the core) counts at most `OUTLIER` times the prediction.
+
+The budget. The target is `factor x` the predicted decode-only step of the running rows ("1.6x":
+relative, so it follows the batch as vLLM's own step does) or an absolute time ("150ms": the budget
+shrinks as rows grow). The step gets `(target - a - b*r - d) / c` prompt tokens, at least `floor`
+(prompts always progress) and at most `cap`; until both fits have samples the scheduler keeps its fixed
+budget. Steps with more prompt tokens than `cap` (bursts, taken whole by the scheduler's burst rule)
+are not fitted: a large GEMM's cost per token is lower than a small chunk's, and the fit is for the
+steps it decides.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+DECAY = 0.95  # weight of the older samples of a fit per new sample of its kind (a window of ~20)
+OUTLIER = 2.0  # a sample counts at most this many times the prediction
+PRIOR = 1e-3  # the weak prior's weight, relative to the fit's sample weight
+MIN_DECODE_SAMPLES = 4  # decode-only steps before the budget is used
+MIN_PROMPT_SAMPLES = 2  # steps with prompt tokens before the budget is used
+AUTO_FACTOR = 1.6  # "auto": the target is this many decode-only steps of the running rows
+# The workers' --mixed-step-target unless told otherwise.
+DEFAULT_MIXED_STEP_TARGET = "off"
+TARGET_FORMS = "off, auto, <k>x (k > 1: k decode-only steps of the running rows) or <ms>ms"
+
+
+@dataclass(frozen=True)
+class StepTarget:
+    """The time a mixed step should stay within: `factor` times the predicted decode-only step of the
+    running rows, or `ms` milliseconds (exactly one is set)."""
+
+    factor: float | None = None
+    ms: float | None = None
+
+    def seconds(self, decode_s: float) -> float:
+        """The target for a step whose rows alone take `decode_s` seconds."""
+        return self.factor * decode_s if self.factor is not None else (self.ms or 0.0) / 1000.0
+
+    def __str__(self) -> str:
+        return f"{self.factor:g}x" if self.factor is not None else f"{self.ms:g}ms"
+
+
+def parse_step_target(text: str | None, name: str = "--mixed-step-target") -> StepTarget | None:
+    """`text` as a StepTarget (None for "off" or None); ValueError naming `name` for anything else."""
+    if text is None:
+        return None
+    value = text.strip().lower()
+    if value == "off":
+        return None
+    if value == "auto":
+        return StepTarget(factor=AUTO_FACTOR)
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(x|ms)", value)
+    number = float(m.group(1)) if m else math.nan
+    if m and m.group(2) == "x" and 1.0 < number <= 100.0:
+        return StepTarget(factor=number)
+    if m and m.group(2) == "ms" and 0.0 < number <= 600_000.0:
+        return StepTarget(ms=number)
+    raise ValueError(f"{name} must be {TARGET_FORMS}, got {text!r}")
+
+
+class _LineFit:
+    """y = intercept + slope * x by exponentially weighted least squares, with a weak prior pulling
+    `pull` ("slope" or "intercept") to 0 where the samples cannot decide between the two."""
+
+    def __init__(self, pull: str, decay: float = DECAY) -> None:
+        self.pull = pull
+        self.decay = decay
+        self.n = 0  # samples seen
+        self.w = self.sx = self.sxx = self.sy = self.sxy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        """One sample; older ones weigh `decay` less each time."""
+        k = self.decay
+        self.n += 1
+        self.w, self.sx, self.sxx = k * self.w + 1.0, k * self.sx + x, k * self.sxx + x * x
+        self.sy, self.sxy = k * self.sy + y, k * self.sxy + x * y
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(intercept, slope), None before the first sample."""
+        if self.n == 0:
+            return None
+        # Normal equations [[w, sx], [sx, sxx + l1]] @ [i, s] = [sy, sxy] with the prior's weight on
+        # the pulled coefficient (l0 on the intercept, l1 on the slope), scaled to the data's own.
+        l0 = PRIOR * self.w if self.pull == "intercept" else 0.0
+        l1 = PRIOR * max(self.sxx, 1.0) if self.pull == "slope" else 0.0
+        a00, a01, a11 = self.w + l0, self.sx, self.sxx + l1
+        det = a00 * a11 - a01 * a01
+        if det <= 1e-12 * max(a00 * a11, 1e-30):
+            return None
+        return (a11 * self.sy - a01 * self.sxy) / det, (a00 * self.sxy - a01 * self.sy) / det
+
+
+class StepCostModel:
+    """The step time of `rows` decode rows plus `tokens` prompt tokens, learned from the steps run
+    (module docstring: decode-only steps fit `a + b*rows`, the others `d + c*tokens` on top)."""
+
+    def __init__(self, decay: float = DECAY) -> None:
+        """Fits forgetting `decay` of their weight per sample of their kind."""
+        self._decode = _LineFit("slope", decay)
+        self._prompt = _LineFit("intercept", decay)
+
+    @property
+    def decode_samples(self) -> int:
+        """Decode-only steps observed."""
+        return self._decode.n
+
+    @property
+    def prompt_samples(self) -> int:
+        """Steps with prompt tokens observed."""
+        return self._prompt.n
+
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        """A step of `rows` decode rows and `tokens` prompt tokens took `seconds`."""
+        expected = self.predict(rows, tokens)
+        if expected is not None and expected > 0:
+            seconds = min(seconds, OUTLIER * expected)  # another process held the core
+        if tokens == 0:
+            self._decode.add(rows, seconds)
+            return
+        base = self.predict(rows, 0)
+        if base is not None:
+            self._prompt.add(tokens, seconds - base)
+
+    def predict(self, rows: int, tokens: int) -> float | None:
+        """Predicted seconds of such a step; None while the fits it needs have no samples."""
+        dec = self._decode.coefficients()
+        if dec is None:
+            return None
+        base = max(0.0, dec[0] + dec[1] * rows)
+        if tokens == 0:
+            return base
+        pro = self._prompt.coefficients()
+        return None if pro is None else base + max(0.0, pro[0] + pro[1] * tokens)
+
+    def tokens_within(self, rows: int, target: StepTarget) -> float | None:
+        """Prompt tokens a step of `rows` rows may carry to stay within `target` (may be < 0: the rows
+        alone take longer); None until both fits have enough samples or while a prompt token looks
+        free (the fit cannot price it yet)."""
+        if self._decode.n < MIN_DECODE_SAMPLES or self._prompt.n < MIN_PROMPT_SAMPLES:
+            return None
+        dec, pro = self._decode.coefficients(), self._prompt.coefficients()
+        if dec is None or pro is None or pro[1] <= 0:
+            return None
+        base = max(0.0, dec[0] + dec[1] * rows)
+        return (target.seconds(base) - base - max(0.0, pro[0])) / pro[1]
+
+
+class MixedStepBudget:
+    """The prompt-token budget of mixed steps that follows the measured step cost (module docstring)."""
+
+    def __init__(self, target: StepTarget, floor: int, cap: int, model: StepCostModel | None = None) -> None:
+        """Budgets of `floor` to `cap` prompt tokens keeping steps within `target`."""
+        if not 0 < floor <= cap:
+            raise ValueError(f"the mixed step budget needs 0 < floor <= cap, got {floor} and {cap}")
+        self.target = target
+        self.floor = floor
+        self.cap = cap
+        self.model = model or StepCostModel()
+
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        """A step ran (`rows` decode rows, `tokens` prompt tokens, `seconds`): fit it unless it was a
+        burst beyond `cap` or had no work."""
+        if (rows or tokens) and tokens <= self.cap:
+            self.model.observe(rows, tokens, seconds)
+
+    def tokens(self, rows: int) -> int | None:
+        """The budget of a mixed step beside `rows` decode rows; None while the cost is unknown (the
+        scheduler keeps its fixed budget)."""
+        room = self.model.tokens_within(rows, self.target)
+        if room is None:
+            return None
+        return max(self.floor, min(self.cap, round(room)))  # the fit is coarser than half a token
