@@ -17,7 +17,13 @@ Layouts (one thread per worker, `--dtype auto`):
   `both-per-cpu` in one run);
 - `both-burst`: `both-mixed` (at `--burst-budget` tokens a step when given) with the scheduler's burst
   rule on (`ENGINE_MIXED_BURST_TOKENS`, default `BURST_TOKENS`): while more prompts wait at a worker
-  than streams run there, a step takes them all.
+  than streams run there, a step takes them all;
+- `both-cost`: `both-burst` whose mixed steps take the prompt tokens that keep a step within
+  `--step-target` on the step cost each worker measures (`--mixed-step-target`, step_cost.py) instead of
+  the fixed budget (which they keep until the cost is measured); both-burst pins it off.
+
+The router in front of them balances by `--router-policy` (least-connections unless told: round-robin
+let one worker collect 12-16 of 16 closed-loop streams in a thirteenth-session run).
 """
 from __future__ import annotations
 
@@ -40,6 +46,10 @@ BOTH_BUDGET = 256
 MIXED_BUDGET = 64
 # both-burst's cap on a burst step's prompt tokens (vllm serve's max_num_batched_tokens on a CPU).
 BURST_TOKENS = 2048
+# both-cost's --mixed-step-target unless --step-target says otherwise.
+STEP_TARGET = "auto"
+# The router's policy unless --router-policy says otherwise: by the requests each worker has in flight.
+ROUTER_POLICY = "least-connections"
 
 LAYOUTS = {
     "split": "prefill on CPU 0, one decode worker on CPU 1",
@@ -51,6 +61,8 @@ LAYOUTS = {
                   "the decode rows",
     "both-burst": "both-mixed with the burst rule: while more prompts wait than streams run, a step takes "
                   f"them all (up to {BURST_TOKENS} tokens)",
+    "both-cost": "both-burst with --mixed-step-target (--step-target): a mixed step's prompt tokens from the "
+                 "measured step cost",
 }
 
 
@@ -76,11 +88,12 @@ def worker_specs(layout: str, args: Any) -> list[tuple[str, list[str]]]:
         return [("prefill", [*at(0, args.prefill_nice), *budget])] + [("decode", at(c, 0)) for c in range(cpus)]
     if layout == "both-per-cpu":
         return [("both", [*at(c, args.both_nice), *budget]) for c in range(cpus)]
-    if layout in ("both-mixed", "both-burst"):
+    if layout in ("both-mixed", "both-burst", "both-cost"):
         tokens = getattr(args, "mixed_budget", None) or MIXED_BUDGET
-        if layout == "both-burst":  # its own budget when given: the two measured side by side
+        if layout != "both-mixed":  # its own budget when given: the two measured side by side
             tokens = getattr(args, "burst_budget", None) or tokens
-        mixed = ["--mixed-prefill", "--max-num-batched-tokens", str(tokens)]
+        target = (getattr(args, "step_target", None) or STEP_TARGET) if layout == "both-cost" else "off"
+        mixed = ["--mixed-prefill", "--max-num-batched-tokens", str(tokens), "--mixed-step-target", target]
         return [("both", [*at(c, args.both_nice), *mixed]) for c in range(cpus)]
     raise ValueError(f"unknown layout {layout!r}")
 
@@ -92,7 +105,8 @@ def layout_env(layout: str) -> dict[str, str]:
     from inference.engine.scheduler import MIXED_BURST_ENV
 
     return {"both-mixed": {MIXED_BURST_ENV: "0"},
-            "both-burst": {MIXED_BURST_ENV: str(BURST_TOKENS)}}.get(layout, {})
+            "both-burst": {MIXED_BURST_ENV: str(BURST_TOKENS)},
+            "both-cost": {MIXED_BURST_ENV: str(BURST_TOKENS)}}.get(layout, {})
 
 
 @contextlib.contextmanager
@@ -119,7 +133,8 @@ def serving(layout: str, model: Path, log_dir: Path, args: Any, step_dir: Path |
         urls = [fut.result()[1] for fut in futures]
         prefill = [url for (role, _), url in zip(specs, urls, strict=True) if role == "prefill"]
         decode = [url for (role, _), url in zip(specs, urls, strict=True) if role != "prefill"]
-        router, router_url = start_router(prefill, decode, log_dir)
+        router, router_url = start_router(prefill, decode, log_dir,
+                                          policy=getattr(args, "router_policy", None) or ROUTER_POLICY)
         procs.append(router)
         yield router_url
     finally:

@@ -44,7 +44,16 @@ from bench.common import (
     write_result,
 )
 from bench.engine_throughput import VLLM_VENV, vllm_serve_process
-from bench.serve_layouts import BOTH_BUDGET, DEFAULT_LAYOUT, LAYOUTS, MIXED_BUDGET, serving, step_summary
+from bench.serve_layouts import (
+    BOTH_BUDGET,
+    DEFAULT_LAYOUT,
+    LAYOUTS,
+    MIXED_BUDGET,
+    ROUTER_POLICY,
+    STEP_TARGET,
+    serving,
+    step_summary,
+)
 
 MODULE = "bench.serve_vs_vllm"
 
@@ -213,6 +222,10 @@ def _parser() -> Any:
                    help="layout both-mixed: prompt tokens per step on top of the decode rows")
     p.add_argument("--burst-budget", type=int, default=None,
                    help="layout both-burst: prompt tokens per step on top of the decode rows (default: --mixed-budget)")
+    p.add_argument("--step-target", default=STEP_TARGET,
+                   help="layout both-cost: the workers' --mixed-step-target (off, auto, <k>x or <ms>ms)")
+    p.add_argument("--router-policy", default=ROUTER_POLICY,
+                   help="the router's --load-balance-strategy in front of our workers")
     p.add_argument("--layout", default=DEFAULT_LAYOUT,
                    help="our workers' placement, or several comma-separated (each measured in every round): "
                    + "; ".join(f"{k}: {v}" for k, v in LAYOUTS.items()))
@@ -232,6 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in layouts:
         if name not in LAYOUTS:
             p.error(f"--layout: unknown layout {name!r} (choose from {', '.join(LAYOUTS)})")
+    from inference.engine.step_cost import parse_step_target
+    from inference.router.policies import canonical_policy_name
+
+    try:  # the workers and the router would refuse them one by one, after the others started
+        parse_step_target(args.step_target, "--step-target")
+        canonical_policy_name(args.router_policy)
+    except ValueError as exc:
+        p.error(str(exc))
     if args.quick:
         args.concurrency, args.waves, args.output_len = [1, 4], 1, 16
     waves = args.waves
@@ -254,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                               "decode_nice": args.decode_nice, "prefill_nice": args.prefill_nice,
                               "both_nice": args.both_nice, "prefill_budget": args.prefill_budget,
                               "mixed_prefill": args.mixed_prefill, "mixed_budget": args.mixed_budget,
-                              "burst_budget": args.burst_budget,
+                              "burst_budget": args.burst_budget, "step_target": args.step_target,
+                              "router_policy": args.router_policy,
                               "prefix_len": args.prefix_len, "input_len": args.input_len,
                               "output_len": args.output_len, "loadavg_start": _loadavg(), "rounds": []}
     systems = [*layouts, *([] if args.no_vllm else ["vllm"])]

@@ -70,11 +70,13 @@ def test_serve_vs_vllm_quick(tmp_path: Path, tiny_model_dir: Path) -> None:
     """Our path is measured through the router in each layout asked for, with the workers' step timings;
     a missing vLLM venv is reported, not a crash."""
     argv = ["--quick", "--out-dir", str(tmp_path), "--model-dir", str(tiny_model_dir),
-            "--vllm-venv", str(tmp_path / "no-venv"), "--layout", "both-per-cpu,decode-per-cpu,both-mixed",
+            "--vllm-venv", str(tmp_path / "no-venv"), "--layout", "both-per-cpu,decode-per-cpu,both-mixed,both-cost",
             "--prefix-len", "32", "--step-log", str(tmp_path / "steps")]
     assert serve_vs_vllm.main(argv) == 0
     result = json.loads((tmp_path / "serve_vs_vllm_quick.json").read_text())
-    assert result["layouts"] == ["both-per-cpu", "decode-per-cpu", "both-mixed"] and result["prefix_len"] == 32
+    assert result["layouts"] == ["both-per-cpu", "decode-per-cpu", "both-mixed", "both-cost"]
+    assert result["prefix_len"] == 32 and result["router_policy"] == "least-connections"
+    assert result["step_target"] == "auto"
     for layout, ours in result["rounds"][0]["ours"].items():
         assert [r["concurrency"] for r in ours] == [1, 4], layout
         assert all(r["errors"] == 0 and _positive(r["output_tok_s"]) and _positive(r["ttft_p99_ms"])
