@@ -21,6 +21,7 @@ Layouts (one thread per worker, `--dtype auto`):
 - `both-cost`: `both-burst` whose mixed steps take the prompt tokens that keep a step within
   `--step-target` on the step cost each worker measures (`--mixed-step-target`, step_cost.py) instead of
   the fixed budget (which they keep until the cost is measured); both-burst pins it off.
+  `both-cost@<target>` (e.g. `both-cost@2x`) names its own target, so several run side by side.
 
 The router in front of them balances by `--router-policy` (least-connections unless told: round-robin
 let one worker collect 12-16 of 16 closed-loop streams in a thirteenth-session run).
@@ -66,8 +67,15 @@ LAYOUTS = {
 }
 
 
+def split_layout(name: str) -> tuple[str, str | None]:
+    """(layout, its own step target or None): `both-cost@2x` is ("both-cost", "2x")."""
+    layout, _, target = name.partition("@")
+    return layout, target or None
+
+
 def worker_specs(layout: str, args: Any) -> list[tuple[str, list[str]]]:
     """(role, flags) of every worker of `layout`; the prefill worker first where there is one."""
+    layout, own_target = split_layout(layout)
     cpus = os.cpu_count() or 1
     base = ["--num-threads", "1", "--dtype", "auto", "--context-length",
             str(args.prefix_len + args.input_len + args.output_len + 64), "--batch-size", str(max(args.concurrency))]
@@ -92,7 +100,8 @@ def worker_specs(layout: str, args: Any) -> list[tuple[str, list[str]]]:
         tokens = getattr(args, "mixed_budget", None) or MIXED_BUDGET
         if layout != "both-mixed":  # its own budget when given: the two measured side by side
             tokens = getattr(args, "burst_budget", None) or tokens
-        target = (getattr(args, "step_target", None) or STEP_TARGET) if layout == "both-cost" else "off"
+        target = own_target or getattr(args, "step_target", None) or STEP_TARGET
+        target = target if layout == "both-cost" else "off"
         mixed = ["--mixed-prefill", "--max-num-batched-tokens", str(tokens), "--mixed-step-target", target]
         return [("both", [*at(c, args.both_nice), *mixed]) for c in range(cpus)]
     raise ValueError(f"unknown layout {layout!r}")
@@ -106,7 +115,7 @@ def layout_env(layout: str) -> dict[str, str]:
 
     return {"both-mixed": {MIXED_BURST_ENV: "0"},
             "both-burst": {MIXED_BURST_ENV: str(BURST_TOKENS)},
-            "both-cost": {MIXED_BURST_ENV: str(BURST_TOKENS)}}.get(layout, {})
+            "both-cost": {MIXED_BURST_ENV: str(BURST_TOKENS)}}.get(split_layout(layout)[0], {})
 
 
 @contextlib.contextmanager

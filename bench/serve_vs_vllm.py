@@ -52,6 +52,7 @@ from bench.serve_layouts import (
     ROUTER_POLICY,
     STEP_TARGET,
     serving,
+    split_layout,
     step_summary,
 )
 
@@ -243,13 +244,16 @@ def main(argv: list[str] | None = None) -> int:
     args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     layouts = [name.strip() for name in str(args.layout).split(",") if name.strip()]
     for name in layouts:
-        if name not in LAYOUTS:
-            p.error(f"--layout: unknown layout {name!r} (choose from {', '.join(LAYOUTS)})")
+        base, target = split_layout(name)
+        if base not in LAYOUTS or (target is not None and base != "both-cost"):
+            p.error(f"--layout: unknown layout {name!r} (choose from {', '.join(LAYOUTS)}; both-cost@<target>)")
     from inference.engine.step_cost import parse_step_target
     from inference.router.policies import canonical_policy_name
 
     try:  # the workers and the router would refuse them one by one, after the others started
         parse_step_target(args.step_target, "--step-target")
+        for name in layouts:
+            parse_step_target(split_layout(name)[1] or "off", f"--layout {name}")
         canonical_policy_name(args.router_policy)
     except ValueError as exc:
         p.error(str(exc))
