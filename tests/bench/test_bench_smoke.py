@@ -241,3 +241,16 @@ def test_cpu_limits_quick(tmp_path: Path, tiny_model_dir: Path) -> None:
         assert math.isclose(row["steady"]["weight_gb_per_s"], steady_gbs, rel_tol=1e-9)
         assert math.isclose(row["steady"]["bandwidth_share"], steady_gbs / result["read_bandwidth"]["gb_per_s"],
                             rel_tol=1e-9)
+
+
+def test_paged_attention_quick(tmp_path: Path) -> None:
+    """The kernel against HEAD's (built beside it): same outputs where the source is the same."""
+    from bench import paged_attention
+
+    assert paged_attention.main(["--quick", "--out-dir", str(tmp_path), "--shapes", "smollm2",
+                                 "--dtypes", "float32"]) == 0
+    data = json.loads((tmp_path / "paged_attention.json").read_text())
+    assert data["command"].startswith(".venv/bin/python -m bench.paged_attention")
+    point = data["points"][0]
+    assert point["shape"] == "smollm2" and point["dtype"] == "float32" and point["ours_us"] > 0
+    assert point["max_abs_diff"] < 1e-4
