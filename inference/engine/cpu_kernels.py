@@ -37,7 +37,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("cpu_ops.cpp", "paged_decode.cpp", "panel_gemm.cpp", "panel_gemm512.cpp")]
+SOURCES = [CSRC / name for name in ("cpu_ops.cpp", "paged_decode.cpp", "panel_gemm.cpp", "panel_gemm512.cpp",
+                                    "amx_gemm.cpp")]
 HEADERS = [CSRC / "panel_gemm.h"]  # part of the build's identity (hashed), not compiled on their own
 ENV_SWITCH = "INFERENCE_CPU_KERNELS"
 ENV_DIR = "INFERENCE_KERNELS_DIR"

@@ -55,6 +55,7 @@ from .dtypes import _cpu_flags
 logger = logging.getLogger(__name__)
 
 PANEL_SWITCH = "INFERENCE_PANEL_GEMM"
+AMX_SWITCH = "INFERENCE_AMX_GEMM"
 # Every row count runs on the panel kernel.
 ALL_ROWS = 1 << 62
 # Up to how many rows the panel kernel runs, per CPU kind and dtype: the largest measured row count at
@@ -75,6 +76,11 @@ PANEL_ROWS: dict[tuple[str, torch.dtype], int] = {
     ("avx512-zen5", torch.float32): 64,
     ("avx512-zen5", torch.bfloat16): 512,
     ("avx512-amx", torch.float32): 64,
+}
+# Up to how many rows bf16 linears run on the engine's AMX-tile GEMM (amx_linear.py), per CPU kind: set from
+# docs/benchmarks.md, fourteenth session (Intel Xeon with AMX, family 6 model 207).
+AMX_ROWS: dict[tuple[str, torch.dtype], int] = {
+    ("avx512-amx", torch.bfloat16): 64,
 }
 # Up to how many rows sharing one call oneDNN's prepacked kernel computes each row exactly as it computes
 # that row alone, per CPU kind and dtype, where that bound matters (measured, twelfth session, Intel Xeon
@@ -226,12 +232,31 @@ def cpu_kind() -> str:
     return capability
 
 
+def amx_rows_limit(dtype: torch.dtype, ops: Any) -> int:
+    """Up to how many rows bf16 linears run on the AMX-tile GEMM (0: never, `ALL_ROWS`: always): with the
+    CPU kernels' AMX GEMM usable here, `AMX_ROWS` for this CPU kind, unless `INFERENCE_AMX_GEMM` says
+    otherwise ("1": at every row count, "0": never); a forced `INFERENCE_PANEL_GEMM` (its A/B of the
+    panels or oneDNN alone) turns the automatic choice off."""
+    from .amx_linear import amx_kernel_available
+
+    if dtype != torch.bfloat16 or not amx_kernel_available(ops):
+        return 0
+    switch = _switch(AMX_SWITCH)
+    if switch != "auto":
+        return ALL_ROWS if switch == "on" else 0
+    return AMX_ROWS.get((cpu_kind(), dtype), 0) if _panel_switch() == "auto" else 0
+
+
 def panel_rows_limit(dtype: torch.dtype, ops: Any) -> int:
-    """Up to how many rows linears in `dtype` run on the panel kernel (0: never, `ALL_ROWS`: always):
-    with the CPU kernels built and a panel kernel for `dtype` in the build, `PANEL_ROWS` for this CPU
-    kind, unless `INFERENCE_PANEL_GEMM` says otherwise ("1": at every row count, "0": never)."""
+    """Up to how many rows linears in `dtype` run on the engine's own kernels (0: never, `ALL_ROWS`: always):
+    bf16 on the AMX-tile GEMM where `amx_rows_limit` chooses it; else, with the CPU kernels built and a
+    panel kernel for `dtype` in the build, `PANEL_ROWS` for this CPU kind, unless `INFERENCE_PANEL_GEMM`
+    says otherwise ("1": at every row count, "0": never)."""
     if ops is None or dtype not in (torch.float32, torch.bfloat16):
         return 0
+    amx = amx_rows_limit(dtype, ops)
+    if amx > 0:
+        return amx
     if dtype == torch.bfloat16 and "bfloat16" not in ops.panel_variants():
         return 0  # no AVX512-BF16 here: the build has no bf16 panels
     switch = _panel_switch()
@@ -244,7 +269,12 @@ def panel_rows_limit(dtype: torch.dtype, ops: Any) -> int:
 
 def _panel_switch() -> str:
     """`INFERENCE_PANEL_GEMM` as "on", "off" or "auto" (unset or anything else)."""
-    switch = os.environ.get(PANEL_SWITCH, "auto").strip().lower()
+    return _switch(PANEL_SWITCH)
+
+
+def _switch(name: str) -> str:
+    """The environment variable `name` as "on", "off" or "auto" (unset or anything else)."""
+    switch = os.environ.get(name, "auto").strip().lower()
     if switch in ("0", "false", "no", "off"):
         return "off"
     return "on" if switch in ("1", "true", "yes", "on") else "auto"
@@ -264,6 +294,9 @@ def row_invariant_plan(dtype: torch.dtype, ops: Any) -> tuple[int, int | None]:
     rows; else the usual panel limit, verify steps within it (the panels compute each row alone); with
     panels at every row count no bound; without panels the usual choice and no bound.
     """
+    amx = amx_rows_limit(dtype, ops)
+    if amx > 0:  # the AMX-tile GEMM computes each row alone at every row count, as the panels do
+        return amx, (amx if amx < ALL_ROWS else None)
     limit = ONEDNN_ROW_INVARIANT_ROWS.get((cpu_kind(), dtype))
     if limit is not None and _panel_switch() == "auto":
         return 0, limit
@@ -294,18 +327,26 @@ def panel_rows_with_memory(rows: int, model: nn.Module) -> int:
 
 
 def prepack_linears(model: nn.Module, batch_hint: int = 32, panel_ops: Any = None, panel_rows: int = ALL_ROWS) -> int:
-    """Replace every `nn.Linear` of `model` in place, by a `PanelLinear` when `panel_ops` (the CPU
-    kernel module) is given (up to `panel_rows` rows on it, more on oneDNN), else by a `PrepackedLinear`;
-    returns how many."""
+    """Replace every `nn.Linear` of `model` in place, when `panel_ops` (the CPU kernel module) is given by
+    an `AmxLinear` (bf16 where `amx_rows_limit` chooses the AMX-tile GEMM) or a `PanelLinear`, up to
+    `panel_rows` rows on it and more on oneDNN, else by a `PrepackedLinear`; returns how many."""
+    from .amx_linear import AmxLinear
+
     max_rows = None if panel_rows >= ALL_ROWS else panel_rows
-    count = 0
+    count, own = 0, "panel kernel"
+    amx = {dtype: amx_rows_limit(dtype, panel_ops) > 0 for dtype in (torch.bfloat16,)} if panel_ops is not None else {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                packed = (PanelLinear(child, panel_ops, max_rows, batch_hint) if panel_ops is not None
-                          else PrepackedLinear(child, batch_hint))
+                packed: _PackedLinear
+                if panel_ops is None:
+                    packed = PrepackedLinear(child, batch_hint)
+                elif amx.get(child.weight.dtype, False):
+                    packed, own = AmxLinear(child, panel_ops, max_rows, batch_hint), "AMX-tile GEMM"
+                else:
+                    packed = PanelLinear(child, panel_ops, max_rows, batch_hint)
                 setattr(parent, name, packed)
                 count += 1
-    kernel = "oneDNN" if panel_ops is None else "panel kernel" + (f" up to {max_rows} rows" if max_rows else "")
+    kernel = "oneDNN" if panel_ops is None else own + (f" up to {max_rows} rows" if max_rows else "")
     logger.info("prepacked %d linears (%s)", count, kernel)
     return count

@@ -1,7 +1,7 @@
 // Fused element-wise ops of the Llama block for the CPU, each one pass over its rows in fp32 with a
 // single rounding to the storage dtype (torch runs each of them as 3-8 kernels, with bf16 casts in
 // between): RMSNorm, residual add + RMSNorm, RoPE in place, SiLU(gate) * up. Python bindings of these
-// and of paged_decode.cpp's and panel_gemm.cpp's kernels.
+// and of paged_decode.cpp's, panel_gemm.cpp's and amx_gemm.cpp's kernels.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -18,6 +18,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_new, torch::Tensor v
 torch::Tensor pack_panels(torch::Tensor weight);
 std::vector<std::string> panel_variants();
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias);
+bool amx_available();  // amx_gemm.cpp
+torch::Tensor amx_pack(torch::Tensor weight);
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
+                         int64_t prefetch, int64_t hint, int64_t kslice);
 
 namespace {
 
@@ -233,4 +237,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, "x @ w.T + bias from pack_panels(w), fp32 or bf16 (CPU)", py::arg("x"),
         py::arg("panels"), py::arg("n"), py::arg("bias") = py::none(), release());
   m.def("panel_variants", &panel_variants, "the panel kernels of this build: float32x16 or float32x8, bfloat16");
+  m.def("amx_available", &amx_available, "whether this build has the AMX GEMM and the process may use AMX tiles");
+  m.def("amx_pack", &amx_pack, "a [N, K] bf16 weight packed for amx_linear: [ceil(N / 32), ceil(K / 32), 2, 16, 16, 2]");
+  // prefetch (bytes ahead), hint (0: L1, 1: L2, 2: L3) and kslice (K blocks per slice above 32 rows): -1
+  // takes the kernel's defaults; the others are for bench sweeps.
+  m.def("amx_linear", &amx_linear, "x @ w.T + bias from amx_pack(w) on AMX tiles, bf16 (CPU)", py::arg("x"),
+        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("prefetch") = -1,
+        py::arg("hint") = -1, py::arg("kslice") = -1, release());
 }

@@ -10,13 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference.engine.amx_linear import amx_kernel_available
 from inference.engine.cpu_linear import (
     ALL_ROWS,
+    AMX_ROWS,
+    AMX_SWITCH,
     ONEDNN_MIN_ROWS,
     PANEL_ROWS,
     PANEL_SWITCH,
     PanelLinear,
     PrepackedLinear,
+    amx_rows_limit,
     cpu_family,
     cpu_kind,
     linear_weight_bytes,
@@ -146,7 +150,8 @@ def test_choice_rule_per_cpu_kind(monkeypatch: pytest.MonkeyPatch) -> None:
     kind = cpu_kind()
     assert panel_rows_limit(torch.float32, ops) == PANEL_ROWS.get((kind, torch.float32), 0)
     bf16 = PANEL_ROWS.get((kind, torch.bfloat16), 0) if "bfloat16" in ops.panel_variants() else 0
-    assert panel_rows_limit(torch.bfloat16, ops) == bf16
+    amx = amx_rows_limit(torch.bfloat16, ops)  # bf16 on the AMX-tile GEMM instead (test_amx_linear.py)
+    assert panel_rows_limit(torch.bfloat16, ops) == (amx or bf16)
     if kind == "avx2":
         assert panel_rows_limit(torch.float32, ops) == ALL_ROWS
     if kind == "avx512":  # the AMD EPYC Zen 4 figures: decode batches on the panels, prefill on oneDNN
@@ -155,9 +160,10 @@ def test_choice_rule_per_cpu_kind(monkeypatch: pytest.MonkeyPatch) -> None:
     if kind == "avx512-zen5":  # Zen 5: bf16 prefill chunks up to 512 rows on the panels too
         assert panel_rows_limit(torch.float32, ops) == 64
         assert bf16 == 512
-    if kind == "avx512-amx":  # Intel Xeon with AMX: oneDNN's AMX tiles for bf16 at every row count
+    if kind == "avx512-amx":  # Intel Xeon with AMX: no bf16 panels; the AMX-tile GEMM up to 64 rows
         assert panel_rows_limit(torch.float32, ops) == 64
         assert bf16 == 0
+        assert amx == (AMX_ROWS[(kind, torch.bfloat16)] if amx_kernel_available(ops) else 0)
     monkeypatch.setenv(PANEL_SWITCH, "0")
     assert panel_rows_limit(torch.float32, ops) == panel_rows_limit(torch.bfloat16, ops) == 0
     monkeypatch.setenv(PANEL_SWITCH, "1")
@@ -166,9 +172,10 @@ def test_choice_rule_per_cpu_kind(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cpu_kind_sets_amx_apart(monkeypatch: pytest.MonkeyPatch) -> None:
-    """AVX-512 CPUs with AMX tiles are their own kind: bf16 on oneDNN's AMX kernel at every row count (the
-    panels were 2-11x slower at 16-256 rows there, and as fast as oneDNN padded to 4 rows at 1-3), fp32 on
-    the panels up to 64 rows."""
+    """AVX-512 CPUs with AMX tiles are their own kind: bf16 never on the panels (2-11x slower than
+    oneDNN's AMX kernel at 16-256 rows there, and as fast as oneDNN padded to 4 rows at 1-3) but on the
+    engine's AMX-tile GEMM up to 64 rows where it runs (oneDNN's AMX kernel above, and without it), fp32
+    on the panels up to 64 rows."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr("inference.engine.cpu_linear._cpu_flags", lambda: {"avx512f", "amx_tile", "amx_bf16"})
     assert cpu_kind() == "avx512-amx"
@@ -178,7 +185,9 @@ def test_cpu_kind_sets_amx_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(PANEL_SWITCH, raising=False)
     ops = _kernels()
     assert panel_rows_limit(torch.float32, ops) == 64
-    assert panel_rows_limit(torch.bfloat16, ops) == 0
+    monkeypatch.delenv(AMX_SWITCH, raising=False)
+    amx = AMX_ROWS[("avx512-amx", torch.bfloat16)] if amx_kernel_available(ops) else 0
+    assert panel_rows_limit(torch.bfloat16, ops) == amx
     monkeypatch.setattr("inference.engine.cpu_linear._cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     monkeypatch.setattr("inference.engine.cpu_linear.cpu_family", lambda: ("AuthenticAMD", 25))
     assert cpu_kind() == "avx512"
@@ -289,7 +298,7 @@ def test_engine_on_panels_generates_onednns_tokens(llama_variant: TinyModel, mon
     assert everywhere == reference
     monkeypatch.delenv(PANEL_SWITCH)
     limit = panel_rows_limit(getattr(torch, dtype), _kernels())
-    if 0 < limit < ALL_ROWS:
+    if 0 < limit < ALL_ROWS and amx_rows_limit(getattr(torch, dtype), _kernels()) == 0:  # AMX: test_amx_linear
         by_rule, panels = _engine_tokens(llama_variant.path, prompts, dtype)
         assert panels and all(p.max_rows == limit for p in panels)
         assert by_rule == reference

@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 from inference.engine import LLMEngine, SpeculativeConfig, cpu_linear
+from inference.engine.amx_linear import AmxLinear
 from inference.engine.cpu_linear import (
     ALL_ROWS,
+    AMX_SWITCH,
     ONEDNN_ROW_INVARIANT_ROWS,
     PANEL_ROWS,
     PANEL_SWITCH,
@@ -43,6 +45,7 @@ def test_the_plan_per_cpu_kind(monkeypatch: pytest.MonkeyPatch) -> None:
     need no bound; a forced switch is obeyed (no row bound then)."""
     ops = _kernels()
     monkeypatch.delenv(PANEL_SWITCH, raising=False)
+    monkeypatch.setenv(AMX_SWITCH, "0")  # oneDNN's AMX kernel (the engine's AMX GEMM: test_amx_linear.py)
     monkeypatch.setattr(cpu_linear, "cpu_kind", lambda: "avx512-amx")
     assert row_invariant_plan(torch.bfloat16, ops) == (0, ONEDNN_ROW_INVARIANT_ROWS[("avx512-amx", torch.bfloat16)])
     amx_fp32 = PANEL_ROWS[("avx512-amx", torch.float32)]
@@ -78,16 +81,16 @@ def test_a_speculative_engine_computes_a_prompt_with_the_plain_engines_kernels(t
     compared = 0
     with torch.no_grad():
         for name, ours in plain.runner.model.named_modules():
-            if not isinstance(ours, (PanelLinear, PrepackedLinear)):
+            if not isinstance(ours, (PanelLinear, PrepackedLinear, AmxLinear)):
                 continue
             other = theirs[name]
             assert type(other) is type(ours), name
-            if isinstance(ours, PanelLinear):
-                assert isinstance(other, PanelLinear) and other.max_rows == ours.max_rows, name
+            if isinstance(ours, (PanelLinear, AmxLinear)):
+                assert isinstance(other, (PanelLinear, AmxLinear)) and other.max_rows == ours.max_rows, name
             x = torch.randn(100, ours.in_features, dtype=ours.weight.dtype)
             assert torch.equal(other(x), ours(x)), name
             compared += 1
-    panel_rows = {m.max_rows for m in theirs.values() if isinstance(m, PanelLinear)}
+    panel_rows = {m.max_rows for m in theirs.values() if isinstance(m, (PanelLinear, AmxLinear))}
     speculator = spec.speculator
     assert speculator is not None
     if panel_rows == {None}:  # panels at every row count: each row alone, no bound needed
