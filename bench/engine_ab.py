@@ -12,6 +12,12 @@ sequence among 31 short ones: the case where padding every sequence to the longe
     .venv/bin/python -m bench.engine_ab --baseline 16df5f7          # tiny + SmolLM2, ~10 minutes
     .venv/bin/python -m bench.engine_ab --baseline 16df5f7 --quick  # tiny only, one round
     .venv/bin/python -m bench.engine_ab --baseline b8b05b5 --baseline-dtype auto --variants auto --tiny hd64
+
+A switch of the same tree (`--baseline .`: the working tree on both sides) is A/B'd with environment
+variables per side, e.g. the AMX-tile GEMM against oneDNN's kernel in bf16:
+
+    .venv/bin/python -m bench.engine_ab --baseline . --baseline-env INFERENCE_AMX_GEMM=0 \
+        --baseline-dtype bfloat16 --variants bfloat16 --models smollm2 --smollm2-levels 8,32,64
 """
 from __future__ import annotations
 
@@ -85,10 +91,12 @@ def baseline_tree(rev: str) -> Path:
     return tree
 
 
-def measure(tree: Path, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Run the child measurement in `tree` (its own process, its own imports)."""
+def measure(tree: Path, cfg: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run the child measurement in `tree` (its own process, its own imports), with `env` added to its
+    environment."""
     proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)], cwd=tree, capture_output=True,
-                          text=True, env={"PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+                          text=True, env={"PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+                                          **(env or {})},
                           timeout=1800)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -97,8 +105,10 @@ def measure(tree: Path, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def compare(name: str, model: Path, baseline: Path, current: Path, variants: list[str], rounds: int,
-            levels: list[int], max_tokens: int, steps: int, baseline_dtype: str = "float32") -> dict[str, Any]:
-    """Alternate the baseline (in `baseline_dtype`) and each current-tree variant for `rounds` rounds."""
+            levels: list[int], max_tokens: int, steps: int, baseline_dtype: str = "float32",
+            envs: tuple[dict[str, str], dict[str, str]] = ({}, {})) -> dict[str, Any]:
+    """Alternate the baseline (in `baseline_dtype`) and each current-tree variant for `rounds` rounds;
+    `envs`: what the baseline's and the current side's processes get added to their environment."""
     base_label = f"baseline {baseline_dtype}"
     sides = [(base_label, baseline, baseline_dtype)] + [(f"current {v}", current, v) for v in variants]
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in sides}
@@ -106,7 +116,7 @@ def compare(name: str, model: Path, baseline: Path, current: Path, variants: lis
         for label, tree, dtype in sides:
             cfg = {"model": str(model), "dtype": dtype, "levels": levels, "max_tokens": max_tokens,
                    "prompt_len": 32, "long_len": 1024, "steps": steps}
-            runs[label].append(measure(tree, cfg))
+            runs[label].append(measure(tree, cfg, envs[0] if label == base_label else envs[1]))
             log(f"[{name}] round {r + 1} {label}: {runs[label][-1]}")
     metrics = [f"tok_s_c{c}" for c in levels] + ["mixed_step_ms"]
     summary: dict[str, Any] = {}
@@ -121,10 +131,27 @@ def compare(name: str, model: Path, baseline: Path, current: Path, variants: lis
             "runs": runs}
 
 
+def env_pairs(p: Any, pairs: list[str]) -> dict[str, str]:
+    """KEY=VALUE flags as a dict (a malformed one is a usage error)."""
+    env: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            p.error(f"expected KEY=VALUE, got {pair!r}")
+        env[key] = value
+    return env
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, run the comparisons, print a table, write the JSON."""
     p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--baseline", required=True, help="git revision of the baseline engine")
+    p.add_argument("--baseline", required=True, help="git revision of the baseline engine ('.': the working tree)")
+    p.add_argument("--baseline-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of the baseline's processes (repeatable), e.g. INFERENCE_AMX_GEMM=0")
+    p.add_argument("--current-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of the current side's processes (repeatable)")
+    p.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2")
+    p.add_argument("--smollm2-levels", default="8,32", help="requests in flight measured on SmolLM2")
     p.add_argument("--current", default=None,
                    help="git revision to measure as current (default: the working tree, which must then "
                    "not change during the run)")
@@ -135,16 +162,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="tiny model: hidden 64 / head_dim 16 (default) or hidden 256 / head_dim 64 (vLLM runs it)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(p, argv)
-    baseline = baseline_tree(args.baseline)
+    baseline = ROOT if args.baseline == "." else baseline_tree(args.baseline)
     current = baseline_tree(args.current) if args.current else ROOT
     variants = [v for v in args.variants.split(",") if v]
+    envs = (env_pairs(p, args.baseline_env), env_pairs(p, args.current_env))
+    wanted = {m for m in args.models.split(",") if m}
     tiny = ("tiny-llama-hd64", tiny_llama_hd64_dir()) if args.tiny == "hd64" else ("tiny-llama", tiny_model_dir())
-    models: list[tuple[str, Path, list[int], int, int]] = [(*tiny, [8, 32, 64], 64, 40)]
+    models: list[tuple[str, Path, list[int], int, int]] = []
+    if "tiny" in wanted or args.quick:
+        models.append((*tiny, [8, 32, 64], 64, 40))
     smol = smollm2_dir()
-    if smol is not None and not args.quick:
-        models.append(("SmolLM2-135M", smol, [8, 32], 16, 8))
+    if smol is not None and not args.quick and "smollm2" in wanted:
+        models.append(("SmolLM2-135M", smol, [int(c) for c in args.smollm2_levels.split(",") if c], 16, 8))
     rounds = 1 if args.quick else args.rounds
-    results = [compare(n, m, baseline, current, variants, rounds, lv, mt, st, args.baseline_dtype)
+    results = [compare(n, m, baseline, current, variants, rounds, lv, mt, st, args.baseline_dtype, envs)
                for n, m, lv, mt, st in models]
     print_header(f"engine A/B against {args.baseline}")
     for res in results:
@@ -154,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n**{res['model']}**, median of {res['rounds']} alternating rounds (ratio to baseline)\n")
         print(markdown_table(["engine", "dtype", *metrics], rows))
     path = write_result(args.out_dir, "engine_ab_quick" if args.quick else "engine_ab", MODULE, argv,
-                        {"baseline": args.baseline, "current": args.current or "working tree", "models": results})
+                        {"baseline": args.baseline, "current": args.current or "working tree",
+                         "baseline_env": envs[0], "current_env": envs[1], "models": results})
     print(f"\nresult: {path}")
     return 0
 

@@ -13,10 +13,17 @@
 // stream, prefetched `prefetch` bytes ahead.
 //
 // Blocking: per group, the rows in chunks of up to 32 (two A tiles of 16 rows x 32 k, so 2 A + 2 B + 4 C
-// of the 8 tile registers); a second chunk reads the group's tiles again from L1/L2. Rows past a multiple
-// of 16 are copied into a zeroed 16-row block. Each C element is a sum over the K blocks in a fixed
-// order, started from zero, and a tile row depends only on its own A row: every output row is computed
-// exactly as it would be alone, whatever the row count (what speculative verify steps need).
+// of the 8 tile registers). Above 32 rows the group's K blocks go in slices of `kslice` (16: 32 KiB of
+// weights), every chunk per slice, its C tiles stored to and reloaded from an fp32 buffer between slices,
+// so the chunks after the first read the slice's weights from L1 rather than L2. Rows past a multiple of
+// 16 are copied into a zeroed 16-row block. Each C element is a sum over the K blocks in a fixed order,
+// started from zero (a stored and reloaded fp32 C is exact), and a tile row depends only on its own A
+// row: every output row is computed exactly as it would be alone, whatever the row count (what
+// speculative verify steps need).
+//
+// Prefetch: the weight stream 32 KiB ahead into L2 (`_MM_HINT_T1`), spread over every chunk's K blocks.
+// Measured on SmolLM2's step (fourteenth session, one thread, a busy host): at 64 rows 0.86 of oneDNN's
+// time against 0.88 for 16 KiB and 1.15 for 4 KiB into L1; at 8 and 32 rows every setting within 0.51-0.55.
 //
 // Linux hands out AMX's tile state only on request (`arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)`, once per
 // process); the tile configuration is per thread and is loaded by every call on every worker thread.
@@ -26,7 +33,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -43,9 +49,9 @@ constexpr int64_t TILE_K = 32;   // k per tile row (16 bf16 pairs)
 constexpr int64_t TILE_M = 16;   // rows per A / C tile
 constexpr int64_t GROUP = 2;     // B tiles side by side, read together
 constexpr int64_t TILE_ELEMS = TILE_K * TILE_N;  // bf16 per B tile (1 KiB)
-// Default: bytes ahead of the weight tile being read that are prefetched (set from the sweep in
-// docs/benchmarks.md, fourteenth session).
-constexpr int64_t DEFAULT_PREFETCH = 16384;
+// Defaults: bytes of the weight stream prefetched ahead, into which cache, K blocks per slice above 32
+// rows (see the top; the sweep is in docs/benchmarks.md, fourteenth session).
+constexpr int64_t DEFAULT_PREFETCH = 32768;
 constexpr int64_t DEFAULT_HINT = 1;    // into L2
 constexpr int64_t DEFAULT_KSLICE = 16;
 
@@ -83,7 +89,10 @@ void configure() {
 }
 
 struct Call {
-  const c10::BFloat16* a[16];   // A row blocks this chunk may use (16 rows each), row stride `lda` elements
+  // A row blocks (16 rows each): K block kb's tile at a[b] + kb * astep[b], its rows lda[b] bytes apart
+  // (x itself: astep 32, lda K * 2; a block packed as tiles: astep 512, lda 64).
+  const c10::BFloat16* a[16];
+  int64_t astep[16];
   int64_t lda[16];
   int64_t KB;                   // K blocks
   const c10::BFloat16* w;       // packed weights
@@ -100,7 +109,7 @@ struct Call {
 // started from zero (`resume` false) or from `acc` (the same rows' sums over the K blocks before k0), and
 // stored back to `acc` ([16 * MT rows][32 columns] fp32; tile (i, j) at rows 16 i, columns 16 j).
 template <int MT>
-inline void chunk(const Call& c, const c10::BFloat16* const* a, const int64_t* lda, const c10::BFloat16* wg,
+inline void chunk(const Call& c, int64_t blk, const c10::BFloat16* wg,
                   int64_t k0, int64_t k1, bool resume, const char*& ahead, int lines, float (*acc)[GROUP * TILE_N]) {
   constexpr int64_t ld = GROUP * TILE_N * 4;
   if (resume) {
@@ -118,7 +127,10 @@ inline void chunk(const Call& c, const c10::BFloat16* const* a, const int64_t* l
       _tile_zero(3);
     }
   }
-  const int64_t sa0 = lda[0] * 2, sa1 = (MT == 2 ? lda[1] : lda[0]) * 2;
+  const c10::BFloat16* a0 = c.a[blk];
+  const c10::BFloat16* a1 = c.a[MT == 2 ? blk + 1 : blk];
+  const int64_t s0 = c.astep[blk], s1 = c.astep[MT == 2 ? blk + 1 : blk];
+  const int64_t ld0 = c.lda[blk], ld1 = c.lda[MT == 2 ? blk + 1 : blk];
   for (int64_t kb = k0; kb < k1; ++kb) {
     const c10::BFloat16* b = wg + kb * GROUP * TILE_ELEMS;
     if (lines > 0 && ahead + 64 * lines <= c.w_end) {
@@ -131,13 +143,13 @@ inline void chunk(const Call& c, const c10::BFloat16* const* a, const int64_t* l
       }
       ahead += 64 * lines;
     }
-    _tile_loadd(4, a[0] + kb * TILE_K, sa0);
+    _tile_loadd(4, a0 + kb * s0, ld0);
     _tile_loadd(6, b, 64);
     _tile_loadd(7, b + TILE_ELEMS, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if (MT == 2) {
-      _tile_loadd(5, a[1] + kb * TILE_K, sa1);
+      _tile_loadd(5, a1 + kb * s1, ld1);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -189,9 +201,9 @@ void run(const Call& c, int64_t groups) {
         const int64_t k1 = std::min(c.KB, k0 + slice);
         for (int64_t blk = 0; blk < blocks; blk += 2) {
           if (blk + 1 < blocks) {
-            chunk<2>(local, c.a + blk, c.lda + blk, wg, k0, k1, k0 > 0, ahead, lines, acc + blk * TILE_M);
+            chunk<2>(local, blk, wg, k0, k1, k0 > 0, ahead, lines, acc + blk * TILE_M);
           } else {
-            chunk<1>(local, c.a + blk, c.lda + blk, wg, k0, k1, k0 > 0, ahead, lines, acc + blk * TILE_M);
+            chunk<1>(local, blk, wg, k0, k1, k0 > 0, ahead, lines, acc + blk * TILE_M);
           }
         }
       }
@@ -250,23 +262,33 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
   if (M == 0 || N == 0) return y;
   const int64_t KB = packed.size(1), Kp = KB * TILE_K;
   const int64_t blocks = (M + TILE_M - 1) / TILE_M;
-  // A row blocks: x itself where its rows are whole 16-row blocks of whole K blocks, a zeroed copy otherwise
-  // (the tail block, or all of x when K is not a multiple of 32: a tile row reads 64 bytes).
-  torch::Tensor pad;
+  // A row blocks: x itself where its rows are whole 16-row blocks of whole K blocks; a zeroed copy of the
+  // rest (the tail block, or all of x when K is not a multiple of 32: a tile row reads 64 bytes), in a
+  // per-thread buffer (a torch tensor per call cost ~10 us, a few % of a 1-row step's projections).
+  // Copying every block into contiguous 1 KiB tiles was measured too and was no faster (0.86-1.07x the
+  // time of reading x in place at 8-128 rows).
+  const int64_t full = K == Kp ? M / TILE_M : 0;
   std::vector<const c10::BFloat16*> a(blocks);
-  std::vector<int64_t> lda(blocks);
-  const int64_t full = (K == Kp) ? M / TILE_M : 0;
+  std::vector<int64_t> astep(blocks, TILE_K), lda(blocks);
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   for (int64_t b = 0; b < full; ++b) {
-    a[b] = x.data_ptr<c10::BFloat16>() + b * TILE_M * K;
-    lda[b] = K;
+    a[b] = xp + b * TILE_M * K;
+    lda[b] = K * 2;
   }
   if (full < blocks) {
-    const int64_t m0 = full * TILE_M;
-    pad = torch::zeros({(blocks - full) * TILE_M, Kp}, x.options());
-    pad.narrow(0, 0, M - m0).narrow(1, 0, K).copy_(x.narrow(0, m0, M - m0));
+    thread_local std::vector<c10::BFloat16> scratch;
+    const size_t need = static_cast<size_t>((blocks - full) * TILE_M * Kp);
+    if (scratch.size() < need) scratch.resize(need);
     for (int64_t b = full; b < blocks; ++b) {
-      a[b] = pad.data_ptr<c10::BFloat16>() + (b - full) * TILE_M * Kp;
-      lda[b] = Kp;
+      c10::BFloat16* dst = scratch.data() + (b - full) * TILE_M * Kp;
+      const int64_t rows = std::min<int64_t>(TILE_M, M - b * TILE_M);
+      for (int64_t r = 0; r < TILE_M; ++r) {
+        const int64_t copied = r < rows ? K : 0;
+        if (copied > 0) std::memcpy(dst + r * Kp, xp + (b * TILE_M + r) * K, K * 2);
+        std::memset(static_cast<void*>(dst + r * Kp + copied), 0, (Kp - copied) * 2);
+      }
+      a[b] = dst;
+      lda[b] = Kp * 2;
     }
   }
   // Chunks index a[] by 16-row block; Call holds them by value for up to 16 blocks, so larger inputs go
@@ -277,6 +299,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
     const int64_t nb = std::min<int64_t>(16, blocks - s);
     for (int64_t b = 0; b < nb; ++b) {
       c.a[b] = a[s + b];
+      c.astep[b] = astep[s + b];
       c.lda[b] = lda[s + b];
     }
     c.KB = KB;
