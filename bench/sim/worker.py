@@ -166,7 +166,7 @@ class SimWorker:
             "block_size": cfg.block_size, "num_kv_blocks": cfg.kv_blocks, "kv_transport": "tcp",
             "max_tokens_limit": cfg.max_tokens_limit, "batch_size": cfg.batch_size, "max_queue": cfg.max_queue,
             "dtype": cfg.dtype, "prefix_caching": True, "chunked_prefill": False, "mixed_prefill": False,
-            "speculative": None,
+            "mixed_step_target": None, "speculative": None,
             "num_speculative_tokens": None, "device": "sim", "cpus": [],
             "started_at": self.started_at,
         }
