@@ -133,7 +133,7 @@ class LLMEngine(KVHandover):
         if mixed_step_target is not None and self.scheduler.enable_mixed_prefill:
             self.scheduler.step_budget = MixedStepBudget(
                 mixed_step_target, floor=min(block_size, max_batched),
-                cap=self.scheduler.mixed_queue_scale * max_batched)
+                cap=self.scheduler.mixed_queue_scale * max_batched, fallback=max_batched)
         if speculative is not None:
             speculative.validate()  # before anything else is built on it: a ValueError naming the field
         self.speculator = (

@@ -20,9 +20,12 @@ prediction (another process took the core) counts at most `OUTLIER` times the pr
 
 The budget. The target is `factor x` the predicted decode-only step of the running rows ("1.6x":
 relative, so it follows the batch as vLLM's own step does) or an absolute time ("150ms": the budget
-shrinks as rows grow). The step gets `(target - a - b*r - d) / c` prompt tokens, at least `floor`
-(prompts always progress) and at most `cap`; until both fits have samples the scheduler keeps its fixed
-budget. Steps with more prompt tokens than `cap` (bursts, taken whole by the scheduler's burst rule)
+shrinks as rows grow). The step gets `(target - a - b*r - d) / c` prompt tokens, at most `cap`. Where
+that is under `floor`, no mixed step beside these rows can stay within the target (on the AMX Xeon a
+mixed step cost ~10-30 ms more than the rows alone before its first token, then ~0.4 ms a token):
+smaller chunks would only make more steps over it, so the step takes the scheduler's fixed budget
+(`fallback`, at least `floor`: prompts always progress). Until both fits have samples the scheduler
+keeps its own budget. Steps with more prompt tokens than `cap` (bursts, taken whole by the scheduler's burst rule)
 are not fitted: a large GEMM's cost per token is lower than a small chunk's, and the fit is for the
 steps it decides.
 """
@@ -33,7 +36,7 @@ import re
 from dataclasses import dataclass
 
 DECAY = 0.95  # weight of the older samples of a fit per new sample of its kind (a window of ~20)
-OUTLIER = 2.0  # a sample counts at most this many times the prediction
+OUTLIER = 1.5  # a sample counts at most this many times the prediction
 PRIOR = 1e-3  # the weak prior's weight, relative to the fit's sample weight
 MIN_DECODE_SAMPLES = 4  # decode-only steps before the budget is used
 MIN_PROMPT_SAMPLES = 2  # steps with prompt tokens before the budget is used
@@ -167,13 +170,16 @@ class StepCostModel:
 class MixedStepBudget:
     """The prompt-token budget of mixed steps that follows the measured step cost (module docstring)."""
 
-    def __init__(self, target: StepTarget, floor: int, cap: int, model: StepCostModel | None = None) -> None:
-        """Budgets of `floor` to `cap` prompt tokens keeping steps within `target`."""
+    def __init__(self, target: StepTarget, floor: int, cap: int, fallback: int | None = None,
+                 model: StepCostModel | None = None) -> None:
+        """Budgets of `floor` to `cap` prompt tokens keeping steps within `target`; `fallback` (default
+        `floor`) where even `floor` would not."""
         if not 0 < floor <= cap:
             raise ValueError(f"the mixed step budget needs 0 < floor <= cap, got {floor} and {cap}")
         self.target = target
         self.floor = floor
         self.cap = cap
+        self.fallback = max(floor, min(cap, fallback or floor))
         self.model = model or StepCostModel()
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
@@ -188,4 +194,5 @@ class MixedStepBudget:
         room = self.model.tokens_within(rows, self.target)
         if room is None:
             return None
-        return max(self.floor, min(self.cap, round(room)))  # the fit is coarser than half a token
+        tokens = round(room)  # the fit is coarser than half a token
+        return self.fallback if tokens < self.floor else min(self.cap, tokens)

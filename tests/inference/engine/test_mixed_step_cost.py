@@ -1,6 +1,7 @@
 """Mixed steps whose prompt tokens follow the measured step cost (step_cost.py, `mixed_step_target`):
 the fit, the budget it gives the real scheduler (shrinking as rows grow under a fixed time, never
-under the floor, bursts still whole), and greedy outputs unchanged by the odd chunk sizes."""
+under the floor, the fixed budget where no step can meet the target, bursts still whole), and greedy
+outputs unchanged by the odd chunk sizes."""
 from __future__ import annotations
 
 import random
@@ -87,6 +88,15 @@ def test_no_budget_before_the_cost_is_measured() -> None:
     assert budget.tokens(2) == 40  # 60 ms - 20 ms of rows = 40 tokens of 1 ms
 
 
+def test_where_no_step_meets_the_target_the_fixed_budget_goes() -> None:
+    """Room for 40 / 20 tokens: that many; for 10 (under the 16-token floor) or none (the rows alone
+    take longer): the fixed budget, 64 (smaller chunks would only make more steps over the target)."""
+    budget = MixedStepBudget(StepTarget(ms=60), floor=16, cap=128, fallback=64)
+    _teach(budget.model)
+    assert [budget.tokens(rows) for rows in (2, 6, 8, 12)] == [40, 20, 64, 64]
+    assert MixedStepBudget(StepTarget(ms=60), floor=16, cap=128).fallback == 16
+
+
 @pytest.mark.parametrize(("text", "want"), [
     ("off", None), (None, None), ("auto", StepTarget(factor=AUTO_FACTOR)), ("1.5x", StepTarget(factor=1.5)),
     ("150ms", StepTarget(ms=150.0)), (" 2X ", StepTarget(factor=2.0)),
@@ -156,7 +166,8 @@ def _first_plan(engine: LLMEngine, llama: TinyModel, streams: int, waiting: tupl
 @pytest.mark.parametrize(("streams", "tokens"), [(2, 40), (4, 30), (6, 20), (12, 16)])
 def test_the_budget_shrinks_as_rows_grow_down_to_the_floor(llama: TinyModel, streams: int, tokens: int) -> None:
     """A 60 ms target, the 70-token prompt waiting: (60 - 10 - 5 * rows) tokens of 1 ms beside 2 / 4 /
-    6 rows; 12 rows alone take 70 ms: the floor (a block) so the prompt still progresses."""
+    6 rows; 12 rows alone take 70 ms: the fixed budget, here the floor (a block), so the prompt still
+    progresses."""
     assert _first_plan(_engine(llama, StepTarget(ms=60)), llama, streams, (3,)) == (tokens, 1, streams)
 
 
@@ -168,7 +179,7 @@ def test_a_relative_target_follows_the_rows(llama: TinyModel, streams: int, toke
 
 def test_the_budget_replaces_the_queue_scaling(llama: TinyModel) -> None:
     """2 prompts (40 + 70) beside 2 rows: the fixed rule takes the queued tokens per row (55: the 40
-    whole), the measured cost at 30 ms only 10 + 10 ms of rows' room: the floor, 16 tokens."""
+    whole), the measured cost at 30 ms only 10 tokens' room, under the floor: the fixed budget, 16."""
     assert _first_plan(_engine(llama, None), llama, 2, (2, 3)) == (40, 1, 2)
     assert _first_plan(_engine(llama, StepTarget(ms=30)), llama, 2, (2, 3)) == (16, 1, 2)
 
