@@ -39,6 +39,14 @@ rows padded with zero rows to 4 (`ONEDNN_MIN_ROWS`; 3 % faster at 1 row when qui
 a speculative engine's verify steps give a plain engine's greedy tokens (the panels at 1-4 rows beside
 oneDNN above did not), for at most ~15 % of a lone stream's projections. AMX has no fp32 tiles:
 fp32 runs on the 16-wide panels up to 64 rows (0.80-0.94x of oneDNN's avx512_core kernel), as on Zen 4.
+
+Since the fourteenth session bf16 runs there on the engine's own AMX-tile GEMM up to 64 rows
+(amx_linear.py, csrc/amx_gemm.cpp; `AMX_ROWS`), oneDNN's AMX kernel above (prefill chunks): each weight
+packed once into B tiles in the order the kernel reads them, one prefetched sequential stream. A SmolLM2
+step's projections took 0.68-0.74x of oneDNN's time at 1-32 rows (21.7 ms at 1 row: the weights at
+~12.4 GB/s, the read probe's 11.9), 0.79-0.91x at 64 and 1.00-1.10x at 128. It computes each row alone at
+any row count, so a speculative engine's verify steps are bounded by its limit (64), not oneDNN's 32.
+`INFERENCE_AMX_GEMM=0` / `1` forces it off (oneDNN, as before) / on at every row count.
 """
 from __future__ import annotations
 
@@ -77,8 +85,10 @@ PANEL_ROWS: dict[tuple[str, torch.dtype], int] = {
     ("avx512-zen5", torch.bfloat16): 512,
     ("avx512-amx", torch.float32): 64,
 }
-# Up to how many rows bf16 linears run on the engine's AMX-tile GEMM (amx_linear.py), per CPU kind: set from
-# docs/benchmarks.md, fourteenth session (Intel Xeon with AMX, family 6 model 207).
+# Up to how many rows bf16 linears run on the engine's AMX-tile GEMM (amx_linear.py), per CPU kind: the largest
+# measured row count at which it beat oneDNN's AMX kernel on a whole step's projections. Intel Xeon with AMX
+# (family 6 model 207, fourteenth session, SmolLM2, load ~1.8): 0.70-0.74x of oneDNN's time at 1-16 rows,
+# 0.68x at 32, 0.79-0.91x at 64, 1.00-1.10x at 128 (docs/benchmarks.md).
 AMX_ROWS: dict[tuple[str, torch.dtype], int] = {
     ("avx512-amx", torch.bfloat16): 64,
 }
