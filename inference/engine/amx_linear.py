@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .cpu_linear import _onednn_linear, _onednn_pack, _PackedLinear
+from .packed_linear import PackedLinear, onednn_linear, onednn_pack
 
 
 def amx_kernel_available(ops: Any) -> bool:
@@ -24,7 +24,7 @@ def amx_kernel_available(ops: Any) -> bool:
     return ops is not None and hasattr(ops, "amx_available") and bool(ops.amx_available())
 
 
-class AmxLinear(_PackedLinear):
+class AmxLinear(PackedLinear):
     """A bf16 `nn.Linear` on the AMX-tile GEMM, its weight packed once into B tiles ([ceil(out / 32),
     ceil(in / 32), 2, 16, 16, 2]: per 32 output columns and 32-wide K block, two 1 KiB VNNI tiles).
 
@@ -42,11 +42,11 @@ class AmxLinear(_PackedLinear):
         self.max_rows = max_rows
         self.register_buffer("tiles", ops.amx_pack(linear.weight.detach()), persistent=False)
         self.tiles: torch.Tensor
-        onednn = _onednn_pack(linear.weight, batch_hint) if max_rows is not None else None
+        onednn = onednn_pack(linear.weight, batch_hint) if max_rows is not None else None
         self.register_buffer("packed_weight", onednn, persistent=False)
         self.packed_weight: torch.Tensor | None
 
     def _linear2d(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None and self.max_rows is not None and x.shape[0] > self.max_rows:
-            return _onednn_linear(x, self.packed_weight, self.bias)
+            return onednn_linear(x, self.packed_weight, self.bias)
         return self._ops.amx_linear(x, self.tiles, self.out_features, self.bias)  # type: ignore[no-any-return]

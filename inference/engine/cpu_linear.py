@@ -58,7 +58,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .amx_linear import AmxLinear, amx_kernel_available
 from .dtypes import _cpu_flags
+from .packed_linear import PackedLinear, onednn_linear, onednn_pack
 
 logger = logging.getLogger(__name__)
 
@@ -128,34 +130,7 @@ def prepacked_linear_available(dtype: torch.dtype, device: torch.device) -> bool
     return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-class _PackedLinear(nn.Module):
-    """A drop-in for an `nn.Linear` whose weight was packed once for another GEMM kernel.
-
-    It keeps the original `weight`/`bias` parameters (so tied embeddings, `state_dict` and weight
-    inspection keep working); subclasses hold the packed copy as a non-persistent buffer and
-    implement `_linear2d` on a contiguous [rows, in_features] input.
-    """
-
-    def __init__(self, linear: nn.Linear) -> None:
-        """Take over `linear`'s shape and parameters."""
-        super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
-
-    def _linear2d(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ weight.T + bias for a contiguous 2-D `x`."""
-        raise NotImplementedError
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ weight.T + bias over the last dimension (any leading shape)."""
-        if x.dim() != 2:
-            return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
-        return self._linear2d(x.contiguous())
-
-
-class PrepackedLinear(_PackedLinear):
+class PrepackedLinear(PackedLinear):
     """An `nn.Linear` on oneDNN's kernel, its weight reordered once into oneDNN's blocked layout."""
 
     def __init__(self, linear: nn.Linear, batch_hint: int) -> None:
@@ -163,7 +138,7 @@ class PrepackedLinear(_PackedLinear):
         works; decode batches are the hot case). Fewer rows than `ONEDNN_MIN_ROWS` for this CPU kind
         are padded to it."""
         super().__init__(linear)
-        self.register_buffer("packed_weight", _onednn_pack(linear.weight, batch_hint), persistent=False)
+        self.register_buffer("packed_weight", onednn_pack(linear.weight, batch_hint), persistent=False)
         self.packed_weight: torch.Tensor
         self.min_rows = ONEDNN_MIN_ROWS.get((cpu_kind(), linear.weight.dtype), 1)
 
@@ -171,21 +146,11 @@ class PrepackedLinear(_PackedLinear):
         rows = x.shape[0]
         if 0 < rows < self.min_rows:
             padded = torch.cat([x, x.new_zeros(self.min_rows - rows, x.shape[1])])
-            return _onednn_linear(padded, self.packed_weight, self.bias)[:rows]
-        return _onednn_linear(x, self.packed_weight, self.bias)
+            return onednn_linear(padded, self.packed_weight, self.bias)[:rows]
+        return onednn_linear(x, self.packed_weight, self.bias)
 
 
-def _onednn_pack(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
-    """`weight` reordered once into oneDNN's blocked layout for `batch_hint` rows."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)  # type: ignore[no-any-return]
-
-
-def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias on oneDNN's kernel, from `_onednn_pack(weight)`."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # type: ignore[no-any-return]
-
-
-class PanelLinear(_PackedLinear):
+class PanelLinear(PackedLinear):
     """An fp32 or bf16 `nn.Linear` on the CPU kernels' panel GEMM (csrc/panel_gemm*.cpp), its weight packed
     once into 16-column panels (fp32 [ceil(out / 16), in, 16]; bf16 [ceil(out / 16), ceil(in / 2), 16, 2]).
 
@@ -201,13 +166,13 @@ class PanelLinear(_PackedLinear):
         self.max_rows = max_rows
         self.register_buffer("panels", ops.pack_panels(linear.weight.detach()), persistent=False)
         self.panels: torch.Tensor
-        onednn = _onednn_pack(linear.weight, batch_hint) if max_rows is not None else None
+        onednn = onednn_pack(linear.weight, batch_hint) if max_rows is not None else None
         self.register_buffer("packed_weight", onednn, persistent=False)
         self.packed_weight: torch.Tensor | None
 
     def _linear2d(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None and self.max_rows is not None and x.shape[0] > self.max_rows:
-            return _onednn_linear(x, self.packed_weight, self.bias)
+            return onednn_linear(x, self.packed_weight, self.bias)
         return self._ops.panel_linear(x, self.panels, self.out_features, self.bias)  # type: ignore[no-any-return]
 
 
@@ -247,8 +212,6 @@ def amx_rows_limit(dtype: torch.dtype, ops: Any) -> int:
     CPU kernels' AMX GEMM usable here, `AMX_ROWS` for this CPU kind, unless `INFERENCE_AMX_GEMM` says
     otherwise ("1": at every row count, "0": never); a forced `INFERENCE_PANEL_GEMM` (its A/B of the
     panels or oneDNN alone) turns the automatic choice off."""
-    from .amx_linear import amx_kernel_available
-
     if dtype != torch.bfloat16 or not amx_kernel_available(ops):
         return 0
     switch = _switch(AMX_SWITCH)
@@ -340,15 +303,13 @@ def prepack_linears(model: nn.Module, batch_hint: int = 32, panel_ops: Any = Non
     """Replace every `nn.Linear` of `model` in place, when `panel_ops` (the CPU kernel module) is given by
     an `AmxLinear` (bf16 where `amx_rows_limit` chooses the AMX-tile GEMM) or a `PanelLinear`, up to
     `panel_rows` rows on it and more on oneDNN, else by a `PrepackedLinear`; returns how many."""
-    from .amx_linear import AmxLinear
-
     max_rows = None if panel_rows >= ALL_ROWS else panel_rows
     count, own = 0, "panel kernel"
     amx = {dtype: amx_rows_limit(dtype, panel_ops) > 0 for dtype in (torch.bfloat16,)} if panel_ops is not None else {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                packed: _PackedLinear
+                packed: PackedLinear
                 if panel_ops is None:
                     packed = PrepackedLinear(child, batch_hint)
                 elif amx.get(child.weight.dtype, False):
