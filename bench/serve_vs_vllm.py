@@ -103,9 +103,10 @@ async def _stream(session: Any, url: str, body: dict[str, Any], start: float) ->
     return {"ok": True, "ttft": first - start, "gaps": gaps, "tokens": tokens, "e2e": time.perf_counter() - start}
 
 
-async def _load(url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
+async def _load(url: str, model: str, prompts: list[list[int]], lengths: list[int], concurrency: int,
                 requests: int) -> dict[str, Any]:
-    """`requests` streamed completions, `concurrency` at a time (closed loop); client-side numbers."""
+    """`requests` streamed completions, `concurrency` at a time (closed loop), request `i` asking for
+    `lengths[i]` tokens; client-side numbers."""
     import aiohttp
 
     # Idle connections are dropped after 3 s, before the servers' keep-alive timeouts (5 s for the router and
@@ -123,7 +124,7 @@ async def _load(url: str, model: str, prompts: list[list[int]], output_len: int,
         async def worker() -> None:
             while queue:
                 i = queue.pop()
-                results.append(await _one(session, url, model, prompts[i % len(prompts)], output_len))
+                results.append(await _one(session, url, model, prompts[i % len(prompts)], lengths[i % len(lengths)]))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
@@ -158,7 +159,7 @@ def _ours(model: Path, log_dir: Path, prompts: list[list[int]], args: Any, deadl
             if deadline.expired():
                 break
             since = time.time()
-            rows.append(asyncio.run(_load(router_url, served, prompts, args.output_len, c, args.requests(c))))
+            rows.append(asyncio.run(_load(router_url, served, prompts, args.lengths, c, args.requests(c))))
             if step_dir is not None:
                 rows[-1]["steps"] = step_summary(step_dir, since)
             log(f"ours {layout} c={c}: {_line(rows[-1])}")
@@ -187,7 +188,7 @@ def _vllm(model: Path, log_dir: Path, prompts: list[list[int]], args: Any, deadl
         for c in args.concurrency:
             if deadline.expired():
                 break
-            rows.append(asyncio.run(_load(url, "bench", prompts, args.output_len, c, args.requests(c))))
+            rows.append(asyncio.run(_load(url, "bench", prompts, args.lengths, c, args.requests(c))))
             log(f"vllm c={c}: {_line(rows[-1])}")
         return {"available": True, "rows": rows}
     finally:
@@ -199,6 +200,10 @@ def _parser() -> Any:
     p.add_argument("--concurrency", default="1,8,32,64", help="comma-separated concurrencies")
     p.add_argument("--input-len", type=int, default=64, help="random prompt tokens (after the shared prefix)")
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--output-spread", type=float, default=0.0,
+                   help="request i asks for output-len x (1 - spread x u_i) tokens, u_i uniform in [0, 1) and the "
+                   "same for every system (0: all output-len; a closed loop's requests then finish, and the next "
+                   "ones arrive, in waves)")
     p.add_argument("--prefix-len", type=int, default=0,
                    help="tokens of one shared prefix before every prompt's random tokens (vllm bench serve's "
                    "--random-prefix-len; issue 19: 384)")
@@ -257,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         canonical_policy_name(args.router_policy)
     except ValueError as exc:
         p.error(str(exc))
+    if not 0.0 <= args.output_spread < 1.0:
+        p.error(f"--output-spread must be in [0, 1), got {args.output_spread}")
     if args.quick:
         args.concurrency, args.waves, args.output_len = [1, 4], 1, 16
     waves = args.waves
@@ -273,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     low = min(1000, vocab // 2)
     prefix = [rng.randrange(low, vocab) for _ in range(args.prefix_len)]
     prompts = [prefix + [rng.randrange(low, vocab) for _ in range(args.input_len)] for _ in range(256)]
+    spread = random.Random(7)
+    args.lengths = [max(1, round(args.output_len * (1 - args.output_spread * spread.random()))) for _ in range(1024)]
     deadline = Deadline(args.budget_s)
     log_dir = Path(args.log_dir)
     result: dict[str, Any] = {"note": note_shared_machine(), "model": model.name, "layouts": layouts,
@@ -282,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                               "burst_budget": args.burst_budget, "step_target": args.step_target,
                               "router_policy": args.router_policy,
                               "prefix_len": args.prefix_len, "input_len": args.input_len,
-                              "output_len": args.output_len, "loadavg_start": _loadavg(), "rounds": []}
+                              "output_len": args.output_len, "output_spread": args.output_spread,
+                              "loadavg_start": _loadavg(), "rounds": []}
     systems = [*layouts, *([] if args.no_vllm else ["vllm"])]
     for r in range(args.rounds):
         order = systems if r % 2 == 0 else systems[::-1]
