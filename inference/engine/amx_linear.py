@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .packed_linear import PackedLinear, onednn_linear, onednn_pack
+from .packed_linear import OwnKernelLinear
 
 
 def amx_kernel_available(ops: Any) -> bool:
@@ -24,29 +24,22 @@ def amx_kernel_available(ops: Any) -> bool:
     return ops is not None and hasattr(ops, "amx_available") and bool(ops.amx_available())
 
 
-class AmxLinear(PackedLinear):
+class AmxLinear(OwnKernelLinear):
     """A bf16 `nn.Linear` on the AMX-tile GEMM, its weight packed once into B tiles ([ceil(out / 32),
     ceil(in / 32), 2, 16, 16, 2]: per 32 output columns and 32-wide K block, two 1 KiB VNNI tiles).
 
-    With `max_rows`, inputs of more rows (prefill chunks) run on oneDNN's prepacked kernel instead, from a
-    copy of the weight in its layout kept for them.
+    With `max_rows`, inputs of more rows (prefill chunks) run on oneDNN's prepacked kernel instead
+    (`OwnKernelLinear`).
     """
 
     def __init__(self, linear: nn.Linear, ops: Any, max_rows: int | None = None, batch_hint: int = 32) -> None:
         """Wrap the bf16 `linear`; `ops` is the compiled CPU kernel module with the AMX GEMM
         (`amx_kernel_available`); `max_rows`: see the class."""
-        super().__init__(linear)
         if linear.weight.dtype != torch.bfloat16:
             raise ValueError(f"AmxLinear is bf16 only, not {linear.weight.dtype}")
-        self._ops = ops
-        self.max_rows = max_rows
+        super().__init__(linear, ops, max_rows, batch_hint)
         self.register_buffer("tiles", ops.amx_pack(linear.weight.detach()), persistent=False)
         self.tiles: torch.Tensor
-        onednn = onednn_pack(linear.weight, batch_hint) if max_rows is not None else None
-        self.register_buffer("packed_weight", onednn, persistent=False)
-        self.packed_weight: torch.Tensor | None
 
-    def _linear2d(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None and self.max_rows is not None and x.shape[0] > self.max_rows:
-            return onednn_linear(x, self.packed_weight, self.bias)
+    def _own_linear(self, x: torch.Tensor) -> torch.Tensor:
         return self._ops.amx_linear(x, self.tiles, self.out_features, self.bias)  # type: ignore[no-any-return]

@@ -60,7 +60,7 @@ from torch import nn
 
 from .amx_linear import AmxLinear, amx_kernel_available
 from .dtypes import _cpu_flags
-from .packed_linear import PackedLinear, onednn_linear, onednn_pack
+from .packed_linear import OwnKernelLinear, PackedLinear, onednn_linear, onednn_pack
 
 logger = logging.getLogger(__name__)
 
@@ -150,29 +150,22 @@ class PrepackedLinear(PackedLinear):
         return onednn_linear(x, self.packed_weight, self.bias)
 
 
-class PanelLinear(PackedLinear):
+class PanelLinear(OwnKernelLinear):
     """An fp32 or bf16 `nn.Linear` on the CPU kernels' panel GEMM (csrc/panel_gemm*.cpp), its weight packed
     once into 16-column panels (fp32 [ceil(out / 16), in, 16]; bf16 [ceil(out / 16), ceil(in / 2), 16, 2]).
 
-    With `max_rows`, inputs of more rows run on oneDNN's prepacked kernel instead (a copy of the weight
-    in its layout is kept for them): the panel kernel is for decode-sized row counts.
+    With `max_rows`, inputs of more rows run on oneDNN's prepacked kernel instead (`OwnKernelLinear`): the
+    panel kernel is for decode-sized row counts.
     """
 
     def __init__(self, linear: nn.Linear, ops: Any, max_rows: int | None = None, batch_hint: int = 32) -> None:
         """Wrap `linear` (fp32, or bf16 where the build has the bf16 kernel); `ops` is the compiled CPU
         kernel module (cpu_kernels.load_kernels); `max_rows`: see the class."""
-        super().__init__(linear)
-        self._ops = ops
-        self.max_rows = max_rows
+        super().__init__(linear, ops, max_rows, batch_hint)
         self.register_buffer("panels", ops.pack_panels(linear.weight.detach()), persistent=False)
         self.panels: torch.Tensor
-        onednn = onednn_pack(linear.weight, batch_hint) if max_rows is not None else None
-        self.register_buffer("packed_weight", onednn, persistent=False)
-        self.packed_weight: torch.Tensor | None
 
-    def _linear2d(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None and self.max_rows is not None and x.shape[0] > self.max_rows:
-            return onednn_linear(x, self.packed_weight, self.bias)
+    def _own_linear(self, x: torch.Tensor) -> torch.Tensor:
         return self._ops.panel_linear(x, self.panels, self.out_features, self.bias)  # type: ignore[no-any-return]
 
 

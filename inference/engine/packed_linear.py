@@ -8,6 +8,8 @@ rules) imports amx_linear.py, and both import this module.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -37,6 +39,31 @@ class PackedLinear(nn.Module):
         if x.dim() != 2:
             return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
         return self._linear2d(x.contiguous())
+
+
+class OwnKernelLinear(PackedLinear):
+    """A linear on one of the engine's own GEMMs (csrc/: the panels, the AMX tiles) for decode-sized
+    inputs: with `max_rows`, inputs of more rows (prefill chunks) run on oneDNN's prepacked kernel instead,
+    from a copy of the weight in its layout kept for them. Subclasses pack the weight for their kernel and
+    implement `_own_linear`."""
+
+    def __init__(self, linear: nn.Linear, ops: Any, max_rows: int | None, batch_hint: int) -> None:
+        """Wrap `linear`; `ops` is the compiled CPU kernel module (cpu_kernels.load_kernels)."""
+        super().__init__(linear)
+        self._ops = ops
+        self.max_rows = max_rows
+        onednn = onednn_pack(linear.weight, batch_hint) if max_rows is not None else None
+        self.register_buffer("packed_weight", onednn, persistent=False)
+        self.packed_weight: torch.Tensor | None
+
+    def _own_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T + bias on the subclass's kernel, for a contiguous 2-D `x`."""
+        raise NotImplementedError
+
+    def _linear2d(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None and self.max_rows is not None and x.shape[0] > self.max_rows:
+            return onednn_linear(x, self.packed_weight, self.bias)
+        return self._own_linear(x)
 
 
 def onednn_pack(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
