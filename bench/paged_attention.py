@@ -8,7 +8,7 @@ blocks of every sequence are scattered over a pool larger than the last-level ca
 engine's are across 30 layers.
 
     .venv/bin/python -m bench.paged_attention --base HEAD~1
-    .venv/bin/python -m bench.paged_attention --quick
+    .venv/bin/python -m bench.paged_attention --quick --base self   # seconds: checks it runs
 """
 from __future__ import annotations
 
@@ -117,7 +117,9 @@ def measure_point(ours: Any, base: Any, shape_name: str, dtype: Any, batch: int,
 def main(argv: list[str] | None = None) -> int:
     """Time the working tree's kernel against `--base`'s on each point; print and write the table."""
     p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--base", default="HEAD", help="git revision whose paged_decode.cpp is the baseline")
+    p.add_argument("--base", default="HEAD",
+                   help="git revision whose paged_decode.cpp is the baseline ('self': the working tree's kernel "
+                        "against itself, nothing to build: a smoke run)")
     p.add_argument("--shapes", default="smollm2,tiny", help=f"of {','.join(SHAPES)}")
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--batches", default="8,32,64")
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if ours is None:
         print("the CPU kernels are not built here (needs a C++ compiler and ninja)", file=sys.stderr)
         return 1
-    base = build_base(args.base)
+    base = ours if args.base == "self" else build_base(args.base)
     points = [
         measure_point(ours, base, shape, getattr(torch, dtype), batch, ctx, args.rounds, args.calls)
         for shape in args.shapes.split(",") for dtype in args.dtypes.split(",")
