@@ -160,10 +160,9 @@ class StepCostModel:
         free (the fit cannot price it yet)."""
         if self._decode.n < MIN_DECODE_SAMPLES or self._prompt.n < MIN_PROMPT_SAMPLES:
             return None
-        dec, pro = self._decode.coefficients(), self._prompt.coefficients()
-        if dec is None or pro is None or pro[1] <= 0:
+        base, pro = self.predict(rows, 0), self._prompt.coefficients()
+        if base is None or pro is None or pro[1] <= 0:
             return None
-        base = max(0.0, dec[0] + dec[1] * rows)
         return (target.seconds(base) - base - max(0.0, pro[0])) / pro[1]
 
 
