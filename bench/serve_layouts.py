@@ -158,14 +158,19 @@ def step_summary(step_dir: Path, since: float) -> dict[str, Any]:
     preempted by another process on its core)."""
     decode: list[tuple[float, int]] = []
     prefill: list[tuple[float, int]] = []
+    steps: list[dict[str, Any]] = []  # every step with decode rows: each row's gap is about its time
     longest_prefill_run = 0
     for path in sorted(step_dir.glob("steps-*.tsv")):
         run, runs = 0, 0  # prefill steps back to back on a worker that also decodes
         for line in path.read_text().splitlines():
             fields = line.split("\t")
-            if len(fields) != 5 or float(fields[0]) < since:
+            if len(fields) < 5 or float(fields[0]) < since:
                 continue
             ms, tokens, n_decode = float(fields[1]), int(fields[2]), int(fields[4])
+            if n_decode:
+                rule = fields[5] if len(fields) > 5 and fields[5] != "-" else ("decode" if not tokens else "?")
+                steps.append({"ms": ms, "tokens": tokens, "rows": n_decode, "rule": "decode" if not tokens else rule,
+                              "waiting": int(fields[6]) if len(fields) > 6 else None})
             if tokens:
                 prefill.append((ms, tokens))
                 run += 1
@@ -189,4 +194,35 @@ def step_summary(step_dir: Path, since: float) -> dict[str, Any]:
         "longest_prefill_run": longest_prefill_run,
         "slowest_decode_vs_batch_median": [{"x": round(x, 2), "ms": round(ms, 1), "batch": n}
                                            for x, ms, n in reversed(stretched)],
+        "top_gaps": top_gaps(steps),
     }
+
+
+def top_gaps(steps: list[dict[str, Any]], share: float = 0.01) -> dict[str, Any]:
+    """Which steps make the slowest `share` of the inter-token gaps: a step with `rows` decode rows gives
+    each of them a gap of about its own time, so the steps are taken slowest first, weighted by their
+    rows, until they hold `share` of all rows. Per rule that set the step's prompt budget ("decode" for
+    decode-only steps; the step log's StepPlan.rule): steps, gaps, their time range, prompt tokens and
+    rows; `gap_ms` is the step time at the share's edge (about the client's ITL p99)."""
+    total = sum(step["rows"] for step in steps)
+    want = share * total
+    taken = 0
+    by_rule: dict[str, dict[str, Any]] = {}
+    edge = None
+    for step in sorted(steps, key=lambda st: -st["ms"]):
+        if taken >= want:
+            break
+        taken += step["rows"]
+        edge = step["ms"]
+        entry = by_rule.setdefault(step["rule"], {"steps": 0, "gaps": 0, "ms": [], "tokens": [], "rows": [],
+                                                  "waiting": []})
+        entry["steps"] += 1
+        entry["gaps"] += step["rows"]
+        for key in ("ms", "tokens", "rows", "waiting"):
+            if step[key] is not None:
+                entry[key].append(step[key])
+    for entry in by_rule.values():
+        for key in ("ms", "tokens", "rows", "waiting"):
+            values = entry.pop(key)
+            entry[key] = [round(min(values), 1), round(max(values), 1)] if values else None
+    return {"gaps": total, "gap_ms": edge, "by_rule": by_rule}

@@ -25,6 +25,21 @@ class SchedulerOutput:
     too_long: list[Sequence] = field(default_factory=list)
 
 
+class StepPlan(tuple[int, int, int]):
+    """A step's plan in numbers: (prompt tokens, prefill sequences, decode sequences), a plain 3-tuple
+    to compare, plus what the step log needs to say where a tail came from: `rule`, the rule that set a
+    mixed step's prompt budget ("fixed", "queue", "burst", "cost", "cost-fallback"; "" outside mixed
+    steps), and `waiting`, the prompts waiting when the step was planned."""
+
+    rule: str
+    waiting: int
+
+    def __new__(cls, tokens: int, seqs: int, decode: int, rule: str = "", waiting: int = 0) -> StepPlan:
+        plan = super().__new__(cls, (tokens, seqs, decode))
+        plan.rule, plan.waiting = rule, waiting
+        return plan
+
+
 # A prompt whose next uncached blocks another prompt of the same step computes waits one step when they
 # are at least this many tokens, then finds them cached (SGLang's in-batch prefix caching check, to the
 # same end): a burst of conversations sharing a system prompt computes it once, not once each. Below it
@@ -109,7 +124,8 @@ class Scheduler:
         self.enable_mixed_prefill = enable_mixed_prefill and enable_chunked_prefill
         self._decode_next = False  # a prefill ran last step: give the running batch a step first
         # The last step's plan (prefill tokens, prefill sequences, decode sequences), for step timings.
-        self.last_plan: tuple[int, int, int] = (0, 0, 0)
+        self.last_plan: StepPlan = StepPlan(0, 0, 0)
+        self._rule = ""  # the rule that set this step's prompt budget (StepPlan.rule)
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_query_tokens = 0  # prompt tokens admitted for prefill (prefix caching on)
         self.prefix_hit_tokens = 0  # of which served from cached blocks
@@ -175,9 +191,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (allocating the blocks it needs)."""
+        waiting = len(self.waiting)
+        self._rule = ""
         out = self._plan()
-        self.last_plan = (sum(s.num_new_tokens for s in out.prefill), len(out.prefill),
-                          len(out.decode))
+        self.last_plan = StepPlan(sum(s.num_new_tokens for s in out.prefill), len(out.prefill), len(out.decode),
+                                  self._rule, waiting)
         return out
 
     def _plan(self) -> SchedulerOutput:
@@ -212,18 +230,25 @@ class Scheduler:
         step beside `rows` rows within its time target replaces the first two (a burst still goes
         whole)."""
         budget = self.max_num_batched_tokens
+        if not self.waiting:
+            return budget  # no prompt to take: a decode-only step (no rule in the step log)
         burst = self.mixed_burst_tokens > 0 and len(self.waiting) > rows
         if self.step_budget is not None and rows and not burst:
             # The measured cost decides (no queue scaling: a deep queue's larger steps were the tails).
             measured = self.step_budget.tokens(rows)
             if measured is not None:
+                self._rule = "cost-fallback" if self.step_budget.fell_back else "cost"
                 return measured
-        if not self.waiting or (not burst and self.mixed_queue_scale <= 1):
+        self._rule = "fixed"
+        if not burst and self.mixed_queue_scale <= 1:
             return budget
         queued = sum(self._uncached_tokens(seq) for seq in self.waiting)
         if burst:  # MIXED_BURST_TOKENS: the waiting prompts outnumber the streams; take them whole
+            self._rule = "burst"
             return max(budget, min(queued, self.mixed_burst_tokens))
-        return min(self.mixed_queue_scale * budget, max(budget, queued // max(rows, 1)))
+        scaled = min(self.mixed_queue_scale * budget, max(budget, queued // max(rows, 1)))
+        self._rule = "queue" if scaled > budget else "fixed"
+        return scaled
 
     def _uncached_tokens(self, seq: Sequence) -> int:
         """Prompt tokens `seq` still has to compute: after its chunks so far, or after its cached prefix

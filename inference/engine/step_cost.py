@@ -18,16 +18,20 @@ slope `b` is pulled to 0), a proportional prompt cost while every mixed step had
 intercept `d` is pulled to 0; a zero slope there would make prompt tokens free). A sample far over the
 prediction (another process took the core) counts at most `OUTLIER` times the prediction.
 
-The budget. The target is `factor x` the predicted decode-only step of the running rows ("1.6x":
+The budget. The target is `factor x` the predicted decode-only step of the running rows ("2x":
 relative, so it follows the batch as vLLM's own step does) or an absolute time ("150ms": the budget
 shrinks as rows grow). The step gets `(target - a - b*r - d) / c` prompt tokens, at most `cap`. Where
 that is under `floor`, no mixed step beside these rows can stay within the target (on the AMX Xeon a
 mixed step cost ~10-30 ms more than the rows alone before its first token, then ~0.4 ms a token):
 smaller chunks would only make more steps over it, so the step takes the scheduler's fixed budget
 (`fallback`, at least `floor`: prompts always progress). Until both fits have samples the scheduler
-keeps its own budget. Steps with more prompt tokens than `cap` (bursts, taken whole by the scheduler's burst rule)
-are not fitted: a large GEMM's cost per token is lower than a small chunk's, and the fit is for the
-steps it decides.
+keeps its own budget, so they start early: a prompt-only step before any decode step (a worker's first
+prompts) is fitted over no decode cost, and two decode steps and one step with prompt tokens are
+enough (on Zen 4 a fresh worker's first wave ran four fixed 64-token steps beside 6-7 rows, 139-157 ms
+against vllm serve's ITL p99 of 132 ms, while the fit waited for its fourth decode step; replayed, the
+fit of three predicted those steps within 5 %: fifteenth session). Steps with more prompt tokens than
+`cap` (bursts, taken whole by the scheduler's burst rule) are not fitted: a large GEMM's cost per
+token is lower than a small chunk's, and the fit is for the steps it decides.
 """
 from __future__ import annotations
 
@@ -38,9 +42,16 @@ from dataclasses import dataclass
 DECAY = 0.95  # weight of the older samples of a fit per new sample of its kind (a window of ~20)
 OUTLIER = 1.5  # a sample counts at most this many times the prediction
 PRIOR = 1e-3  # the weak prior's weight, relative to the fit's sample weight
-MIN_DECODE_SAMPLES = 4  # decode-only steps before the budget is used
-MIN_PROMPT_SAMPLES = 2  # steps with prompt tokens before the budget is used
-AUTO_FACTOR = 1.6  # "auto": the target is this many decode-only steps of the running rows
+MIN_DECODE_SAMPLES = 2  # decode-only steps before the budget is used
+MIN_PROMPT_SAMPLES = 1  # steps with prompt tokens before the budget is used
+# "auto": the target is this many decode-only steps of the running rows. 2: with one worker per core
+# each holds about half the streams, and twice its decode step is about one step of all of them, a
+# single-process server's steady gap (vllm serve's ITL p99 on the shared-prefix workload is its 16-row
+# decode step). It was 1.6 (fourteenth session, AMX Xeon): on Zen 4 that left room for less than a
+# block beside 6-7 rows (a cached-prefix token ~1.5 ms, a mixed step's fixed cost ~10 ms), so 15 of 21
+# mixed steps fell back to the fixed 64 tokens (145-184 ms; ITL p99 148 ms) where 2x took 22-29 tokens
+# a step (88 ms mean; ITL p99 103 ms): docs/benchmarks.md, "Tails against vllm serve, fifteenth session".
+AUTO_FACTOR = 2.0
 # The workers' --mixed-step-target unless told otherwise.
 DEFAULT_MIXED_STEP_TARGET = "off"
 TARGET_FORMS = "off, auto, <k>x (k > 1: k decode-only steps of the running rows) or <ms>ms"
@@ -139,7 +150,9 @@ class StepCostModel:
         if tokens == 0:
             self._decode.add(rows, seconds)
             return
-        base = self.predict(rows, 0)
+        # A prompt-only step before any decode step: over no decode cost (the fit's `d` absorbs the
+        # step's fixed cost until decode steps price it).
+        base = self.predict(rows, 0) if self._decode.n or rows else 0.0
         if base is not None:
             self._prompt.add(tokens, seconds - base)
 
@@ -180,6 +193,7 @@ class MixedStepBudget:
         self.cap = cap
         self.fallback = max(floor, min(cap, fallback or floor))
         self.model = model or StepCostModel()
+        self.fell_back = False  # the last `tokens` gave the fallback (no step could meet the target)
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
         """A step ran (`rows` decode rows, `tokens` prompt tokens, `seconds`): fit it unless it was a
@@ -194,4 +208,5 @@ class MixedStepBudget:
         if room is None:
             return None
         tokens = round(room)  # the fit is coarser than half a token
-        return self.fallback if tokens < self.floor else min(self.cap, tokens)
+        self.fell_back = tokens < self.floor
+        return self.fallback if self.fell_back else min(self.cap, tokens)

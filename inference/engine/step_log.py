@@ -2,7 +2,9 @@
 
 Off unless the environment names a folder in `ENGINE_STEP_LOG`: then each engine process appends one
 line per step that ran to `<folder>/steps-<pid>.tsv`: wall-clock start (s), duration (ms), prefill
-tokens, prefill sequences, decode sequences (the scheduler's `last_plan`). One line-buffered write
+tokens, prefill sequences, decode sequences (the scheduler's `last_plan`), then the rule that set a
+mixed step's prompt budget and the prompts waiting when it was planned (`StepPlan.rule` and `.waiting`;
+empty and 0 for a plain tuple). One line-buffered write
 per step (microseconds, against steps of milliseconds), so a worker stopped by a signal loses none.
 """
 from __future__ import annotations
@@ -32,8 +34,10 @@ class StepLog:
 
     def record(self, started: float, plan: tuple[int, int, int]) -> None:
         """One step that began at `time.time()` value `started` and has just ended; `plan` is
-        (prefill tokens, prefill sequences, decode sequences)."""
-        self._file.write(f"{started:.4f}\t{1000 * (time.time() - started):.2f}\t{plan[0]}\t{plan[1]}\t{plan[2]}\n")
+        (prefill tokens, prefill sequences, decode sequences), a `StepPlan` for the rule and the queue."""
+        rule, waiting = getattr(plan, "rule", ""), getattr(plan, "waiting", 0)
+        self._file.write(f"{started:.4f}\t{1000 * (time.time() - started):.2f}\t{plan[0]}\t{plan[1]}\t{plan[2]}"
+                         f"\t{rule or '-'}\t{waiting}\n")
 
     def close(self) -> None:
         """Flush and close the file."""

@@ -124,3 +124,28 @@ def test_the_cap_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch, lla
     monkeypatch.setenv(MIXED_BURST_ENV, "lots")
     with pytest.raises(ValueError, match=f"{MIXED_BURST_ENV} must be a whole number"):
         mixed_burst_tokens()
+
+
+@pytest.mark.parametrize(("burst", "streams", "waiting", "plan", "rule"), [
+    (1000, 2, (1, 2, 3), (127, 3, 2), "burst"),  # 3 waiting beside 2 streams, taken whole
+    (0, 2, (1, 2, 3), (57, 2, 2), "queue"),  # the queued tokens per row (63), over the 16 budget
+    (1000, 3, (1,), (16, 1, 3), "fixed"),  # 17 queued tokens over 3 rows: the budget itself
+])
+def test_the_plan_names_the_rule_that_set_its_budget(llama: TinyModel, burst: int, streams: int,
+                                                     waiting: tuple[int, ...], plan: tuple[int, int, int],
+                                                     rule: str) -> None:
+    """`last_plan.rule` and `.waiting` (the step log's last two columns): which rule gave a mixed step
+    its prompt tokens and how many prompts waited; a decode-only step names none."""
+    engine = _engine(llama, burst)
+    results: dict[str, Collected] = {}
+    _running(engine, llama, streams, results)
+    absorb(results, engine.step())
+    assert (engine.scheduler.last_plan, engine.scheduler.last_plan.rule, engine.scheduler.last_plan.waiting) \
+        == ((0, 0, streams), "", 0)
+    for i in waiting:
+        engine.add_request(f"b{i}", llama.prompts[i], GREEDY)
+    absorb(results, engine.step())
+    got = engine.scheduler.last_plan
+    assert (got, got.rule, got.waiting) == (plan, rule, len(waiting))
+    drain(engine, results)
+    _check_outputs(results, llama, {f"b{i}": i for i in waiting})

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from inference.engine import LLMEngine, SamplingParams
+from inference.engine.scheduler import StepPlan
 from inference.engine.step_cost import (
     AUTO_FACTOR,
     MixedStepBudget,
@@ -75,17 +76,31 @@ def test_same_sized_steps_still_price_a_prompt_token() -> None:
 
 
 def test_no_budget_before_the_cost_is_measured() -> None:
-    """Without both decode-only and mixed samples the budget is None (the scheduler keeps its own)."""
+    """Without two decode-only steps and one mixed step the budget is None (the scheduler keeps its
+    own); from then on the fit decides."""
     budget = MixedStepBudget(StepTarget(ms=60), floor=16, cap=128)
     assert budget.tokens(2) is None
-    for _ in range(10):
-        budget.observe(2, 0, A + 2 * B)
-    assert budget.tokens(2) is None
+    budget.observe(2, 0, A + 2 * B)
     budget.observe(2, 40, A + 2 * B + 40 * C)
+    assert budget.tokens(2) is None  # one decode-only step
     budget.observe(2, 300, 1.0)  # a burst over the cap: not fitted
-    assert budget.model.prompt_samples == 1 and budget.tokens(2) is None
-    budget.observe(2, 20, A + 2 * B + 20 * C)
+    assert budget.model.prompt_samples == 1
+    budget.observe(2, 0, A + 2 * B)
     assert budget.tokens(2) == 40  # 60 ms - 20 ms of rows = 40 tokens of 1 ms
+
+
+def test_a_first_prompt_step_counts_before_any_decode_step() -> None:
+    """A worker's first step is a prompt alone (no rows, no decode fit yet): it is fitted over no decode
+    cost, so two decode steps later the budget is ready and prices a token from it (this step's fixed
+    cost, 10 ms here, read as prompt cost: 30 ms for 20 tokens, 1.5 ms a token)."""
+    budget = MixedStepBudget(StepTarget(ms=60), floor=16, cap=128)
+    budget.observe(0, 20, A + 20 * C)
+    assert budget.model.prompt_samples == 1
+    budget.observe(2, 0, A + 2 * B)
+    budget.observe(2, 0, A + 2 * B)
+    assert budget.tokens(2) == 27  # (60 - 20) ms / 1.5 ms
+    budget.observe(1, 300, 1.0)  # over the cap: still not fitted
+    assert budget.model.prompt_samples == 1
 
 
 def test_where_no_step_meets_the_target_the_fixed_budget_goes() -> None:
@@ -143,7 +158,7 @@ def _reteach(engine: LLMEngine) -> None:
         _teach(engine.scheduler.step_budget.model)
 
 
-def _first_plan(engine: LLMEngine, llama: TinyModel, streams: int, waiting: tuple[int, ...]) -> tuple[int, int, int]:
+def _first_plan(engine: LLMEngine, llama: TinyModel, streams: int, waiting: tuple[int, ...]) -> StepPlan:
     """Start `streams` streams of the 3-token prompt, queue `waiting` prompts, plan one step (taught
     cost; real step times only come in after it), then run everything and check the greedy tokens."""
     results: dict[str, Collected] = {}
@@ -163,12 +178,16 @@ def _first_plan(engine: LLMEngine, llama: TinyModel, streams: int, waiting: tupl
     return plan
 
 
-@pytest.mark.parametrize(("streams", "tokens"), [(2, 40), (4, 30), (6, 20), (12, 16)])
-def test_the_budget_shrinks_as_rows_grow_down_to_the_floor(llama: TinyModel, streams: int, tokens: int) -> None:
+@pytest.mark.parametrize(("streams", "tokens", "rule"), [
+    (2, 40, "cost"), (4, 30, "cost"), (6, 20, "cost"), (12, 16, "cost-fallback"),
+])
+def test_the_budget_shrinks_as_rows_grow_down_to_the_floor(llama: TinyModel, streams: int, tokens: int,
+                                                           rule: str) -> None:
     """A 60 ms target, the 70-token prompt waiting: (60 - 10 - 5 * rows) tokens of 1 ms beside 2 / 4 /
     6 rows; 12 rows alone take 70 ms: the fixed budget, here the floor (a block), so the prompt still
-    progresses."""
-    assert _first_plan(_engine(llama, StepTarget(ms=60)), llama, streams, (3,)) == (tokens, 1, streams)
+    progresses. The plan names the rule that decided (the step log's column)."""
+    plan = _first_plan(_engine(llama, StepTarget(ms=60)), llama, streams, (3,))
+    assert plan == (tokens, 1, streams) and (plan.rule, plan.waiting) == (rule, 1)
 
 
 @pytest.mark.parametrize(("streams", "tokens"), [(2, 20), (6, 40)])
@@ -180,14 +199,17 @@ def test_a_relative_target_follows_the_rows(llama: TinyModel, streams: int, toke
 def test_the_budget_replaces_the_queue_scaling(llama: TinyModel) -> None:
     """2 prompts (40 + 70) beside 2 rows: the fixed rule takes the queued tokens per row (55: the 40
     whole), the measured cost at 30 ms only 10 tokens' room, under the floor: the fixed budget, 16."""
-    assert _first_plan(_engine(llama, None), llama, 2, (2, 3)) == (40, 1, 2)
-    assert _first_plan(_engine(llama, StepTarget(ms=30)), llama, 2, (2, 3)) == (16, 1, 2)
+    fixed = _first_plan(_engine(llama, None), llama, 2, (2, 3))
+    assert fixed == (40, 1, 2) and (fixed.rule, fixed.waiting) == ("queue", 2)
+    measured = _first_plan(_engine(llama, StepTarget(ms=30)), llama, 2, (2, 3))
+    assert measured == (16, 1, 2) and measured.rule == "cost-fallback"
 
 
 def test_a_burst_still_goes_whole(llama: TinyModel) -> None:
     """3 prompts (17 + 40 + 70) waiting beside 2 rows, burst rule on: all 127 tokens in one step
     whatever the target (the budget would be 16)."""
-    assert _first_plan(_engine(llama, StepTarget(ms=30), burst=1000), llama, 2, (1, 2, 3)) == (127, 3, 2)
+    plan = _first_plan(_engine(llama, StepTarget(ms=30), burst=1000), llama, 2, (1, 2, 3))
+    assert plan == (127, 3, 2) and (plan.rule, plan.waiting) == ("burst", 3)
 
 
 def test_the_engine_feeds_the_fit_its_steps(llama: TinyModel) -> None:
@@ -207,6 +229,27 @@ def test_the_engine_feeds_the_fit_its_steps(llama: TinyModel) -> None:
     assert budget.model.decode_samples >= 10 and budget.model.prompt_samples >= 2
     assert budget.model.predict(1, 0) is not None
     assert results["w2"].token_ids == llama.greedy[2] and results["w3"].token_ids == llama.greedy[3]
+
+
+def test_a_fresh_engine_decides_its_first_mixed_step(llama: TinyModel) -> None:
+    """A new worker's steps: its first prompt alone, two decode steps, then a prompt arrives beside the
+    stream: the measured cost already decides that step (before, the fixed rule decided until four
+    decode steps and two mixed ones had run: on Zen 4 a fresh worker's first wave took 64-token steps
+    beside 6-7 rows, over vllm serve's ITL p99). Real step times: which tokens it gives is the host's."""
+    engine = LLMEngine(llama.path, block_size=16, num_blocks=96, max_num_batched_tokens=16,
+                       enable_mixed_prefill=True, enable_prefix_caching=False,
+                       mixed_step_target=StepTarget(factor=AUTO_FACTOR))
+    results: dict[str, Collected] = {}
+    engine.add_request("s0", llama.prompts[0], GREEDY)
+    for _ in range(3):
+        absorb(results, engine.step())
+    assert [engine.scheduler.last_plan.rule, engine.scheduler.last_plan.waiting] == ["", 0]
+    engine.add_request("w3", llama.prompts[3], GREEDY)
+    absorb(results, engine.step())
+    plan = engine.scheduler.last_plan
+    assert plan[1:] == (1, 1) and plan.rule in ("cost", "cost-fallback") and plan.waiting == 1
+    drain(engine, results)
+    assert results["s0"].token_ids == llama.greedy[0] and results["w3"].token_ids == llama.greedy[3]
 
 
 def test_off_without_mixed_prefill(llama: TinyModel) -> None:
