@@ -10,8 +10,9 @@
 // agree with F.linear to float rounding.
 //
 // That 8-wide kernel is the AVX2 build's. A build for AVX-512 runs fp32 on panel_gemm512.cpp's 16-wide
-// kernel instead (same packing), and one for AVX512-BF16 also has bf16 panels (pair-interleaved
-// [panels, ceil(K / 2), 16, 2], `vdpbf16ps`); this file packs, checks the arguments and dispatches.
+// kernel instead, and one for AVX512-BF16 also has bf16 panels ([panels, ceil(K / 2), 16, 2], each
+// column's k pairs adjacent, `vdpbf16ps`); there panels go in pairs interleaved step by step (one stream
+// per pair, see panel_gemm512.cpp). This file packs, checks the arguments and dispatches.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -114,16 +115,21 @@ torch::Tensor pack_panels(torch::Tensor weight) {
   TORCH_CHECK(!bf16, "pack_panels: bfloat16 panels need AVX512-BF16 (this build has no bf16 panel kernel)");
 #endif
   const int64_t N = weight.size(0), K = weight.size(1), P = (N + NR - 1) / NR;
-  if (!bf16) {
-    auto padded = torch::zeros({P * NR, K}, weight.options());
-    padded.narrow(0, 0, N).copy_(weight);
-    return padded.view({P, NR, K}).transpose(1, 2).contiguous();
-  }
-  // bf16: [P, ceil(K / 2), 16, 2], each column's k pairs adjacent (what vdpbf16ps multiplies), zero-padded.
-  const int64_t K2 = (K + 1) / 2;
-  auto padded = torch::zeros({P * NR, K2 * 2}, weight.options());
+  // [P, steps, 16, KSTEP] zero-padded: fp32 one k per step, bf16 a pair of k (what vdpbf16ps multiplies).
+  const int64_t kstep = bf16 ? 2 : 1, steps = (K + kstep - 1) / kstep;
+  auto padded = torch::zeros({P * NR, steps * kstep}, weight.options());
   padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
-  return padded.view({P, NR, K2, 2}).permute({0, 2, 1, 3}).contiguous();
+  auto panels = padded.view({P, NR, steps, kstep}).permute({0, 2, 1, 3}).contiguous();
+#if defined(__AVX512F__)
+  // The AVX-512 kernel's order (panel_gemm512.cpp): pairs of panels interleaved step by step, an odd last
+  // panel alone after them; the tensor keeps the [P, steps, 16, KSTEP] shape (the checks read P from it).
+  const int64_t paired = P / 2 * 2;
+  if (paired > 0) {
+    auto pairs = panels.narrow(0, 0, paired).view({P / 2, 2, steps, NR, kstep}).permute({0, 2, 1, 3, 4});
+    panels.narrow(0, 0, paired).view({P / 2, steps, 2, NR, kstep}).copy_(pairs.contiguous());
+  }
+#endif
+  return bf16 ? panels : panels.view({P, K, NR});
 }
 
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {

@@ -1,19 +1,28 @@
-// The panel GEMM on AVX-512 (see panel_gemm.cpp for the layout and the AVX2 kernel): y = x @ w.T (+ bias)
+// The panel GEMM on AVX-512 (see panel_gemm.cpp for the packing and the AVX2 kernel): y = x @ w.T (+ bias)
 // with 16-column panels, each a single 512-bit vector wide, in fp32 (fp32 FMAs) and in bf16 (`vdpbf16ps`
-// with AVX512-BF16: bf16 pairs multiplied and summed into fp32 accumulators, the weights packed once in
-// the pair-interleaved layout it reads, [panels, ceil(K / 2), 16, 2]).
+// with AVX512-BF16: bf16 pairs multiplied and summed into fp32 accumulators).
+//
+// Layout (`pack_panels` in an AVX-512 build): panels in pairs, the pair's two panels interleaved step by
+// step, [P / 2, steps, 2, 16, KSTEP] (KSTEP = 1 fp32, 2 bf16: each column's k pairs adjacent, what
+// `vdpbf16ps` multiplies; steps = ceil(K / KSTEP)); an odd last panel alone after them, [steps, 16, KSTEP].
+// A step of a pair is two 64-byte lines, so a tile of a pair's 2 panels reads one sequential stream, and a
+// linear's whole weight is one stream for the 2-panel tiles.
 //
 // Blocking: a tile is MR rows x NV panels of accumulators (MR * NV <= 24 of the 32 vector registers).
 // Decode row counts read each weight vector once per MR rows: up to 4 rows, 4 panels side by side (so
-// that even one row has 4 independent dependency chains); up to 8 rows, one panel of M rows; up to 16,
-// 8 rows x 2 panels (the second pass reads the group from L2), except 9-12 rows in one pass of 12 x 2 (Zen 5
+// that even one row has 4 independent dependency chains); up to 8 rows, one pair of M rows; up to 16,
+// 8 rows x 2 panels (the second pass reads the pair from L2), except 9-12 rows in one pass of 12 x 2 (Zen 5
 // EPYC, a step's projections: 12 rows 0.78x / 0.62x the time of 8 x 2 in bf16 / fp32, 9 rows 1.23x / 0.88x,
-// load 6-9); above, 12 rows x 2 panels, the micro-tile
-// of a compute-bound GEMM. The first pass over a group of panels prefetches the next group, one 64-byte
-// line per panel and step, so the weights stream from memory while the current group computes. Measured
-// on an AMD EPYC Zen 4 (bf16, one SmolLM2 step's projections, 30 distinct layers): without the prefetch
-// 8 rows took 17.7 instead of 9.1 ms; 8 x 1 against 8 x 2 panels at 8 rows 8.3 vs 9.1 ms, 8 x 2 against
-// 16 x 1 at 16 rows 14.1 vs 16.3 ms; 4 x 4, 6 x 4, 8 x 3 and prefetching two groups ahead were slower.
+// load 6-9); above, 12 rows x 2 panels, the micro-tile of a compute-bound GEMM.
+//
+// Prefetch: the first pass over a tile's panels prefetches into L2 (`_MM_HINT_T1`), one line per panel and
+// step, so the weights stream from memory while the dot products run: a pair's stream PREFETCH_BYTES ahead
+// of where it reads; with 4 panels (two streams) the next group's same step. Measured on an AMD EPYC Zen 4 whose core reads ~25 GB/s and computes ~220 bf16
+// GFLOP/s (fifteenth session, one SmolLM2 step's projections at 8 rows, 30 distinct layers, a `/tmp` dev
+// bench): the earlier kernel (one panel per pass, contiguous panels, the next panel prefetched into L1)
+// 17.7-18.1 ms bf16 / 35.5 fp32; the same prefetched into L2 13.4 / 22.3; pairs interleaved with the
+// 16 KiB L2 prefetch 11.7-11.8 / 21.6, against 10.7 / 20.1 ms for a bare read of the same bytes; L1
+// prefetches (any distance) 16-24 ms, 8-64 KiB into L2 within 3 %.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -29,6 +38,7 @@
 namespace {
 
 constexpr int64_t NR = 16;  // columns per panel = fp32 lanes of a vector
+constexpr int64_t PREFETCH_BYTES = 16384;  // how far ahead of its reads a pair's stream is prefetched
 
 inline __mmask16 column_mask(int64_t cols) {
   return cols >= NR ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1u);
@@ -73,7 +83,7 @@ struct BF16 {
 };
 #endif
 
-// Where one call's operands are: x [M, K], panels (each `pstride` elements), y [M, N].
+// Where one call's operands are: x [M, K], P panels (each `pstride` elements, in pairs), y [M, N].
 template <class E>
 struct Args {
   const typename E::T* x;
@@ -83,11 +93,17 @@ struct Args {
   const typename E::T* bias;
   typename E::T* y;
   int64_t N;
+  int64_t P;
+
+  static constexpr int64_t STEP = NR * E::KSTEP;  // elements of one panel per step (one 64-byte line)
+  // Panel p's first step, and the elements between its steps: 2 lines in a pair, 1 for an odd last panel.
+  const typename E::T* panel(int64_t p) const { return w + p / 2 * 2 * pstride + p % 2 * STEP; }
+  int64_t step_stride(int64_t p) const { return p < P / 2 * 2 ? 2 * STEP : STEP; }
 };
 
-// MR rows from m0 x NV panels from p0; `next` (or null) is the group after, prefetched.
+// MR rows from m0 x NV panels from p0 (all paired, or one panel); `prefetch`: the first pass over them.
 template <class E, int MR, int NV>
-void tile(const Args<E>& a, int64_t m0, int64_t p0, const typename E::T* next) {
+void tile(const Args<E>& a, int64_t m0, int64_t p0, bool prefetch) {
   using T = typename E::T;
   __m512 acc[MR][NV];
 #pragma GCC unroll 32
@@ -97,17 +113,26 @@ void tile(const Args<E>& a, int64_t m0, int64_t p0, const typename E::T* next) {
   const T* xr[MR];
 #pragma GCC unroll 32
   for (int i = 0; i < MR; ++i) xr[i] = a.x + (m0 + i) * a.K;
-  const T* w = a.w + p0 * a.pstride;
-  const int64_t steps = a.K / E::KSTEP, step_elems = NR * E::KSTEP;
-  for (int64_t s = 0; s < steps; ++s) {
-    const int64_t off = s * step_elems, k = s * E::KSTEP;
-    if (next != nullptr) {
+  const T* w[NV];
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) __builtin_prefetch(next + v * a.pstride + off);
+  for (int v = 0; v < NV; ++v) w[v] = a.panel(p0 + v);
+  const int64_t steps = a.K / E::KSTEP, stride = a.step_stride(p0);
+  // 2 panels (one pair, one stream): PREFETCH_BYTES ahead; 4 (two pairs, two streams): the next group's
+  // same step, so that both of its pairs are on their way before it starts.
+  const int64_t ahead = NV >= 4 ? NV * a.pstride : PREFETCH_BYTES / static_cast<int64_t>(sizeof(T));
+  const T* end = a.w + a.P * a.pstride;
+  for (int64_t s = 0; s < steps; ++s) {
+    const int64_t off = s * stride, k = s * E::KSTEP;
+    if (prefetch) {
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        const T* line = w[v] + off + ahead;
+        if (line < end) _mm_prefetch(reinterpret_cast<const char*>(line), NV >= 4 ? _MM_HINT_T0 : _MM_HINT_T1);
+      }
     }
     __m512 wv[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) wv[v] = E::weights(w + v * a.pstride + off);
+    for (int v = 0; v < NV; ++v) wv[v] = E::weights(w[v] + off);
 #pragma GCC unroll 32
     for (int i = 0; i < MR; ++i) {
       const __m512 xv = E::broadcast(xr[i] + k);
@@ -116,12 +141,12 @@ void tile(const Args<E>& a, int64_t m0, int64_t p0, const typename E::T* next) {
     }
   }
   if (steps * E::KSTEP < a.K) {  // bf16 with an odd K
-    const int64_t off = steps * step_elems;
+    const int64_t off = steps * stride;
 #pragma GCC unroll 32
     for (int i = 0; i < MR; ++i) {
       const __m512 xv = E::last(xr[i] + steps * E::KSTEP);
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[i][v] = E::fma(acc[i][v], E::weights(w + v * a.pstride + off), xv);
+      for (int v = 0; v < NV; ++v) acc[i][v] = E::fma(acc[i][v], E::weights(w[v] + off), xv);
     }
   }
 #pragma GCC unroll 4
@@ -136,59 +161,59 @@ void tile(const Args<E>& a, int64_t m0, int64_t p0, const typename E::T* next) {
 
 // `rows` (< MR) remaining rows: the tile instantiated for exactly that many.
 template <class E, int MR, int NV>
-void tail(const Args<E>& a, int64_t m0, int64_t p0, int64_t rows, const typename E::T* next) {
+void tail(const Args<E>& a, int64_t m0, int64_t p0, int64_t rows, bool prefetch) {
   if constexpr (MR > 0) {
-    if (rows == MR) return tile<E, MR, NV>(a, m0, p0, next);
-    tail<E, MR - 1, NV>(a, m0, p0, rows, next);
+    if (rows == MR) return tile<E, MR, NV>(a, m0, p0, prefetch);
+    tail<E, MR - 1, NV>(a, m0, p0, rows, prefetch);
   }
 }
 
-// All M rows against NV panels from p0; the first pass prefetches `next`.
+// All M rows against NV panels from p0; the first pass prefetches.
 template <class E, int MR, int NV>
-void rows_of(const Args<E>& a, int64_t M, int64_t p0, const typename E::T* next) {
+void rows_of(const Args<E>& a, int64_t M, int64_t p0) {
   int64_t m = 0;
-  for (; m + MR <= M; m += MR, next = nullptr) tile<E, MR, NV>(a, m, p0, next);
-  if (m < M) tail<E, MR - 1, NV>(a, m, p0, M - m, next);
+  bool prefetch = true;
+  for (; m + MR <= M; m += MR, prefetch = false) tile<E, MR, NV>(a, m, p0, prefetch);
+  if (m < M) tail<E, MR - 1, NV>(a, m, p0, M - m, prefetch);
 }
 
-// Every panel in groups of NV (the last panels, fewer than NV, one at a time), in parallel over groups.
+// Every panel in groups of NV (even: whole pairs; the last panels, fewer than NV, one at a time), in
+// parallel over groups.
 template <class E, int MR, int NV>
-void run_groups(const Args<E>& a, int64_t M, int64_t P) {
-  const int64_t groups = P / NV;
-  const typename E::T* end = a.w + P * a.pstride;
+void run_groups(const Args<E>& a, int64_t M) {
+  static_assert(NV % 2 == 0, "a group is whole pairs of panels");
+  const int64_t groups = a.P / NV;
   at::parallel_for(0, groups, std::max<int64_t>(1, 16 / NV), [&](int64_t begin, int64_t stop) {
-    for (int64_t g = begin; g < stop; ++g) {
-      const typename E::T* next = a.w + (g + 1) * NV * a.pstride;
-      rows_of<E, MR, NV>(a, M, g * NV, g + 1 < stop && next < end ? next : nullptr);
-    }
+    for (int64_t g = begin; g < stop; ++g) rows_of<E, MR, NV>(a, M, g * NV);
   });
-  for (int64_t p = groups * NV; p < P; ++p) rows_of<E, MR, 1>(a, M, p, nullptr);
+  for (int64_t p = groups * NV; p < a.P; ++p) rows_of<E, MR, 1>(a, M, p);
 }
 
 template <class E>
-void run(const Args<E>& a, int64_t M, int64_t P) {
-  if (M <= 4) return run_groups<E, 4, 4>(a, M, P);
-  if (M <= 8) return run_groups<E, 8, 1>(a, M, P);
+void run(const Args<E>& a, int64_t M) {
+  if (M <= 4) return run_groups<E, 4, 4>(a, M);
+  // 5-8 rows: one pass over each pair (one stream), 16 accumulators.
+  if (M <= 8) return run_groups<E, 8, 2>(a, M);
   // 9-12 rows (a verify step of 8 sequences, a batch just over 8) in one pass of up to 12 x 2 panels,
   // each weight vector read once, instead of 8 rows and a second pass for the rest.
-  if (M <= 12) return run_groups<E, 12, 2>(a, M, P);
-  if (M <= 16) return run_groups<E, 8, 2>(a, M, P);
+  if (M <= 12) return run_groups<E, 12, 2>(a, M);
+  if (M <= 16) return run_groups<E, 8, 2>(a, M);
   // Prefill-sized inputs too (blocks of rows held in L2 while every panel passes were no faster on the
   // Zen 5 EPYC at 512-2048 rows: 0.96-1.03x).
-  run_groups<E, 12, 2>(a, M, P);
+  run_groups<E, 12, 2>(a, M);
 }
 
 }  // namespace
 
 void panel_linear_avx512(const float* x, int64_t M, int64_t K, const float* w, int64_t P, int64_t N,
                          const float* bias, float* y) {
-  run<F32>(Args<F32>{x, K, w, K * NR, bias, y, N}, M, P);
+  run<F32>(Args<F32>{x, K, w, K * NR, bias, y, N, P}, M);
 }
 
 #if defined(__AVX512BF16__)
 void panel_linear_bf16(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* w, int64_t P, int64_t N,
                        const c10::BFloat16* bias, c10::BFloat16* y) {
-  run<BF16>(Args<BF16>{x, K, w, (K + 1) / 2 * 2 * NR, bias, y, N}, M, P);
+  run<BF16>(Args<BF16>{x, K, w, (K + 1) / 2 * 2 * NR, bias, y, N, P}, M);
 }
 #endif
 
