@@ -38,8 +38,11 @@ from typing import Any
 from bench.common import median, percentile
 
 # The layout the benchmark measures unless told otherwise (README's recommended CPU layout: mixed steps of
-# 64 prompt tokens with the burst rule, since the thirteenth session on Zen 4).
-DEFAULT_LAYOUT = "both-burst"
+# 64 prompt tokens with the burst rule, since the thirteenth session on Zen 4; their prompt tokens from the
+# measured step cost at 2x the rows' decode step, since the fifteenth: on the shared 384-token prefix the
+# fixed 64 tokens beside 6-7 rows took 139-157 ms, over vllm serve's ITL p99 of 132-137 ms, whenever a
+# worker's arrivals drifted out of the waves, the measured budget 88-116 ms).
+DEFAULT_LAYOUT = "both-cost"
 
 # both-per-cpu's prefill tokens per step unless --prefill-budget says otherwise.
 BOTH_BUDGET = 256
