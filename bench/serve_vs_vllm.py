@@ -117,6 +117,7 @@ async def _load(url: str, model: str, prompts: list[list[int]], lengths: list[in
                                      timeout=aiohttp.ClientTimeout(total=600)) as session:
         # Warm-up at this concurrency: connections, first-call costs, batch shapes compiled on first use.
         await asyncio.gather(*(_one(session, url, model, prompts[i], 4) for i in range(concurrency)))
+        measured_from = time.time()  # the workers' step logs from here on are the measured requests'
         queue = list(range(requests))
         results: list[dict[str, Any]] = []
         started = time.perf_counter()
@@ -138,6 +139,7 @@ async def _load(url: str, model: str, prompts: list[list[int]], lengths: list[in
         "seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed,
         "ttft_p50_ms": _ms(median(ttft)), "ttft_p99_ms": _ms(percentile(ttft, 99)),
         "itl_p50_ms": _ms(median(gaps)), "itl_p99_ms": _ms(percentile(gaps, 99)),
+        "measured_from": measured_from,
     }
 
 
@@ -158,8 +160,10 @@ def _ours(model: Path, log_dir: Path, prompts: list[list[int]], args: Any, deadl
         for c in args.concurrency:
             if deadline.expired():
                 break
-            since = time.time()
             rows.append(asyncio.run(_load(router_url, served, prompts, args.lengths, c, args.requests(c))))
+            # The measured requests' steps only: the warm-up's (its own burst, 4-token streams) are not among
+            # the client's gaps.
+            since = rows[-1].pop("measured_from")
             if step_dir is not None:
                 rows[-1]["steps"] = step_summary(step_dir, since)
             log(f"ours {layout} c={c}: {_line(rows[-1])}")
@@ -189,6 +193,7 @@ def _vllm(model: Path, log_dir: Path, prompts: list[list[int]], args: Any, deadl
             if deadline.expired():
                 break
             rows.append(asyncio.run(_load(url, "bench", prompts, args.lengths, c, args.requests(c))))
+            rows[-1].pop("measured_from")
             log(f"vllm c={c}: {_line(rows[-1])}")
         return {"available": True, "rows": rows}
     finally:
