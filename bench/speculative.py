@@ -86,6 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = common.base_parser(__doc__ or "")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="K (default 4)")
+    p.add_argument("--prompt-lookup-min", type=int, default=None,
+                   help="shortest n-gram matched (default: SpeculativeConfig's)")
     p.add_argument("--max-tokens", type=int, default=160, help="output tokens per request at most (default 160)")
     p.add_argument("--dtype", default="auto", help="engine dtype (default auto: bf16 where measured faster)")
     p.add_argument("--levels", default="1,8", help="requests in flight (default 1,8)")
@@ -104,13 +106,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     rounds = 1 if args.quick else args.rounds
     max_tokens = 24 if args.quick else args.max_tokens
     k = args.num_speculative_tokens
+    lookup = {} if args.prompt_lookup_min is None else {"prompt_lookup_min": args.prompt_lookup_min}
     engine_kw = {"max_num_seqs": max(levels), "max_model_len": 1024, "dtype": args.dtype,
               "enable_prefix_caching": False, "num_blocks": 64 * max(levels)}
     engines = {"plain": LLMEngine(str(model), **engine_kw),
-               "spec": LLMEngine(str(model), speculative=SpeculativeConfig(num_speculative_tokens=k), **engine_kw)}
+               "spec": LLMEngine(str(model), speculative=SpeculativeConfig(num_speculative_tokens=k, **lookup),
+                                  **engine_kw)}
     if args.ab_tile:
-        engines["tile"] = LLMEngine(str(model), speculative=SpeculativeConfig(num_speculative_tokens=k,
-                                                                              row_tile=args.ab_tile), **engine_kw)
+        tiled = SpeculativeConfig(num_speculative_tokens=k, row_tile=args.ab_tile, **lookup)
+        engines["tile"] = LLMEngine(str(model), speculative=tiled, **engine_kw)
     sides = list(engines)
     tokenizer = engines["plain"].tokenizer
     assert tokenizer is not None, "the benchmark needs a checkpoint with a tokenizer"
@@ -176,6 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = args.name or ("speculative_quick" if args.quick else "speculative")
     path = common.write_result(args.out_dir, name, MODULE, argv, {
         "model": str(model), "dtype": str(engines["plain"].dtype), "num_speculative_tokens": k,
+        "prompt_lookup_min": SpeculativeConfig(**lookup).prompt_lookup_min,
         "rounds": rounds, "max_tokens": max_tokens, "levels": levels, "ab_tile": args.ab_tile,
         "results": results, "learned_step_ms": curve,
     })

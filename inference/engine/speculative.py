@@ -18,8 +18,19 @@ non-speculative step for that output index would (a seeded request's noise is a 
 and the output index), so a seeded stream is token for token the one a plain decode draws, which
 keeps a migrated seeded stream's continuation exact too.
 
-Automatic off: a sequence whose proposals are mostly rejected (random text) stops proposing for a
-cool-down that doubles each time it fails again, so it runs as plain decode steps.
+What a sequence proposes. With the learned row budget (the default, `row_tile` None) every sequence with
+a match offers its whole continuation (up to K tokens) and the budget (spec_budget.py) decides how
+many of those rows the step runs, from each sequence's recent per-token hit rate and what rows cost
+here: a sequence whose proposals keep failing gets no rows where rows cost, and still gets them where
+they are nearly free (few rows in flight on a CPU), which is where a copy that starts after a stretch
+of new text pays most. The fixed rules (`row_tile` n >= 0) have no cost to weigh, so they keep two
+heuristics of their own: a proposal one token longer than the last accepted run (doubled after a
+proposal accepted whole), and automatic off: a sequence whose proposals are mostly rejected (random
+text) stops proposing for a cool-down that doubles each time it fails again. Under the budget those
+heuristics cost steps: on SmolLM2 rewriting 8 paragraphs at 8 in flight (AMD EPYC Zen 4), the request
+that ran longest, alone for its last ~90 tokens where a 5-row verify costs ~10 % more than a plain
+step, was held to short proposals or none for whole cool-downs, while its text switched between
+copies of the prompt and new words every few tokens.
 """
 from __future__ import annotations
 
@@ -37,11 +48,11 @@ if TYPE_CHECKING:
 
 SPECULATIVE_METHODS = ("ngram",)
 
-# Acceptance bookkeeping per sequence (automatic off): once at least MIN_PROPOSED proposed tokens
-# count in the decayed window, a sequence whose share of accepted proposals is below MIN_ACCEPT_RATE stops
-# proposing for COOLDOWN_STEPS decode steps, doubled at each further failure up to MAX_COOLDOWN_STEPS.
-# A verify row costs about a decode row, so at 0.3 the proposals pay back only their own cost: below
-# it speculating is a loss.
+# Acceptance bookkeeping per sequence (automatic off, under the fixed row rules only): once at least
+# MIN_PROPOSED proposed tokens count in the decayed window, a sequence whose share of accepted
+# proposals is below MIN_ACCEPT_RATE stops proposing for COOLDOWN_STEPS decode steps, doubled at each
+# further failure up to MAX_COOLDOWN_STEPS. A verify row costs about a decode row, so at 0.3 the
+# proposals pay back only their own cost: below it speculating is a loss.
 MIN_PROPOSED = 8
 MIN_ACCEPT_RATE = 0.3
 WINDOW_DECAY = 0.75  # the counters decay by this factor per verify step (a window of ~4 steps)
@@ -293,12 +304,13 @@ class NgramSpeculator:
                 if not can_speculate(seq):
                     continue
                 state = seq.spec_state = NgramState()
-            if state.off_until > self.steps:
+            budgeted = cfg.row_tile is None  # the cost budget weighs every row: no heuristics of its own
+            if state.off_until > self.steps and not budgeted:
                 continue
             n = seq.num_tokens
             # Emitting a+1 tokens after a accepted ones: never propose past the last token allowed.
             limit = (seq.token_limit or n + cfg.num_speculative_tokens + 1) - n - 1
-            k = min(state.k or cfg.num_speculative_tokens, limit)
+            k = min(cfg.num_speculative_tokens if budgeted else (state.k or cfg.num_speculative_tokens), limit)
             if k <= 0:
                 continue
             tokens = find_ngram_proposal(state.tokens(seq), cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)

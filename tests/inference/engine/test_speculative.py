@@ -342,3 +342,35 @@ def test_abort_mid_speculation_frees_every_block(copying_model: Path) -> None:
     assert 0 < len(tokens["r1"]) < 60 and tokens["r1"] == plain[1][: len(tokens["r1"])]
     assert eng.speculator is not None and eng.speculator.num_accepted > 20
     assert eng.num_free_blocks == 256
+
+
+
+@pytest.mark.parametrize("row_tile", [None, 0])
+def test_the_learned_budget_keeps_offering_whole_continuations(copying_model: Path, row_tile: int | None) -> None:
+    """Under the learned row budget (row_tile None) the fixed rules' heuristics are off: a sequence
+    in a cool-down after failed proposals, whose last proposal was cut to one token, still offers its
+    whole continuation (K tokens), and the budget's hit rate decides how many rows run. The fixed
+    rules (row_tile 0 here) keep both heuristics: no offer during the cool-down, then a short one."""
+    ps = cycle_prompts(copying_model, 2)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    eng = engine(copying_model, row_tile=row_tile)  # type: ignore[arg-type]
+    for i, p in enumerate(ps):
+        eng.add_request(f"r{i}", p, params)
+    for _ in range(6):
+        eng.step()
+    spec = eng.speculator
+    assert spec is not None
+    batch = [seq for i in range(len(ps)) if (seq := eng.get_sequence(f"r{i}")) is not None]
+    assert len(batch) == len(ps) and all(seq.spec_state is not None for seq in batch)
+    for seq in batch:  # as after a run of rejections: cooling down, next proposal one token long
+        assert seq.spec_state is not None
+        seq.spec_state.off_until, seq.spec_state.k = spec.steps + 100, 1
+    offered = [len(p) for _, p in spec._lookup(batch)]
+    if row_tile is None:
+        assert offered == [K] * len(ps)
+    else:
+        assert offered == []
+        for seq in batch:
+            assert seq.spec_state is not None
+            seq.spec_state.off_until = 0
+        assert [len(p) for _, p in spec._lookup(batch)] == [1] * len(ps)
