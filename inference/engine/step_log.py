@@ -4,7 +4,7 @@ Off unless the environment names a folder in `ENGINE_STEP_LOG`: then each engine
 line per step that ran to `<folder>/steps-<pid>.tsv`: wall-clock start (s), duration (ms), prefill
 tokens, prefill sequences, decode sequences (the scheduler's `last_plan`), then the rule that set a
 mixed step's prompt budget and the prompts waiting when it was planned (`StepPlan.rule` and `.waiting`;
-empty and 0 for a plain tuple). One line-buffered write
+"-" where no rule set one, and 0 waiting for a plain tuple). One line-buffered write
 per step (microseconds, against steps of milliseconds), so a worker stopped by a signal loses none.
 """
 from __future__ import annotations
