@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = common.base_parser(__doc__ or "")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="K (default 4)")
+    p.add_argument("--num-speculative-tokens", type=int, default=8, help="K (default 8, the worker's)")
     p.add_argument("--prompt-lookup-min", type=int, default=None,
                    help="shortest n-gram matched (default: SpeculativeConfig's)")
     p.add_argument("--max-tokens", type=int, default=160, help="output tokens per request at most (default 160)")

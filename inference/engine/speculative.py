@@ -71,7 +71,7 @@ class SpeculativeConfig:
     `prompt_lookup_min` tokens."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 8  # server.args.DEFAULT_SPECULATIVE_TOKENS: why 8
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     # How many rows a step gives proposals. None (the default): as many as maximise the step's
