@@ -4,7 +4,7 @@ Off unless the environment names a folder in `ENGINE_STEP_LOG`: then each engine
 line per step that ran to `<folder>/steps-<pid>.tsv`: wall-clock start (s), duration (ms), prefill
 tokens, prefill sequences, decode sequences (the scheduler's `last_plan`), then the rule that set a
 mixed step's prompt budget and the prompts waiting when it was planned (`StepPlan.rule` and `.waiting`;
-"-" where no rule set one, and 0 waiting for a plain tuple). One line-buffered write
+"-" where no rule set one). One line-buffered write
 per step (microseconds, against steps of milliseconds), so a worker stopped by a signal loses none.
 """
 from __future__ import annotations
@@ -12,7 +12,10 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from .scheduler import StepPlan
 
 ENV = "ENGINE_STEP_LOG"
 
@@ -32,12 +35,11 @@ class StepLog:
         folder = os.environ.get(ENV)
         return cls(Path(folder)) if folder else None
 
-    def record(self, started: float, plan: tuple[int, int, int]) -> None:
-        """One step that began at `time.time()` value `started` and has just ended; `plan` is
-        (prefill tokens, prefill sequences, decode sequences), a `StepPlan` for the rule and the queue."""
-        rule, waiting = getattr(plan, "rule", ""), getattr(plan, "waiting", 0)
+    def record(self, started: float, plan: StepPlan) -> None:
+        """One step that began at `time.time()` value `started` and has just ended, as `plan` planned it
+        (the scheduler's `last_plan`)."""
         self._file.write(f"{started:.4f}\t{1000 * (time.time() - started):.2f}\t{plan[0]}\t{plan[1]}\t{plan[2]}"
-                         f"\t{rule or '-'}\t{waiting}\n")
+                         f"\t{plan.rule or '-'}\t{plan.waiting}\n")
 
     def close(self) -> None:
         """Flush and close the file."""

@@ -18,13 +18,13 @@ def test_a_step_plan_compares_as_its_numbers() -> None:
 
 def test_the_log_writes_the_rule_and_the_queue(tmp_path: Path) -> None:
     """Seven tab-separated columns: start, ms, tokens, prefill sequences, decode sequences, rule ("-"
-    for none, and for a plain tuple), waiting prompts."""
+    for none), waiting prompts."""
     log = StepLog(tmp_path)
     log.record(1000.0, StepPlan(896, 7, 1, "burst", 7))
     log.record(1001.0, StepPlan(0, 0, 8))
-    log.record(1002.0, (16, 1, 2))
+    log.record(1002.0, StepPlan(16, 1, 2, "", 3))
     log.close()
     rows = [line.split("\t") for line in (tmp_path / f"steps-{os.getpid()}.tsv").read_text().splitlines()]
     assert [r[2:] for r in rows] == [["896", "7", "1", "burst", "7"], ["0", "0", "8", "-", "0"],
-                                     ["16", "1", "2", "-", "0"]]
+                                     ["16", "1", "2", "-", "3"]]
     assert all(float(r[1]) >= 0 for r in rows)
