@@ -15,10 +15,11 @@
 // EPYC, a step's projections: 12 rows 0.78x / 0.62x the time of 8 x 2 in bf16 / fp32, 9 rows 1.23x / 0.88x,
 // load 6-9); above, 12 rows x 2 panels, the micro-tile of a compute-bound GEMM.
 //
-// Prefetch: the first pass over a tile's panels prefetches into L2 (`_MM_HINT_T1`), one line per panel and
-// step, so the weights stream from memory while the dot products run: a pair's stream PREFETCH_BYTES ahead
-// of where it reads; with 4 panels (two streams) the next group's same step. Measured on an AMD EPYC Zen 4 whose core reads ~25 GB/s and computes ~220 bf16
-// GFLOP/s (fifteenth session, one SmolLM2 step's projections at 8 rows, 30 distinct layers, a `/tmp` dev
+// Prefetch: the first pass over a tile's panels prefetches one line per panel and step, so the weights
+// stream from memory while the dot products run: a pair's stream PREFETCH_BYTES ahead of where it reads,
+// into L2 (`_MM_HINT_T1`); with 4 panels (two streams, 1-4 rows) the next group's same step, into L1 (into
+// L2 it was 10 % slower at 1 row in fp32). Measured on an AMD EPYC Zen 4 whose core reads ~25 GB/s and
+// computes ~220 bf16 GFLOP/s (fifteenth session, one SmolLM2 step's projections at 8 rows, 30 distinct layers, a `/tmp` dev
 // bench): the earlier kernel (one panel per pass, contiguous panels, the next panel prefetched into L1)
 // 17.7-18.1 ms bf16 / 35.5 fp32; the same prefetched into L2 13.4 / 22.3; pairs interleaved with the
 // 16 KiB L2 prefetch 11.7-11.8 / 21.6, against 10.7 / 20.1 ms for a bare read of the same bytes; L1
