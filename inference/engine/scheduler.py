@@ -357,6 +357,8 @@ class Scheduler:
         """Give `seq` its cached prefix blocks `hits` plus fresh ones up to `need` blocks, and count the
         prefix cache's use (the one place that counts it: prefill admission and decode reservations)."""
         seq.block_ids = self.block_manager.extend_prefix(hits, need - len(hits))
+        if seq.admitted_cached_tokens is None:  # the prompt's first admission: what it did not compute
+            seq.admitted_cached_tokens = len(hits) * self.block_size
         if self.enable_prefix_caching:
             self.prefix_query_tokens += seq.num_tokens
             self.prefix_hit_tokens += len(hits) * self.block_size

@@ -29,7 +29,8 @@ class RequestOutput:
     output of a prefill-only request (the blocks holding its prompt KV). `error` carries the message
     when `finish_reason == "error"`. `logprobs` (one per new token) when the request asked for them;
     `prompt_logprobs` once, on the first output of a request that asked (None for the first prompt
-    token, which nothing predicts).
+    token, which nothing predicts). `num_cached_tokens`: the prompt tokens the engine did not compute
+    because their KV was cached when it first scheduled the prompt (`Sequence.admitted_cached_tokens`).
     """
 
     request_id: str
@@ -43,6 +44,7 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -65,6 +67,11 @@ class Sequence:
     # Decode side of a disaggregated request: how many of its first blocks were already cached here
     # when it was reserved (prefix caching), so the prefill worker sends only the blocks after them.
     reserved_hits: int = 0
+    # Prompt tokens whose KV the prefix cache supplied when the prompt was first given blocks (its prefill
+    # admitted, or its decode reservation), so never computed here: cached by an earlier request, or by a
+    # prompt of the same burst that computed a shared prefix a step before (scheduler._shares_computing).
+    # Counted at that moment, not at receipt; None until then; a preempted sequence's recompute keeps it.
+    admitted_cached_tokens: int | None = None
     finish_reason: str | None = None
     detokenizer: IncrementalDetokenizer | None = None
     # Chained content hashes of the full blocks computed so far (prefix caching; see block_manager).
@@ -143,6 +150,7 @@ class Sequence:
         )
         self.pending_token_ids = []
         self.pending_text = ""
+        out.num_cached_tokens = self.admitted_cached_tokens or 0
         if self.pending_logprobs:
             out.logprobs, self.pending_logprobs = self.pending_logprobs, []
         if self.prompt_logprobs is not None and not self.prompt_logprobs_sent:

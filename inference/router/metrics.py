@@ -109,7 +109,8 @@ class RouterMetrics:
             ["role"], registry=r)
         self.kv_predicted_cached_tokens = Gauge(
             "router_kv_predicted_cached_tokens", "Prompt tokens the kv-aware policy predicted cached on the "
-            "chosen worker, per role (since start; the workers' worker_prefix_cache_hit_ratio is what they found)",
+            "chosen worker, per role (since start; what the workers' engines then reused is their "
+            "worker_prefilled_reused_tokens_total)",
             ["role"], registry=r)
         # process_resident_memory_bytes, process_cpu_seconds_total, ... of this router process (Linux).
         ProcessCollector(registry=r)

@@ -144,6 +144,8 @@ async def _lines(worker: DecodeWorker, request_id: str, ids: list[int], params: 
                 if last_at is None:
                     worker.signals.prefill_finished(uncached, computed=True)
                     prefilling = False
+                    # What the engine reused when it scheduled the prompt (`cached` was at receipt).
+                    metrics.prefilled_reused_tokens.inc(out.num_cached_tokens)
                     metrics.ttft.observe(now - received_at)
                     worker.signals.observe("ttft", now - received_at)
                 else:

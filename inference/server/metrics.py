@@ -115,15 +115,27 @@ class WorkerMetrics:
             registry=r,
         ).labels(**labels)
         # The prompts this worker prefilled itself (a prefill worker: every prompt; a decode worker: its
-        # local prefills, not the reservations a prefill worker fills), and their tokens its prefix cache
-        # held at receipt: summed over every worker, a deployment's prefix hit ratio wherever it prefilled.
+        # local prefills, not the reservations a prefill worker fills), and two counts of their tokens
+        # whose KV was cached; summed over every worker, a deployment's prefix hit ratio wherever it
+        # prefilled. `cached` is the prediction at receipt (what the cache held when the request came:
+        # the local-prefill decision's figure); `reused` is what the engine actually did not compute,
+        # counted when it scheduled the prefill: a burst of prompts sharing a system prompt finds nothing
+        # at receipt, yet the engine computes the shared blocks once and the others reuse them.
         self.prefilled_prompt_tokens = Counter(
             "worker_prefilled_prompt_tokens", "Prompt tokens of the prompts this worker prefilled itself",
             ["role", "model"], registry=r,
         ).labels(**labels)
         self.prefilled_cached_tokens = Counter(
             "worker_prefilled_cached_tokens",
-            "Prompt tokens of the prompts this worker prefilled itself that its prefix cache held at receipt",
+            "Prompt tokens of the prompts this worker prefilled itself that its prefix cache held at receipt "
+            "(a prediction; worker_prefilled_reused_tokens is what the engine reused)",
+            ["role", "model"], registry=r,
+        ).labels(**labels)
+        self.prefilled_reused_tokens = Counter(
+            "worker_prefilled_reused_tokens",
+            "Prompt tokens of the prompts this worker prefilled itself that the engine did not compute: their "
+            "KV was cached when the prefill was scheduled (an earlier request's, or a shared prefix an earlier "
+            "prompt of the same burst computed)",
             ["role", "model"], registry=r,
         ).labels(**labels)
         self.cpu_utilization = Gauge(

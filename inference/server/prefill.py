@@ -233,6 +233,8 @@ class PrefillWorker(WorkerCore):
                     if out.finish_reason != "prefilled":
                         raise WorkerError(500, f"prefill ended with {out.finish_reason}", "engine_error")
                     block_ids = list(out.block_ids or [])
+                    # What the engine reused when it scheduled the prompt (`cached` above is at receipt).
+                    self.metrics.prefilled_reused_tokens.inc(out.num_cached_tokens)
             if first_token is None or not block_ids:
                 raise WorkerError(500, "prefill produced no first token", "engine_error")
             computed = True
