@@ -5,8 +5,13 @@ replies it got, as token ids), its turns one after another, all conversations at
 gets a fresh deployment (workers and router started for it, so the caches start cold alike) and the
 same conversations. Reported per policy: the prefill workers' own prefix-cache hit ratio (their
 /metrics), the hit ratio of every prefill wherever it ran (per worker, and for the deployment: cached
-prompt tokens over prompt tokens of the prompts prefill workers and, locally, decode workers computed),
-what the router predicted (kv-aware), TTFT p50/p90 as the client sees it, output tok/s.
+prompt tokens over prompt tokens of the prompts prefill workers and, locally, decode workers computed)
+counted two ways: at receipt (`worker_prefilled_cached_tokens_total`, what the cache held when the
+request came) and by the engine (`worker_prefilled_reused_tokens_total`, what it did not compute when it
+scheduled the prefill: a burst's shared system prompt computed once counts as reused by the others),
+what the router predicted (kv-aware), TTFT p50/p90 as the client sees it (and per turn, local / remote),
+output tok/s. `--step-log DIR` keeps every worker's engine steps (ENGINE_STEP_LOG) and sums them over the
+burst of first turns and the whole run.
 
 `--prompts chat` sends the same shape as OpenAI chat instead (`/v1/chat/completions`, streamed: a
 system message, user messages of random words, the replies' text as assistant messages), which the
@@ -45,7 +50,7 @@ from bench.common import (
     tiny_model_dir,
     write_result,
 )
-from bench.kv_routing_analysis import Shape, hit_ratio_ceiling, turn_report
+from bench.kv_routing_analysis import Shape, hit_ratio_ceiling, read_steps, step_summary, turn_report
 
 MODULE = "bench.kv_routing"
 CHAT_MODE = False  # --prompts chat
@@ -73,6 +78,7 @@ class Turn:
     decode: str = ""
     error: str = ""
     timings: dict[str, Any] = field(default_factory=dict)  # the done event's (ids mode)
+    sent_at: float = 0.0  # wall clock (time.time()) when the request was sent, to line up with step logs
 
 
 async def _turn(client: Any, router: str, ids: list[int], max_tokens: int, rec: Turn) -> None:
@@ -153,7 +159,7 @@ async def _chat_conversation(client: Any, router: str, index: int, system: list[
     turns: list[Turn] = []
     for k, user in enumerate(users):
         messages.append({"role": "user", "content": _words(user)})
-        rec = Turn(conversation=index, turn=k, prompt_tokens=0)
+        rec = Turn(conversation=index, turn=k, prompt_tokens=0, sent_at=time.time())
         try:
             reply = await _chat_turn(client, router, list(messages), max_tokens, rec)
         except (httpx.HTTPError, ValueError) as exc:
@@ -176,7 +182,7 @@ async def _conversation(client: Any, router: str, index: int, system: list[int],
     turns: list[Turn] = []
     for k, user in enumerate(users):
         history += user
-        rec = Turn(conversation=index, turn=k, prompt_tokens=len(history))
+        rec = Turn(conversation=index, turn=k, prompt_tokens=len(history), sent_at=time.time())
         try:
             await _turn(client, router, list(history), max_tokens, rec)
         except (httpx.HTTPError, ValueError) as exc:  # counted as an error of the run, not its end
@@ -210,7 +216,8 @@ def _metric(url: str, name: str) -> float | None:
 
 
 def _run_policy(variant: tuple[str, str, dict[str, str]], model: Path, log_dir: Path, system: list[int],
-                users: list[list[list[int]]], max_tokens: int, worker_extra: list[str], shape: Shape) -> dict[str, Any]:
+                users: list[list[list[int]]], max_tokens: int, worker_extra: list[str], shape: Shape,
+                step_dir: Path | None = None) -> dict[str, Any]:
     """A fresh 2 + 2 deployment with the variant's policy and settings; the chat through it; its figures."""
     name, policy, router_env = variant
     import httpx
@@ -218,10 +225,13 @@ def _run_policy(variant: tuple[str, str, dict[str, str]], model: Path, log_dir: 
     from tests.support.processes import Proc, start_router, start_worker
 
     roles = ["prefill", "prefill", "decode", "decode"]
+    # One step-log folder per worker (its file is named by pid), so each file names its worker.
+    step_dirs = [step_dir / name / f"{i}-{role}" for i, role in enumerate(roles)] if step_dir else []
     procs: list[Proc] = []
     try:
         with ThreadPoolExecutor(len(roles)) as pool:
-            futures = [pool.submit(start_worker, role, model, log_dir, extra=worker_extra, name=f"kvb-{name}-{i}")
+            futures = [pool.submit(start_worker, role, model, log_dir, extra=worker_extra, name=f"kvb-{name}-{i}",
+                                   env={"ENGINE_STEP_LOG": str(step_dirs[i])} if step_dirs else None)
                        for i, role in enumerate(roles)]
         started = [f.result() for f in futures if f.exception() is None]
         procs += [p for p, _ in started]
@@ -253,9 +263,11 @@ def _run_policy(variant: tuple[str, str, dict[str, str]], model: Path, log_dir: 
         hit = [_metric(u, "worker_prefix_cache_hit_ratio") for u in urls[:2]]
         decode_hit = [_metric(u, "worker_prefix_cache_hit_ratio") for u in urls[2:]]
         # Every prefill wherever it ran (prefill workers, and decode workers' local prefills): the prompt
-        # tokens and those the worker's prefix cache held at receipt, per worker and summed.
+        # tokens and those the worker's prefix cache held at receipt, per worker and summed; and those its
+        # engine reused when it scheduled the prefill (a burst's shared prefix computed once counts here).
         prefilled = [(_metric(u, "worker_prefilled_cached_tokens_total") or 0.0,
                       _metric(u, "worker_prefilled_prompt_tokens_total") or 0.0) for u in urls]
+        reused = [_metric(u, "worker_prefilled_reused_tokens_total") or 0.0 for u in urls]
         # How evenly the decode workers shared the streams: the tokens each generated.
         decode_tokens = [_metric(u, "worker_generation_tokens_total") for u in urls[2:]]
         where = {w: _metric(router_url, f'router_prefill_where_total{{where="{w}"}}') for w in ("local", "remote")}
@@ -277,6 +289,9 @@ def _run_policy(variant: tuple[str, str, dict[str, str]], model: Path, log_dir: 
             if (prev := served.get((t.conversation, t.turn - 1))) and prev.prefill == t.prefill]
     predicted = (status.get("kv") or {}).get("predicted", {})
     first_workers = {t.prefill or "local " + t.decode for t in ok if t.turn == 0}
+    total_prompt = sum(t for _, t in prefilled)
+    # The burst of first turns ends when the last of them got its first token (wall clock).
+    burst_end = max((t.sent_at + t.ttft_s for t in ok if t.turn == 0 and t.ttft_s is not None), default=None)
     return {
         "policy": policy,
         "router_env": router_env,
@@ -288,8 +303,12 @@ def _run_policy(variant: tuple[str, str, dict[str, str]], model: Path, log_dir: 
         # Per worker (prefill, prefill, decode, decode): cached / prompt tokens of the prompts it prefilled.
         "prefilled_hit_ratio": [cached / total if total else None for cached, total in prefilled],
         "prefilled_prompt_tokens": [total for _, total in prefilled],
-        "deployment_hit_ratio": (sum(c for c, _ in prefilled) / sum(t for _, t in prefilled)
-                                 if sum(t for _, t in prefilled) else None),
+        "deployment_hit_ratio": sum(c for c, _ in prefilled) / total_prompt if total_prompt else None,
+        # The same counted by the engines, when each prefill was scheduled (what they did not compute).
+        "prefilled_engine_hit_ratio": [r / total if total else None for r, (_, total) in zip(reused, prefilled,
+                                                                                              strict=True)],
+        "deployment_engine_hit_ratio": sum(reused) / total_prompt if total_prompt else None,
+        "steps": _steps(step_dirs, burst_end),
         "decode_generated_tokens": decode_tokens,
         "predicted": predicted,
         "same_prefill_as_previous_turn": len(same) / len(later_remote) if later_remote and not CHAT_MODE else None,
@@ -316,20 +335,38 @@ def _print_turns(rows: dict[str, dict[str, Any]]) -> None:
     table = []
     for name, r in rows.items():
         for k, t in (r.get("per_turn") or {}).items():
+            ms = {key: fmt(t[key] * 1000, 0) if t.get(key) is not None else "-" for key in (
+                "ttft_p50_s", "ttft_p90_s", "ttft_p50_local_s", "ttft_p90_local_s", "ttft_p50_remote_s",
+                "ttft_p90_remote_s", "prefill_s_p50", "ttft_minus_prefill_p50_s")}
             table.append([name, k, t["n"], t["local"], fmt(t.get("same_prefill"), 2), fmt(t.get("same_decode"), 2),
-                          fmt((t["ttft_p50_s"] or 0) * 1000, 0), fmt((t["ttft_p90_s"] or 0) * 1000, 0),
-                          fmt((t["prefill_s_p50"] or 0) * 1000, 0), fmt((t["kv_transfer_s_p50"] or 0) * 1000, 1),
-                          fmt((t["ttft_minus_prefill_p50_s"] or 0) * 1000, 0)])
+                          f"{ms['ttft_p50_s']} / {ms['ttft_p90_s']}",
+                          f"{ms['ttft_p50_local_s']} / {ms['ttft_p90_local_s']}",
+                          f"{ms['ttft_p50_remote_s']} / {ms['ttft_p90_remote_s']}", ms["prefill_s_p50"],
+                          fmt((t["kv_transfer_s_p50"] or 0) * 1000, 1), ms["ttft_minus_prefill_p50_s"]])
     if table:
-        print(markdown_table(["variant", "turn", "n", "local", "same prefill", "same decode", "TTFT p50 ms",
-                              "TTFT p90 ms", "prefill call p50 ms", "KV transfer p50 ms", "TTFT - prefill p50 ms"],
-                             table))
+        print(markdown_table(["variant", "turn", "n", "local", "same prefill", "same decode", "TTFT p50 / p90 ms",
+                              "local p50 / p90 ms", "remote p50 / p90 ms", "prefill call p50 ms",
+                              "KV transfer p50 ms", "TTFT - prefill p50 ms"], table))
     for name, r in rows.items():
         if r.get("hit_ratio_ceiling"):
             ceiling = {k: round(v, 3) for k, v in r["hit_ratio_ceiling"].items()}
-            print(f"{name}: deployment hit ratio {fmt(r['deployment_hit_ratio'], 3)}, ceiling {ceiling} "
+            print(f"{name}: deployment hit ratio {fmt(r['deployment_hit_ratio'], 3)} at receipt, "
+                  f"{fmt(r['deployment_engine_hit_ratio'], 3)} by the engines; ceiling {ceiling} "
                   f"(first turns on {r['first_turn_workers']} workers), KV blocks {r['kv_blocks']}, "
                   f"KV use at the end {r['kv_usage_at_end']}")
+        for i, steps in enumerate(r.get("steps") or []):
+            print(f"{name} worker {i}: steps during the first turns' burst {steps['burst']}; whole run {steps['run']}")
+
+
+def _steps(step_dirs: list[Path], burst_end: float | None) -> list[dict[str, Any]] | None:
+    """Per worker (p, p, d, d): its engine steps during the burst of first turns and over the whole run."""
+    if not step_dirs:
+        return None
+    out = []
+    for folder in step_dirs:
+        rows = [r for f in sorted(folder.glob("steps-*.tsv")) for r in read_steps(f.read_text())]
+        out.append({"burst": step_summary(rows, burst_end), "run": step_summary(rows)})
+    return out
 
 
 def _kv_blocks(log_text: str) -> int | None:
@@ -352,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=",".join(v[0] for v in VARIANTS), help="which variants to run")
     p.add_argument("--worker-flags", default="",
                    help="more flags for every worker, e.g. '--no-chunked-prefill --max-num-batched-tokens 512'")
+    p.add_argument("--step-log", type=Path, default=None,
+                   help="a folder for every worker's engine step log (ENGINE_STEP_LOG), summed in the result")
     p.add_argument("--prompts", choices=["ids", "chat"], default="ids",
                    help="ids: /generate with input_ids; chat: /v1/chat/completions messages (the router tokenizes)")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -377,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         name = variant[0]
         log(f"{name}: {args.conversations} conversations x {args.turns} turns on 2 prefill + 2 decode ({model.name})")
         rows[name] = _run_policy(variant, Path(model), args.log_dir, system, users, args.reply_tokens, worker_extra,
-                                 shape)
+                                 shape, args.step_log)
         log(f"{name}: {rows[name]}")
     load_after = os.getloadavg()
     empty: dict[str, Any] = {}
@@ -396,8 +435,9 @@ def main(argv: list[str] | None = None) -> int:
         "tok_s_kv_over_rr": ratio(kv.get("output_tok_s"), rr.get("output_tok_s")),
     }
     print_header("KV-aware routing vs round-robin: multi-turn chat, 2 prefill + 2 decode")
-    headers = ["variant", "prefill hit ratio", "decode hit ratio", "hit ratio of prefills per worker (p/p/d/d)",
-               "deployment hit ratio", "decode tokens per worker", "local/remote prefills",
+    headers = ["variant", "prefill hit ratio", "decode hit ratio",
+               "hit ratio of prefills per worker (p/p/d/d), at receipt / engine",
+               "deployment hit ratio, at receipt / engine", "decode tokens per worker", "local/remote prefills",
                "same prefill as prev. turn", "TTFT p50 ms", "TTFT p90 ms",
                "later turns p50/p90 ms", "output tok/s", "errors"]
     table = []
@@ -406,8 +446,10 @@ def main(argv: list[str] | None = None) -> int:
         decode_hits = "/".join(fmt(h, 2) for h in r["decode_hit_ratio"])
         where = r["prefill_where"]
         spread = "/".join(fmt(t, 0) for t in r.get("decode_generated_tokens", []))
-        per_worker = "/".join(fmt(h, 2) if h is not None else "-" for h in r["prefilled_hit_ratio"])
-        table.append([name, hits, decode_hits, per_worker, fmt(r["deployment_hit_ratio"], 2), spread,
+        per_worker = " ".join(f"{fmt(h, 2) if h is not None else '-'}/{fmt(e, 2) if e is not None else '-'}"
+                              for h, e in zip(r["prefilled_hit_ratio"], r["prefilled_engine_hit_ratio"], strict=True))
+        table.append([name, hits, decode_hits, per_worker,
+                      f"{fmt(r['deployment_hit_ratio'], 3)} / {fmt(r['deployment_engine_hit_ratio'], 3)}", spread,
                       f"{fmt(where['local'], 0)}/{fmt(where['remote'], 0)}",
                       fmt(r["same_prefill_as_previous_turn"], 2),
                       fmt((r["ttft_p50_s"] or 0) * 1000, 0), fmt((r["ttft_p90_s"] or 0) * 1000, 0),

@@ -64,10 +64,10 @@ def hit_ratio_ceiling(shape: Shape, first_turn_workers: int) -> dict[str, float]
 
 
 def turn_report(turns: list[Any], shape: Shape) -> dict[int, dict[str, Any]]:
-    """Per turn index: TTFT p50/p90, the share of turns whose prefill worker served the conversation's
-    previous turn (the one holding its history), and the TTFT's parts (medians: prefill call, KV
-    transfer, the rest: admission, decode reservation, first step); `turns` are bench/kv_routing.Turn
-    records of one variant."""
+    """Per turn index: TTFT p50/p90 (all, and split by local / remote prefill), the share of turns whose
+    prefill worker served the conversation's previous turn (the one holding its history), and the TTFT's
+    parts (medians: prefill call, KV transfer, the rest: admission, decode reservation, first step);
+    `turns` are bench/kv_routing.Turn records of one variant."""
     served = {(t.conversation, t.turn): t for t in turns if not t.error and t.ttft_s is not None}
     by_turn: dict[int, dict[str, Any]] = {}
     for k in range(shape.turns):
@@ -83,6 +83,11 @@ def turn_report(turns: list[Any], shape: Shape) -> dict[int, dict[str, Any]]:
         rest = [t.ttft_s - float(t.timings.get("prefill_s") or 0.0) for t in rows]
         entry["ttft_minus_prefill_p50_s"] = percentile(rest, 50)
         entry["local"] = sum(1 for t in rows if not t.prefill)
+        # Where the turn's TTFT tail sits: the turns prefilled on their decode worker against the remote ones.
+        for where, part in (("local", [t.ttft_s for t in rows if not t.prefill]),
+                            ("remote", [t.ttft_s for t in rows if t.prefill])):
+            entry[f"ttft_p50_{where}_s"] = percentile(part, 50)
+            entry[f"ttft_p90_{where}_s"] = percentile(part, 90)
         if k > 0:
             remote = [t for t in rows if t.prefill]
             prev = [served.get((t.conversation, k - 1)) for t in remote]
@@ -92,3 +97,26 @@ def turn_report(turns: list[Any], shape: Shape) -> dict[int, dict[str, Any]]:
                                        and p.decode == t.decode) / len(rows)
         by_turn[k] = entry
     return by_turn
+
+
+def step_summary(rows: list[tuple[float, float, int, int, int]], until: float | None = None) -> dict[str, Any]:
+    """One worker's engine steps (`ENGINE_STEP_LOG` lines: start s, duration ms, prompt tokens, prompt
+    sequences, decode rows), all of them or those that began before `until` (wall clock: the burst of
+    first turns): how many steps took prompts, the prompt tokens they computed, and the busy seconds."""
+    chosen = [r for r in rows if until is None or r[0] < until]
+    prompt_steps = [r for r in chosen if r[2] > 0]
+    return {"steps": len(chosen), "prompt_steps": len(prompt_steps),
+            "prompt_tokens": sum(r[2] for r in chosen), "prompts": sum(r[3] for r in chosen),
+            "busy_s": round(sum(r[1] for r in chosen) / 1000, 3),
+            "prompt_busy_s": round(sum(r[1] for r in prompt_steps) / 1000, 3),
+            "max_step_ms": max((r[1] for r in chosen), default=0.0)}
+
+
+def read_steps(text: str) -> list[tuple[float, float, int, int, int]]:
+    """The step log's lines (step_log.py) as (start s, duration ms, prompt tokens, prompts, decode rows)."""
+    rows = []
+    for line in text.splitlines():
+        parts = line.split("\t")
+        if len(parts) >= 5:
+            rows.append((float(parts[0]), float(parts[1]), int(parts[2]), int(parts[3]), int(parts[4])))
+    return rows

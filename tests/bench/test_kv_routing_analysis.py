@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from bench.kv_routing import Turn
-from bench.kv_routing_analysis import Shape, hit_ratio_ceiling, turn_report
+from bench.kv_routing_analysis import Shape, hit_ratio_ceiling, read_steps, step_summary, turn_report
 
 
 def test_the_ceiling_of_the_issue_19_workload_is_below_0_8_with_remote_prefill() -> None:
@@ -45,3 +45,20 @@ def test_turn_report_counts_turns_kept_on_the_previous_prefill_worker() -> None:
     turns[3] = Turn(1, 1, 64, ttft_s=0.1, prefill="", decode="d2")
     report = turn_report(turns, shape)
     assert report[1]["local"] == 1 and report[1]["same_prefill"] == 1.0
+
+
+def test_turn_report_splits_the_ttft_by_local_and_remote_prefill() -> None:
+    shape = Shape(conversations=3, turns=1, system=16, user=16, reply=16)
+    turns = [Turn(0, 0, 32, ttft_s=0.5, prefill="", decode="d1"), Turn(1, 0, 32, ttft_s=2.0, prefill="p1", decode="d1"),
+             Turn(2, 0, 32, ttft_s=3.0, prefill="p2", decode="d2")]
+    report = turn_report(turns, shape)[0]
+    assert report["local"] == 1 and report["ttft_p50_local_s"] == pytest.approx(0.5)
+    assert report["ttft_p50_remote_s"] == pytest.approx(2.5)
+
+
+def test_step_summary_sums_the_prompt_steps_before_the_burst_ends() -> None:
+    log = "100.0\t40.00\t320\t1\t0\tburst\t3\n100.1\t90.00\t192\t3\t1\t-\t0\n100.3\t10.00\t0\t0\t4\t-\t0\n"
+    rows = read_steps(log)
+    assert step_summary(rows, until=100.2) == {"steps": 2, "prompt_steps": 2, "prompt_tokens": 512, "prompts": 4,
+                                               "busy_s": 0.13, "prompt_busy_s": 0.13, "max_step_ms": 90.0}
+    assert step_summary(rows)["steps"] == 3 and step_summary(rows)["busy_s"] == pytest.approx(0.14)
