@@ -1,7 +1,9 @@
 """Sizing the KV pool and the batch from memory (instead of a fixed 1 GiB pool and 32 sequences).
 
 - CPU: the pool gets `kv_cache_bytes` when given (`--kv-cache-memory`), else `CPU_KV_FRACTION` of the
-  memory available after the weights loaded (psutil), at most `CPU_KV_CAP_BYTES`.
+  memory available after the weights loaded (psutil) and not claimed by other workers of the host whose
+  pools are not allocated yet (host_memory.py: workers started together share the host), at most
+  `CPU_KV_CAP_BYTES`.
 - GPU (vLLM's `--gpu-memory-utilization` semantics): weights, activations and KV together may use
   `utilization` of the device's total memory. A profiling forward at the largest batch the engine
   will run measures the activation peak; the KV pool gets what remains.
@@ -17,9 +19,9 @@ from dataclasses import dataclass
 
 import psutil
 
-# Share of the available host memory the KV pool takes when `--kv-cache-memory` is not given. The rest
-# stays for activations, the tokenizer, Python and whatever else runs on the host (the other role's
-# worker often shares it).
+# Share of the available (and unclaimed, host_memory.py) host memory the KV pool takes when
+# `--kv-cache-memory` is not given. The rest stays for activations, the tokenizer, Python and whatever
+# else runs on the host, the next worker's pool included: N workers together take at most 1 - 0.6^N.
 CPU_KV_FRACTION = 0.4
 # A CPU engine cannot use more: at the CPU's decode speed, tens of GiB of context would never be
 # attended to within any reasonable latency.
@@ -32,6 +34,11 @@ AUTO_BATCH_TOKENS_PER_SEQ = 1024
 # Largest automatic batch: on a CPU throughput is flat past 32 while each step (the ITL of every stream)
 # grows with the batch (docs/benchmarks.md, issue 12); on a GPU vLLM's default.
 AUTO_BATCH_CAP = {"cpu": 32, "cuda": 256}
+
+# How the message of KVPoolTooSmall begins: the agent (inference/agent/lifecycle.py) finds it in a worker's
+# log to fail the launch at once instead of restarting a worker that cannot fit.
+POOL_TOO_SMALL_PREFIX = "KV pool too small: "
+
 
 class KVPoolTooSmall(ValueError):
     """The KV pool cannot hold one sequence of the longest allowed length."""
@@ -47,13 +54,14 @@ def format_bytes(n: int) -> str:
     return f"{value:.1f} TiB"
 
 
-def cpu_kv_bytes(requested: int | None) -> int:
-    """The CPU pool's byte budget: `requested`, else a share of the memory available now (call it after
-    the weights are loaded, so that they are already not available)."""
+def cpu_kv_bytes(requested: int | None, unclaimed: int | None = None) -> int:
+    """The CPU pool's byte budget: `requested`, else a share of `unclaimed` (HostClaims.unclaimed(): the
+    memory available and not claimed by other workers' pools), by default of the memory available now
+    (call it after the weights are loaded, so that they are already not available)."""
     if requested is not None:
         return requested
-    available = int(psutil.virtual_memory().available)
-    return min(int(available * CPU_KV_FRACTION), CPU_KV_CAP_BYTES)
+    free = int(psutil.virtual_memory().available) if unclaimed is None else unclaimed
+    return min(int(free * CPU_KV_FRACTION), CPU_KV_CAP_BYTES)
 
 
 def gpu_kv_bytes(total: int, utilization: float, peak_allocated: int, non_torch: int) -> int:
@@ -93,7 +101,7 @@ def plan_pool(
     blocks = max(0, budget_bytes) // block_bytes
     if blocks < per_seq:
         raise KVPoolTooSmall(
-            f"{source} leaves {format_bytes(max(0, budget_bytes))} for the KV cache: {blocks} "
+            f"{POOL_TOO_SMALL_PREFIX}{source} leaves {format_bytes(max(0, budget_bytes))} for the KV cache: {blocks} "
             f"block{'' if blocks == 1 else 's'} of {block_size} tokens ({format_bytes(block_bytes)} each), but "
             f"one sequence of the maximum length {max_model_len} needs {per_seq} blocks "
             f"({format_bytes(per_seq * block_bytes)}); raise {flag or source.split()[0]} or lower the maximum "

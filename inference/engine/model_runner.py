@@ -8,6 +8,7 @@ samples.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -34,13 +35,12 @@ from .cpu_linear import (
 )
 from .dtypes import dtype_name, resolve_dtype
 from .grammar import prefetch_masks
+from .host_memory import ClaimHandle, claim_cpu_pool
 from .kv_cache import KVCache
 from .logprobs import TokenLogprobs, attach_prompt, attach_sampled, prefill_rows, token_logprobs
 from .memory import (
     AUTO_BATCH_CAP,
-    CPU_KV_FRACTION,
     DEFAULT_GPU_MEMORY_UTILIZATION,
-    cpu_kv_bytes,
     format_bytes,
     gpu_kv_bytes,
     plan_pool,
@@ -77,9 +77,10 @@ class ModelRunner:
         row_invariant: bool = False,
     ) -> None:
         """`num_blocks` given: exactly that pool (`max_num_seqs` defaults to the CPU cap then). Otherwise
-        the pool is sized from memory: `kv_cache_bytes` when given, else a share of the available host
-        memory on a CPU and `gpu_memory_utilization` of the GPU minus the profiled peak on a GPU; `max_num_seqs` None is
-        derived from the pool. Raises `KVPoolTooSmall` when that pool cannot hold one `max_model_len`
+        the pool is sized from memory: `kv_cache_bytes` when given, else on a CPU a share of the host
+        memory available and not claimed by other workers (host_memory.py), on a GPU
+        `gpu_memory_utilization` of its memory minus the profiled peak; `max_num_seqs` None is derived
+        from the pool. Raises `KVPoolTooSmall` when that pool cannot hold one `max_model_len`
         sequence, `CompileUnavailable` for `use_compile` without a usable compiler. `row_invariant`: the
         linears compute each row as they would alone (cpu_linear.row_invariant_plan), within
         `max_step_rows` rows a step (None: any), as speculative decoding needs."""
@@ -97,10 +98,18 @@ class ModelRunner:
         num_blocks = self._size_pool(
             num_blocks, max_num_seqs, max_model_len, max_num_batched_tokens, kv_cache_bytes, gpu_memory_utilization
         )
-        self.kv_cache = KVCache(
-            num_blocks, config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim,
-            self.dtype, device,
-        )
+        try:
+            self.kv_cache = KVCache(
+                num_blocks, config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim,
+                self.dtype, device,
+            )
+        except BaseException:
+            if self.kv_claim is not None:
+                self.kv_claim.release()
+            raise
+        if self.kv_claim is not None:  # the claim goes with the pool (a dead process's claim never counts)
+            self.kv_claim.mark_resident()  # zero-filled: already out of the available memory others see
+            weakref.finalize(self.kv_cache, self.kv_claim.release)
         self.compiled = use_compile
         self._init_step_caches()
         if use_compile:
@@ -153,31 +162,42 @@ class ModelRunner:
         kv_cache_bytes: int | None,
         gpu_memory_utilization: float,
     ) -> int:
-        """The KV pool's block count; sets `max_num_seqs` and `kv_budget_bytes` (see `__init__`)."""
+        """The KV pool's block count; sets `max_num_seqs`, `kv_budget_bytes` and `kv_claim` (see `__init__`).
+        A CPU pool is sized and recorded in the host's claims registry under its lock (host_memory.py), so
+        that workers started together share the host's memory instead of each sizing from what it saw."""
         config, device = self.config, self.device
         block_bytes = KVCache.bytes_per_block(
             config.num_hidden_layers, self.block_size, config.num_key_value_heads, config.head_dim, self.dtype
         )
+        self.kv_claim: ClaimHandle | None = None
         if num_blocks is not None:
             self.max_num_seqs = max_num_seqs or AUTO_BATCH_CAP["cpu"]
             self.kv_budget_bytes = num_blocks * block_bytes
+
+        def plan(budget: int, source: str) -> int:
+            return self._plan(budget, source, block_bytes, max_model_len, max_num_seqs)
+
+        if device.type != "cuda":  # the pool lives in host memory
+            blocks, self.kv_claim = claim_cpu_pool(plan, block_bytes, kv_cache_bytes=kv_cache_bytes,
+                                                   num_blocks=num_blocks)
+            return blocks
+        if num_blocks is not None:
             return num_blocks
-        if device.type == "cuda" and kv_cache_bytes is None:
+        if kv_cache_bytes is None:
             budget = self._profile_gpu_budget(gpu_memory_utilization, max_num_seqs, max_num_batched_tokens)
-            source = f"--gpu-memory-utilization {gpu_memory_utilization}"
-        else:  # a CPU, or an explicit size on a GPU (it replaces the utilization rule, as in vLLM)
-            budget = cpu_kv_bytes(kv_cache_bytes)
-            source = (
-                f"--kv-cache-memory {format_bytes(kv_cache_bytes)}" if kv_cache_bytes is not None else
-                f"--kv-cache-memory (default: {CPU_KV_FRACTION:.0%} of the available memory)"
-            )
+            return plan(budget, f"--gpu-memory-utilization {gpu_memory_utilization}")
+        # An explicit size on a GPU replaces the utilization rule, as in vLLM.
+        return plan(kv_cache_bytes, f"--kv-cache-memory {format_bytes(kv_cache_bytes)}")
+
+    def _plan(self, budget: int, source: str, block_bytes: int, max_model_len: int, max_num_seqs: int | None) -> int:
+        """plan_pool for `budget` (KVPoolTooSmall naming `source`); sets `max_num_seqs` and `kv_budget_bytes`."""
         plan = plan_pool(
             budget_bytes=budget,
             block_bytes=block_bytes,
             block_size=self.block_size,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
-            device_kind=device.type,
+            device_kind=self.device.type,
             source=source,
         )
         self.max_num_seqs, self.kv_budget_bytes = plan.max_num_seqs, budget
