@@ -32,6 +32,21 @@ from nodes.resources import forget_process
 
 logger = logging.getLogger(__name__)
 
+# How a worker reports, on its log, that its KV pool does not fit the node (launch_server prints "error: "
+# and the StartupError; inference.engine.memory.POOL_TOO_SMALL_PREFIX begins the message; a test keeps
+# them equal: the agent does not import the engine, which would load torch).
+POOL_TOO_SMALL_LINE = "error: KV pool too small: "
+LAUNCH_HEADER = "\n=== "  # what _launch writes to the log before each launch
+
+
+def memory_refusal(log_text: str) -> str | None:
+    """The KV-pool refusal line of the last launch in a worker's log, None when it did not refuse so."""
+    last_launch = log_text.rsplit(LAUNCH_HEADER, 1)[-1]
+    for line in last_launch.splitlines():
+        if line.startswith(POOL_TOO_SMALL_LINE):
+            return line.removeprefix("error: ").strip()
+    return None
+
 
 class Lifecycle(SupervisorState):
     """The supervisor's steps of one worker: launch, health watch, crash/backoff, drain and stop."""
@@ -60,7 +75,11 @@ class Lifecycle(SupervisorState):
             return
         code = self._exit_code(m)
         if code is not None:
-            self._crashed(m, now, f"worker process exited with code {code}")
+            refusal = memory_refusal(log_tail(m.log_path)) if m.phase == Phase.STARTING else None
+            if refusal is not None:
+                self._refused(m, code, refusal)
+            else:
+                self._crashed(m, now, f"worker process exited with code {code}")
             return
         health = probe_json(m.spec.base_url + "/health", self.config.health_timeout_s)
         if health is not None and health.get("status") == "healthy":
@@ -213,6 +232,20 @@ class Lifecycle(SupervisorState):
             wid, error=f"{detail}\nrestart in {delay:.1f}s (crash {len(m.crashes)}, at most "
                        f"{self.config.max_restarts} restarts within {window:.0f}s)"
         )
+
+    def _refused(self, m: Managed, code: int | str, refusal: str) -> None:
+        """The worker's KV pool does not fit this node's memory (the workers already here claimed it, or the
+        node is too small): a restart here would fail the same way, so FAILED at once and the controller
+        places the replica elsewhere (avoiding this node for a while) instead of a crash loop."""
+        wid = m.spec.worker_id
+        if m.pid is not None:
+            forget_process(m.pid)
+        m.popen, m.pid, m.adopted = None, None, None
+        error = (f"does not fit this node's memory, not restarted (exit code {code}): {refusal}\n"
+                 f"--- last lines of {m.log_path} ---\n{log_tail(m.log_path)}")
+        logger.error("worker #%s: %s", wid, error.splitlines()[0])
+        worker_actions.report_failed(wid, error=error)
+        del self._procs[wid]
 
     def _begin_stop(self, m: Managed, now: float, *, report: bool) -> None:
         if m.pid is not None:
