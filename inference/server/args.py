@@ -249,14 +249,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest prompt+output a sequence may reach; output is cut there (finish_reason=length)",
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (same on both roles)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks in the pool")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV blocks in the pool (exactly; recorded in the host's KV claims like any pool)")
     p.add_argument(
         "--kv-cache-memory",
         type=_size,
         default=None,
         help="KV pool size, e.g. 2GiB, 512MiB or bytes (default on a CPU: 40%% of the memory available after "
-        "the weights load, at most 16GiB, and no more than --batch-size sequences of the maximum length use; "
-        "on a GPU it replaces --gpu-memory-utilization's sizing)",
+        "the weights load and not claimed by the pools other workers of this host are still allocating, so "
+        "workers started together share the host; at most 16GiB, and no more than --batch-size sequences of "
+        "the maximum length use; on a GPU it replaces --gpu-memory-utilization's sizing)",
     )
     p.add_argument("--kv-cache-memory-mb", type=int, default=None, help="KV pool size in MiB (older spelling)")
     p.add_argument(
