@@ -10,8 +10,9 @@ The rule (memory.py `cpu_kv_bytes` takes `CPU_KV_FRACTION` of what `unclaimed()`
     unclaimed = available memory (psutil) - the claims of other live workers whose pools are not resident yet
 
 A pool is zero-filled when it is allocated (kv_cache.py), so once a worker marked its claim resident the
-pool is already out of `available`; before that (sized, being allocated) it is subtracted here. So the
-k-th of N workers started together gets FRACTION of what the k-1 before it left: with 40 % each, N pools
+pool is already out of `available`; before that (sized, being allocated) it is subtracted here (while
+it is being zero-filled, the part already written counts twice: a later worker errs on the small side).
+So the k-th of N workers started together gets FRACTION of what the k-1 before it left: with 40 % each, N pools
 together take at most 1 - 0.6^N of the memory that was available (87 % for 4), never more than the host
 holds, and a lone worker gets exactly what it got before the registry existed (40 % of available).
 
@@ -124,7 +125,10 @@ class ClaimHandle:
         """The pool is allocated and zero-filled: other workers now see it in available memory."""
         self.record["resident"] = True
         if self.path is not None:
-            _write(self.path, self.record)
+            try:
+                _write(self.path, self.record)
+            except OSError as exc:  # the claim stays pending: others count it twice, which is safe
+                logger.warning("cannot mark the KV claim %s resident: %s", self.path, exc)
 
     def release(self) -> None:
         """Remove the claim (idempotent; called when the pool is freed or the process exits)."""
@@ -141,13 +145,14 @@ class HostClaims:
         self.directory = directory or claims_dir()
         self.usable = True
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            # Shared by every user's workers, like /tmp: each may add files, only the owner removes them.
-            with contextlib.suppress(OSError):
-                os.chmod(self.directory, 0o1777)
+            if not self.directory.is_dir():
+                self.directory.mkdir(parents=True, exist_ok=True)
+                # Shared by every user's workers, like /tmp: each may add files, only the owner removes them.
+                with contextlib.suppress(OSError):
+                    os.chmod(self.directory, 0o1777)
             self._lock_path = self.directory / LOCK_NAME
             # Read-only is enough for flock, so a lock file another user created serves this one too.
-            os.close(os.open(self._lock_path, os.O_RDONLY | os.O_CREAT, 0o666))
+            os.close(os.open(self._lock_path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o666))
         except OSError as exc:
             logger.warning("KV claims registry %s unusable (%s): sizing the KV pool from available memory alone",
                            self.directory, exc)
@@ -159,7 +164,7 @@ class HostClaims:
         if not self.usable:
             yield
             return
-        fd = os.open(self._lock_path, os.O_RDONLY)
+        fd = os.open(self._lock_path, os.O_RDONLY | os.O_NOFOLLOW)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -237,7 +242,10 @@ def claim_cpu_pool(
 def _write(path: Path, record: dict[str, object]) -> None:
     """Write atomically: a reader sees the old file or the new one, never half of one."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record))
+    # Not through a link someone else planted in the shared directory.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(json.dumps(record))
     os.replace(tmp, path)
 
 

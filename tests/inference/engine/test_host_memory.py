@@ -3,6 +3,7 @@ and a claim's life with its engine's pool."""
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from inference.engine import LLMEngine
+from inference.engine import LLMEngine, host_memory
 from inference.engine.host_memory import (
     CLAIMS_DIR_ENV,
     HOST_MEMORY_ENV,
@@ -188,3 +189,17 @@ def test_engine_claim_lives_with_its_pool(
     del first, second
     gc.collect()
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_a_planted_link_is_not_followed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The directory is shared: a link planted where a claim is written is refused (the claim goes
+    unrecorded, with a warning), and the file it points to is left alone."""
+    monkeypatch.setattr(host_memory, "_serial", itertools.count(1000))
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    claims_path = tmp_path / "claims"
+    claims = HostClaims(claims_path)
+    (claims_path / f".{os.getpid()}-1000.json.tmp").symlink_to(victim)
+    with claims.locked():
+        handle = claims.add(10, "default")
+    assert handle.path is None and victim.read_text() == "keep"
