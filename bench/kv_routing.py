@@ -54,14 +54,19 @@ from bench.kv_routing_analysis import Shape, hit_ratio_ceiling, read_steps, step
 
 MODULE = "bench.kv_routing"
 CHAT_MODE = False  # --prompts chat
-# (name, router policy, router environment): the third offers local prefill to the decode workers.
-VARIANTS: tuple[tuple[str, str, dict[str, str]], ...] = (
-    ("round-robin", "round-robin", {}),
-    ("kv-aware", "kv-aware", {}),
+# (name, router policy, router environment, workers' environment): "+local" offers local prefill to the
+# decode workers.
+VARIANTS: tuple[tuple[str, str, dict[str, str], dict[str, str]], ...] = (
+    ("round-robin", "round-robin", {}, {}),
+    ("kv-aware", "kv-aware", {}, {}),
     # The decode choice weighing a remotely prefilled prompt's cached tokens fully (as before
     # ROUTER_KV_REMOTE_DECODE_SHARE).
-    ("kv-aware-sticky", "kv-aware", {"ROUTER_KV_REMOTE_DECODE_SHARE": "1"}),
-    ("kv-aware+local", "kv-aware", {"ROUTER_LOCAL_PREFILL_TOKENS": "128"}),
+    ("kv-aware-sticky", "kv-aware", {"ROUTER_KV_REMOTE_DECODE_SHARE": "1"}, {}),
+    ("kv-aware+local", "kv-aware", {"ROUTER_LOCAL_PREFILL_TOKENS": "128"}, {}),
+    # The decode workers counting a prompt's tokens to compute at receipt only (before pending_prefix.py):
+    # a burst's cold first turns all look whole.
+    ("kv-aware+local-receipt", "kv-aware", {"ROUTER_LOCAL_PREFILL_TOKENS": "128"},
+     {"WORKER_PENDING_PREFIX_CREDIT": "0"}),
 )
 
 
@@ -215,11 +220,11 @@ def _metric(url: str, name: str) -> float | None:
     return None
 
 
-def _run_policy(variant: tuple[str, str, dict[str, str]], model: Path, log_dir: Path, system: list[int],
+def _run_policy(variant: tuple[str, str, dict[str, str], dict[str, str]], model: Path, log_dir: Path, system: list[int],
                 users: list[list[list[int]]], max_tokens: int, worker_extra: list[str], shape: Shape,
                 step_dir: Path | None = None) -> dict[str, Any]:
     """A fresh 2 + 2 deployment with the variant's policy and settings; the chat through it; its figures."""
-    name, policy, router_env = variant
+    name, policy, router_env, worker_env = variant
     import httpx
 
     from tests.support.processes import Proc, start_router, start_worker
@@ -231,7 +236,7 @@ def _run_policy(variant: tuple[str, str, dict[str, str]], model: Path, log_dir: 
     try:
         with ThreadPoolExecutor(len(roles)) as pool:
             futures = [pool.submit(start_worker, role, model, log_dir, extra=worker_extra, name=f"kvb-{name}-{i}",
-                                   env={"ENGINE_STEP_LOG": str(step_dirs[i])} if step_dirs else None)
+                                   env={**worker_env, **({"ENGINE_STEP_LOG": str(step_dirs[i])} if step_dirs else {})})
                        for i, role in enumerate(roles)]
         started = [f.result() for f in futures if f.exception() is None]
         procs += [p for p, _ in started]
@@ -295,6 +300,7 @@ def _run_policy(variant: tuple[str, str, dict[str, str]], model: Path, log_dir: 
     return {
         "policy": policy,
         "router_env": router_env,
+        "worker_env": worker_env,
         "prefill_where": where,
         "requests": len(turns),
         "errors": [t.error for t in turns if t.error][:5],
@@ -434,6 +440,12 @@ def main(argv: list[str] | None = None) -> int:
         "later_ttft_p90_rr_over_kv": ratio(rr.get("later_turns_ttft_p90_s"), kv.get("later_turns_ttft_p90_s")),
         "tok_s_kv_over_rr": ratio(kv.get("output_tok_s"), rr.get("output_tok_s")),
     }
+    receipt = rows.get("kv-aware+local-receipt", empty)
+    comparison.update({  # local prefill deciding at receipt only (the A/B of pending_prefix.py)
+        "ttft_p50_rr_over_local_receipt": ratio(rr.get("ttft_p50_s"), receipt.get("ttft_p50_s")),
+        "ttft_p90_rr_over_local_receipt": ratio(rr.get("ttft_p90_s"), receipt.get("ttft_p90_s")),
+        "tok_s_local_receipt_over_rr": ratio(receipt.get("output_tok_s"), rr.get("output_tok_s")),
+    })
     print_header("KV-aware routing vs round-robin: multi-turn chat, 2 prefill + 2 decode")
     headers = ["variant", "prefill hit ratio", "decode hit ratio",
                "hit ratio of prefills per worker (p/p/d/d), at receipt / engine",
