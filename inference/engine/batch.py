@@ -138,11 +138,16 @@ def slot_rows(table: torch.Tensor, block_size: int, block_stride: int) -> torch.
 class DecodeSlotCache:
     """The slot rows of the last decode batch, reused while the batch stays the same.
 
-    Between two decode steps of an unchanged batch only a sequence that crossed into a new block
-    changes (every `block_size` steps), so its row is patched instead of the whole table being rebuilt
-    from Python lists; each step then reads its write rows and key rows out of it with one indexing op
-    each. The cache holds the sequences themselves: their `id()`s, the key, cannot be reused by new
-    objects while it does.
+    Between two decode steps of an unchanged batch only a few sequences' blocks change: one that
+    crossed into a new block (every `block_size` steps), one whose speculative lookahead blocks were
+    freed and others reserved, one preempted and prefilled again between two decode steps. So each
+    sequence's block list is compared with the one its row was built from, and a row that differs is
+    patched instead of the whole table being rebuilt from Python lists; each step then reads its write
+    rows and key rows out of it with one indexing op each. The comparison is of the whole list, not its
+    length: a sequence can end up with as many blocks as before but another block among them (its
+    lookahead block went to another sequence and it got a new one), and a row built from the old list
+    would write into and attend over the other sequence's block. The cache holds the sequences
+    themselves: their `id()`s, the key, cannot be reused by new objects while it does.
     """
 
     def __init__(self, block_size: int, block_stride: int) -> None:
@@ -151,7 +156,7 @@ class DecodeSlotCache:
         self.block_stride = block_stride
         self._seqs: list[Sequence] = []
         self._key: tuple[int, ...] = ()
-        self._lens: list[int] = []
+        self._blocks: list[list[int]] = []  # each row's block ids when it was built
         self._slots: torch.Tensor | None = None
         # Whether the last `get` was for the same sequences, in the same order, as the call before it:
         # the caller may then reuse what it derived from the batch's fixed attributes (its params).
@@ -160,24 +165,29 @@ class DecodeSlotCache:
     def get(self, seqs: list[Sequence]) -> torch.Tensor:
         """`slot_rows` of `seqs` (in this order), patched from the previous call's when possible."""
         key = tuple(map(id, seqs))
-        lens = [len(s.block_ids) for s in seqs]
         slots = self._slots
         self.same_batch = slots is not None and key == self._key
-        if slots is None or key != self._key or max(lens) * self.block_size > slots.shape[1]:
+        if slots is None or not self.same_batch \
+                or max(len(s.block_ids) for s in seqs) * self.block_size > slots.shape[1]:
             slots = slot_rows(block_table(seqs), self.block_size, self.block_stride)
-        elif lens != self._lens:
+            self._blocks = [s.block_ids.copy() for s in seqs]
+        else:
             width = slots.shape[1] // self.block_size
-            offsets = torch.arange(self.block_size)
-            for i, (new, old) in enumerate(zip(lens, self._lens, strict=True)):
-                if new != old:
-                    row = torch.tensor(seqs[i].block_ids + [0] * (width - new), dtype=torch.int64)
+            offsets: torch.Tensor | None = None
+            for i, s in enumerate(seqs):
+                ids = s.block_ids
+                if ids != self._blocks[i]:
+                    if offsets is None:
+                        offsets = torch.arange(self.block_size)
+                    row = torch.tensor(ids + [0] * (width - len(ids)), dtype=torch.int64)
                     slots[i] = (row[:, None] * self.block_stride + offsets).flatten()
-        self._seqs, self._key, self._lens, self._slots = list(seqs), key, lens, slots
+                    self._blocks[i] = ids.copy()
+        self._seqs, self._key, self._slots = list(seqs), key, slots
         return slots
 
     def clear(self) -> None:
         """Forget the cached batch (and release its sequences)."""
-        self._seqs, self._key, self._lens, self._slots = [], (), [], None
+        self._seqs, self._key, self._blocks, self._slots = [], (), [], None
         self.same_batch = False
 
 

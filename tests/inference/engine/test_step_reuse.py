@@ -59,6 +59,27 @@ def test_slot_cache_patches_rows_and_rebuilds_when_needed() -> None:
     assert torch.equal(cache.get([b]), _fresh([b]))
 
 
+def test_slot_cache_patches_a_row_whose_blocks_changed_but_not_their_number() -> None:
+    """Speculative decoding frees a sequence's lookahead block after a verify step and reserves one
+    again before the next: when another sequence took the freed block in between, the sequence holds
+    as many blocks as before but another one among them. Its row must follow, or it writes and reads
+    the other sequence's block (greedy tokens drifted at 8 in flight on a Zen 5 EPYC, sixteenth
+    session, when rows were patched only when their number of blocks changed)."""
+    cache = DecodeSlotCache(BLOCK, STRIDE)
+    a, b = _seq("a", [4, 5, 6]), _seq("b", [7, 8])
+    first = cache.get([a, b])
+    del a.block_ids[2:]  # a's lookahead block 6 freed (trim) ...
+    b.block_ids.append(6)  # ... taken by b ...
+    a.block_ids.append(9)  # ... and a reserves another: still three blocks
+    patched = cache.get([a, b])
+    assert patched.data_ptr() == first.data_ptr()
+    assert torch.equal(patched, _fresh([a, b]))
+    assert patched[0, 2 * BLOCK].item() == 9 * STRIDE
+    a.block_ids[0] = 3  # any block of the list, not only the last (a preempted and prefilled again)
+    assert torch.equal(cache.get([a, b]), _fresh([a, b]))
+    assert torch.equal(cache.get([a, b]), _fresh([a, b]))  # unchanged: nothing to patch, still right
+
+
 def test_decode_metadata_equals_the_general_builder() -> None:
     """Mixed context lengths (several buckets, masks): the cached-slot decode metadata is exactly what
     `build_metadata` computes for the same decode step."""
