@@ -38,7 +38,7 @@ from inference.actions.recovery import (
     clip_error,
     record_recovery,
 )
-from inference.models import ACTIVE_WORKER_STATUSES, ScaleEvent, Worker, WorkerStatus
+from inference.models import ACTIVE_WORKER_STATUSES, FailureCause, ScaleEvent, Worker, WorkerStatus
 from nodes.models import NodeStatus
 
 logger = logging.getLogger(__name__)
@@ -210,9 +210,10 @@ def report_stopped(worker_id: int, *, error: str | None = None) -> bool:
     return bool(changed)
 
 
-def report_failed(worker_id: int, *, error: str) -> bool:
-    """The agent gave up on the worker (too many crashes in the window): FAILED, then the controller
-    re-places the replica (avoiding this node for a while, see inference.controller)."""
+def report_failed(worker_id: int, *, error: str, cause: FailureCause = FailureCause.CRASH_LOOP) -> bool:
+    """The agent gave up on the worker (`cause`: too many crashes in the window, or its KV pool does not
+    fit the node's memory): FAILED, then the controller re-places the replica (avoiding this node for a
+    while, see inference.controller); the recovery event names the cause."""
     with transaction.atomic():
         worker = Worker.objects.filter(pk=worker_id).exclude(status=WorkerStatus.STOPPED).first()
         if worker is None:
@@ -224,7 +225,7 @@ def report_failed(worker_id: int, *, error: str) -> bool:
             first_line = error.splitlines()[0] if error else "no error text"
             record_recovery(
                 worker.deployment_id, worker.role, removed=1,
-                reason=f"failover: {worker.role} worker #{worker_id} failed after repeated crashes "
+                reason=f"failover: {worker.role} worker #{worker_id} {cause.value} "
                        f"({first_line}); a replacement is placed, avoiding its node for a while",
             )
         jobs.reconcile_on_commit(worker.deployment_id)

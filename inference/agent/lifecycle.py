@@ -27,7 +27,7 @@ from inference.agent.processes import (
     signal_process,
 )
 from inference.agent.state import Goal, Managed, Phase, SupervisorState
-from inference.models import ACTIVE_WORKER_STATUSES, WorkerRole
+from inference.models import ACTIVE_WORKER_STATUSES, FailureCause, WorkerRole
 from nodes.resources import forget_process
 
 logger = logging.getLogger(__name__)
@@ -241,10 +241,10 @@ class Lifecycle(SupervisorState):
         if m.pid is not None:
             forget_process(m.pid)
         m.popen, m.pid, m.adopted = None, None, None
-        error = (f"does not fit this node's memory, not restarted (exit code {code}): {refusal}\n"
+        error = (f"not restarted (exit code {code}): {refusal}\n"
                  f"--- last lines of {m.log_path} ---\n{log_tail(m.log_path)}")
         logger.error("worker #%s: %s", wid, error.splitlines()[0])
-        worker_actions.report_failed(wid, error=error)
+        worker_actions.report_failed(wid, error=error, cause=FailureCause.NO_MEMORY)
         del self._procs[wid]
 
     def _begin_stop(self, m: Managed, now: float, *, report: bool) -> None:

@@ -33,6 +33,7 @@ from inference.models.scaling import (
 from inference.models.workers import (
     ACTIVE_WORKER_STATUSES,
     ROLES,
+    FailureCause,
     Worker,
     WorkerRole,
     WorkerStatus,
@@ -49,6 +50,7 @@ __all__ = [
     "Deployment",
     "DeploymentStatus",
     "KVTransport",
+    "FailureCause",
     "MetricSample",
     "Model",
     "ModelSource",

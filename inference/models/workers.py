@@ -7,6 +7,8 @@ moved here from `nodes`; its table keeps the old name (`nodes_worker`), see migr
 """
 from __future__ import annotations
 
+import enum
+
 from django.db import models
 
 from nodes.models import Node
@@ -31,7 +33,15 @@ class WorkerStatus(models.TextChoices):
     DRAINING = "draining", "Draining"  # no new traffic; stopped once idle
     STOPPING = "stopping", "Stopping"
     STOPPED = "stopped", "Stopped"
-    FAILED = "failed", "Failed"  # gave up after repeated crashes
+    FAILED = "failed", "Failed"  # given up on: repeated crashes, or it does not fit its node
+
+
+class FailureCause(enum.Enum):
+    """Why an agent gave up on a worker (`report_failed`); the value is what its recovery event says.
+    (Not stored in a field, so a plain enum rather than `TextChoices`.)"""
+
+    CRASH_LOOP = "failed after repeated crashes"
+    NO_MEMORY = "does not fit its node's memory"
 
 
 ROLES: tuple[str, ...] = tuple(WorkerRole.values)

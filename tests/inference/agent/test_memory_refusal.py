@@ -60,9 +60,12 @@ def test_worker_that_does_not_fit_fails_at_once(
     failed = Worker.objects.get(pk=worker.pk)
     assert ok, failed.last_error
     first_line = failed.last_error.splitlines()[0]
-    assert first_line.startswith("does not fit this node's memory, not restarted (exit code 1): KV pool too small: ")
+    assert first_line.startswith("not restarted (exit code 1): KV pool too small: ")
     assert "--kv-cache-memory (default: 40% of the memory available and not claimed" in first_line
     assert failed.restarts == 0 and failed.pid is None and not crashes and not sup.managed()
     event = ScaleEvent.objects.filter(deployment=dep, source="recovery").latest("pk")
-    assert "does not fit this node's memory" in event.reason
+    # The recovery event names the cause (not "repeated crashes": it never crashed twice).
+    want = f"failover: prefill worker #{worker.pk} does not fit its node's memory (not restarted"
+    assert event.reason.startswith(want), event.reason
+    assert "repeated crashes" not in event.reason
     assert time.monotonic() - started < 120
