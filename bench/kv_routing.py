@@ -54,19 +54,25 @@ from bench.kv_routing_analysis import Shape, hit_ratio_ceiling, read_steps, step
 
 MODULE = "bench.kv_routing"
 CHAT_MODE = False  # --prompts chat
-# (name, router policy, router environment, workers' environment): "+local" offers local prefill to the
-# decode workers.
-VARIANTS: tuple[tuple[str, str, dict[str, str], dict[str, str]], ...] = (
-    ("round-robin", "round-robin", {}, {}),
-    ("kv-aware", "kv-aware", {}, {}),
+# (name, router policy, router environment, workers' environment, workers' extra flags): "+local" offers
+# local prefill to the decode workers.
+Variant = tuple[str, str, dict[str, str], dict[str, str], list[str]]
+# A prefill step budget of 256 prompt tokens (`-b256`): a burst of prompts is admitted a few at a time,
+# decode steps between, so their first tokens come in turn instead of all after one long step.
+B256 = ["--max-num-batched-tokens", "256"]
+VARIANTS: tuple[Variant, ...] = (
+    ("round-robin", "round-robin", {}, {}, []),
+    ("round-robin-b256", "round-robin", {}, {}, B256),
+    ("kv-aware", "kv-aware", {}, {}, []),
     # The decode choice weighing a remotely prefilled prompt's cached tokens fully (as before
     # ROUTER_KV_REMOTE_DECODE_SHARE).
-    ("kv-aware-sticky", "kv-aware", {"ROUTER_KV_REMOTE_DECODE_SHARE": "1"}, {}),
-    ("kv-aware+local", "kv-aware", {"ROUTER_LOCAL_PREFILL_TOKENS": "128"}, {}),
+    ("kv-aware-sticky", "kv-aware", {"ROUTER_KV_REMOTE_DECODE_SHARE": "1"}, {}, []),
+    ("kv-aware+local", "kv-aware", {"ROUTER_LOCAL_PREFILL_TOKENS": "128"}, {}, []),
+    ("kv-aware+local-b256", "kv-aware", {"ROUTER_LOCAL_PREFILL_TOKENS": "128"}, {}, B256),
     # The decode workers counting a prompt's tokens to compute at receipt only (before pending_prefix.py):
     # a burst's cold first turns all look whole.
     ("kv-aware+local-receipt", "kv-aware", {"ROUTER_LOCAL_PREFILL_TOKENS": "128"},
-     {"WORKER_PENDING_PREFIX_CREDIT": "0"}),
+     {"WORKER_PENDING_PREFIX_CREDIT": "0"}, []),
 )
 
 
@@ -220,11 +226,12 @@ def _metric(url: str, name: str) -> float | None:
     return None
 
 
-def _run_policy(variant: tuple[str, str, dict[str, str], dict[str, str]], model: Path, log_dir: Path, system: list[int],
+def _run_policy(variant: Variant, model: Path, log_dir: Path, system: list[int],
                 users: list[list[list[int]]], max_tokens: int, worker_extra: list[str], shape: Shape,
                 step_dir: Path | None = None) -> dict[str, Any]:
     """A fresh 2 + 2 deployment with the variant's policy and settings; the chat through it; its figures."""
-    name, policy, router_env, worker_env = variant
+    name, policy, router_env, worker_env, flags = variant
+    worker_extra = [*worker_extra, *flags]  # the variant's after the run's: argparse keeps the last
     import httpx
 
     from tests.support.processes import Proc, start_router, start_worker
@@ -301,6 +308,7 @@ def _run_policy(variant: tuple[str, str, dict[str, str], dict[str, str]], model:
         "policy": policy,
         "router_env": router_env,
         "worker_env": worker_env,
+        "variant_worker_flags": flags,
         "prefill_where": where,
         "requests": len(turns),
         "errors": [t.error for t in turns if t.error][:5],
@@ -441,10 +449,18 @@ def main(argv: list[str] | None = None) -> int:
         "tok_s_kv_over_rr": ratio(kv.get("output_tok_s"), rr.get("output_tok_s")),
     }
     receipt = rows.get("kv-aware+local-receipt", empty)
+    rr_b, local_b = rows.get("round-robin-b256", empty), rows.get("kv-aware+local-b256", empty)
     comparison.update({  # local prefill deciding at receipt only (the A/B of pending_prefix.py)
         "ttft_p50_rr_over_local_receipt": ratio(rr.get("ttft_p50_s"), receipt.get("ttft_p50_s")),
         "ttft_p90_rr_over_local_receipt": ratio(rr.get("ttft_p90_s"), receipt.get("ttft_p90_s")),
         "tok_s_local_receipt_over_rr": ratio(receipt.get("output_tok_s"), rr.get("output_tok_s")),
+        # A 256-token prefill step budget on every worker, against round-robin as it is and with the same budget.
+        "ttft_p50_rr_over_local_b256": ratio(rr.get("ttft_p50_s"), local_b.get("ttft_p50_s")),
+        "ttft_p90_rr_over_local_b256": ratio(rr.get("ttft_p90_s"), local_b.get("ttft_p90_s")),
+        "tok_s_local_b256_over_rr": ratio(local_b.get("output_tok_s"), rr.get("output_tok_s")),
+        "ttft_p50_rr_b256_over_local_b256": ratio(rr_b.get("ttft_p50_s"), local_b.get("ttft_p50_s")),
+        "ttft_p90_rr_b256_over_local_b256": ratio(rr_b.get("ttft_p90_s"), local_b.get("ttft_p90_s")),
+        "tok_s_local_b256_over_rr_b256": ratio(local_b.get("output_tok_s"), rr_b.get("output_tok_s")),
     })
     print_header("KV-aware routing vs round-robin: multi-turn chat, 2 prefill + 2 decode")
     headers = ["variant", "prefill hit ratio", "decode hit ratio",
