@@ -34,6 +34,7 @@ from .cpu_linear import (
     row_invariant_plan,
 )
 from .dtypes import dtype_name, resolve_dtype
+from .gpu_budget import profile_gpu_kv_budget
 from .grammar import prefetch_masks
 from .host_memory import ClaimHandle, claim_cpu_pool
 from .kv_cache import KVCache
@@ -42,12 +43,10 @@ from .memory import (
     AUTO_BATCH_CAP,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     format_bytes,
-    gpu_kv_bytes,
     plan_pool,
 )
 from .model import LlamaForCausalLM
 from .sampler import row_argmax, sample
-from .sampling_params import SamplingParams
 from .sequence import Sequence
 from .speculative import row_histories
 from .weights import load_model
@@ -184,7 +183,8 @@ class ModelRunner:
         if num_blocks is not None:
             return num_blocks
         if kv_cache_bytes is None:
-            budget = self._profile_gpu_budget(gpu_memory_utilization, max_num_seqs, max_num_batched_tokens)
+            budget = profile_gpu_kv_budget(self.model, self.device, self.dtype, self.block_size,
+                                           gpu_memory_utilization, max_num_seqs, max_num_batched_tokens)
             return plan(budget, f"--gpu-memory-utilization {gpu_memory_utilization}")
         # An explicit size on a GPU replaces the utilization rule, as in vLLM.
         return plan(kv_cache_bytes, f"--kv-cache-memory {format_bytes(kv_cache_bytes)}")
@@ -216,39 +216,6 @@ class ModelRunner:
         # input ids (this step's lengths + 1, the tokens it sampled), valid when that step runs the
         # same batch (see `prepare`).
         self._next_decode: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    @torch.inference_mode()
-    def _profile_gpu_budget(self, utilization: float, max_num_seqs: int | None, max_tokens: int) -> int:
-        """KV bytes left on the GPU after a profiling forward at the largest step this engine runs
-        (`max_tokens` prompt tokens over the largest batch), as vLLM does: activations peak in a prefill
-        of the whole token budget, and the sampler's logits grow with the batch."""
-        seqs_n = max(1, min(max_num_seqs or AUTO_BATCH_CAP["cuda"], max_tokens))
-        per_seq = max(1, max_tokens // seqs_n)
-        params = SamplingParams(max_tokens=1)
-        seqs = []
-        for i in range(seqs_n):
-            seq = Sequence(f"profile-{i}", [0] * per_seq, params, i)
-            seq.block_ids = [0] * (-(-per_seq // self.block_size))  # read only by the write-row maths
-            seqs.append(seq)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        # No KV cache yet: the prefill attends to its own K/V and writes nothing.
-        input_ids, meta = build_metadata(seqs, True, self.block_size, 1, self.dtype, self.device)
-        logits = self.model(input_ids, meta, None)
-        sample(logits, [params] * seqs_n, [0] * seqs_n)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        non_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
-        del logits, input_ids, meta
-        torch.cuda.empty_cache()
-        budget = gpu_kv_bytes(total, utilization, peak, non_torch)
-        logger.info(
-            "GPU memory: total %s, utilization %.2f, profiled peak %s, outside torch %s -> KV %s",
-            format_bytes(total), utilization, format_bytes(peak), format_bytes(non_torch),
-            format_bytes(max(0, budget)),
-        )
-        return budget
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, BatchMetadata]:
         """Input ids and metadata for `seqs`, which must be in `order`'s order."""
