@@ -80,7 +80,9 @@ ALL_ROWS = 1 << 62
 # the final tiles): bf16 0.59-0.90x of oneDNN's time at 1-64 rows, 1.05x at 256; fp32 0.73-0.91x at 1-64,
 # 1.00x at 256. AMD EPYC Zen 5 (eighth session, a step's projections without the LM head, load 6-9): bf16
 # 0.47-0.72x at 1-64 rows, 0.60x at 128, 0.78-0.90x at 256 (one run of three 1.38x), 0.90-0.94x at 512,
-# 1.02-1.05x at 2048; fp32 0.62-0.92x at 1-64 rows, 1.00-1.04x at 256-2048. Intel Xeon with AMX (family 6
+# 1.02-1.05x at 2048; fp32 0.62-0.92x at 1-64 rows, 1.00-1.04x at 256-2048; sixteenth session, with every pass
+# over a pair prefetching the next pair (panel_gemm512.cpp), load 2.5-5.5: fp32 0.91-0.93x at 64, 0.92-0.97x
+# at 128, 0.97x at 256, 1.02-1.06x at 512-2048 (so fp32 up to 256). Intel Xeon with AMX (family 6
 # model 207, twelfth session): bf16 0.58-0.78x at 1-2 rows, 0.87x at 4, 1.00x at 6, 1.04-1.12x at 8 and
 # 1.5-11x at 12-256 (oneDNN's AMX tiles: a 64-row step's projections in 34 ms against the panels' 205), and
 # oneDNN padded to 4 rows matches the panels at 1-3 (ONEDNN_MIN_ROWS), so bf16 stays on oneDNN; fp32 (no AMX
@@ -89,7 +91,7 @@ PANEL_ROWS: dict[tuple[str, torch.dtype], int] = {
     ("avx2", torch.float32): ALL_ROWS,
     ("avx512", torch.float32): 64,
     ("avx512", torch.bfloat16): 64,
-    ("avx512-zen5", torch.float32): 64,
+    ("avx512-zen5", torch.float32): 256,
     ("avx512-zen5", torch.bfloat16): 512,
     ("avx512-amx", torch.float32): 64,
 }

@@ -157,8 +157,8 @@ def test_choice_rule_per_cpu_kind(monkeypatch: pytest.MonkeyPatch) -> None:
     if kind == "avx512":  # the AMD EPYC Zen 4 figures: decode batches on the panels, prefill on oneDNN
         assert panel_rows_limit(torch.float32, ops) == 64
         assert bf16 in (0, 64)
-    if kind == "avx512-zen5":  # Zen 5: bf16 prefill chunks up to 512 rows on the panels too
-        assert panel_rows_limit(torch.float32, ops) == 64
+    if kind == "avx512-zen5":  # Zen 5: prefill chunks up to 512 rows (bf16) / 256 (fp32) on the panels too
+        assert panel_rows_limit(torch.float32, ops) == 256
         assert bf16 == 512
     if kind == "avx512-amx":  # Intel Xeon with AMX: no bf16 panels; the AMX-tile GEMM up to 64 rows
         assert panel_rows_limit(torch.float32, ops) == 64
