@@ -81,7 +81,7 @@ ALL_ROWS = 1 << 62
 # 1.00x at 256. AMD EPYC Zen 5 (eighth session, a step's projections without the LM head, load 6-9): bf16
 # 0.47-0.72x at 1-64 rows, 0.60x at 128, 0.78-0.90x at 256 (one run of three 1.38x), 0.90-0.94x at 512,
 # 1.02-1.05x at 2048; fp32 0.62-0.92x at 1-64 rows, 1.00-1.04x at 256-2048; sixteenth session, with every pass
-# over a pair prefetching the next pair (panel_gemm512.cpp), load 2.5-5.5: fp32 0.91-0.93x at 64, 0.92-0.97x
+# over a pair prefetching the next pair (panel_gemm512.cpp), load 2.5-6.3: fp32 0.87-0.91x at 64, 0.92-0.97x
 # at 128, 0.97x at 256, 1.02-1.06x at 512-2048 (so fp32 up to 256). Intel Xeon with AMX (family 6
 # model 207, twelfth session): bf16 0.58-0.78x at 1-2 rows, 0.87x at 4, 1.00x at 6, 1.04-1.12x at 8 and
 # 1.5-11x at 12-256 (oneDNN's AMX tiles: a 64-row step's projections in 34 ms against the panels' 205), and

@@ -27,7 +27,7 @@
 // More rows than one tile holds (13 and up) take several passes over a pair, and only the first reads
 // memory: so every pass also prefetches an equal share of the next group's stream into L2, keeping the
 // memory busy while the later passes compute from the cache. On the Zen 5 EPYC (sixteenth session, the
-// same kind of step, best of 6, load 4.5-6.3): 16 rows 0.75x / 0.79x the time in bf16 / fp32, fp32 24-128
+// same kind of step, best of 6, load 3.0-6.3): 16 rows 0.75x / 0.79x the time in bf16 / fp32, fp32 24-128
 // rows 0.90-0.95x, bf16 24-512 rows 0.95-0.99x (compute-bound there); 1-12 rows (one pass) unchanged.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
