@@ -11,11 +11,9 @@ from pathlib import Path
 import pytest
 
 from inference.engine import SamplingParams
-from inference.server.args import parse_args
 from inference.server.load import LoadSignals
 from inference.server.prefill import PrefillRun, PrefillWorker
-from inference.server.worker import create_worker
-from tests.support.worker_flags import worker_argv
+from tests.support.worker_flags import running_prefill_worker
 
 
 class RecordingSignals(LoadSignals):
@@ -37,14 +35,8 @@ class RecordingSignals(LoadSignals):
 
 @pytest.fixture
 def prefill_worker(tiny_model_dir: Path) -> Iterator[PrefillWorker]:
-    worker = create_worker(parse_args(worker_argv(tiny_model_dir, "prefill", "--num-kv-blocks", "32",
-                                                  "--host", "127.0.0.1")))
-    assert isinstance(worker, PrefillWorker)
-    worker.start()
-    try:
+    with running_prefill_worker(tiny_model_dir, "--num-kv-blocks", "32") as worker:
         yield worker
-    finally:
-        worker.stop()
 
 
 def test_queued_tokens_are_the_uncached_ones(prefill_worker: PrefillWorker) -> None:

@@ -19,11 +19,9 @@ import httpx
 import pytest
 
 from inference.engine import SamplingParams
-from inference.server.args import parse_args
 from inference.server.prefill import PrefillRun, PrefillWorker
-from inference.server.worker import create_worker
 from tests.support.processes import Proc, post_json, start_router, start_worker
-from tests.support.worker_flags import worker_argv
+from tests.support.worker_flags import running_prefill_worker
 
 BURST = 4
 PREFIX = 64  # tokens shared by the burst: SHARED_PREFIX_WAIT_TOKENS, whole blocks of 16 and of 8
@@ -32,14 +30,8 @@ HTTP_TIMEOUT = httpx.Timeout(60.0, connect=10.0)
 
 @pytest.fixture
 def prefill_worker(tiny_model_dir: Path) -> Iterator[PrefillWorker]:
-    worker = create_worker(parse_args(worker_argv(tiny_model_dir, "prefill", "--num-kv-blocks", "64",
-                                                  "--block-size", "16", "--host", "127.0.0.1")))
-    assert isinstance(worker, PrefillWorker)
-    worker.start()
-    try:
+    with running_prefill_worker(tiny_model_dir, "--num-kv-blocks", "64", "--block-size", "16") as worker:
         yield worker
-    finally:
-        worker.stop()
 
 
 def _burst(rng: random.Random, own: int) -> list[list[int]]:
