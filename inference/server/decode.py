@@ -21,6 +21,7 @@ from inference.server.credit import StreamCredit
 from inference.server.decode_stream import DecodeStream, Event, KVWaiter
 from inference.server.errors import StartupError, bad_request, overloaded
 from inference.server.logprobs import LogprobRenderer
+from inference.server.pending_prefix import PendingPrefixes, pending_prefix_credit_enabled
 from inference.server.requests import parse_sampling, prompt_token_ids
 from inference.server.transport import build_receiver
 
@@ -41,6 +42,9 @@ class DecodeWorker(WorkerCore):
         self._kv_waiters: dict[str, KVWaiter] = {}
         self.receiver = build_receiver(args, self.engine, self.layout, self._on_kv_received, self.rdma_device)
         self.logprob_texts = LogprobRenderer(self.engine.tokenizer)
+        # The blocks of the local prefills taken here and not computed yet (local_prefill.py); the switch
+        # (WORKER_PENDING_PREFIX_CREDIT) is read once, here.
+        self.pending_prefixes = PendingPrefixes(self.engine.engine.block_size, pending_prefix_credit_enabled())
 
     def start(self) -> None:
         """Open the KV port."""

@@ -23,14 +23,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from inference.server.credit import StreamCredit
 from inference.server.errors import bad_request, overloaded
-from inference.server.pending_prefix import PendingPrefixes, pending_prefix_credit_enabled
 from inference.server.requests import parse_sampling, prompt_token_ids
 from inference.wire.stream import descriptor_line, done_line, error_line, token_line
 
@@ -41,18 +39,6 @@ if TYPE_CHECKING:
 LOCAL_DESCRIPTOR: dict[str, Any] = {"local": True}
 # How long a local stream waits for the next engine output (or router credit) before giving up.
 OUTPUT_TIMEOUT_S = 120.0
-# Per decode worker: the blocks of its local prefills not computed yet (kept beside the worker, whose
-# class the local path does not own).
-_PENDING: weakref.WeakKeyDictionary[DecodeWorker, PendingPrefixes] = weakref.WeakKeyDictionary()
-
-
-def pending_prefixes(worker: DecodeWorker) -> PendingPrefixes:
-    """The worker's `PendingPrefixes` (made on first use, with the engine's block size)."""
-    pending = _PENDING.get(worker)
-    if pending is None:
-        pending = _PENDING[worker] = PendingPrefixes(worker.engine.engine.block_size,
-                                                     pending_prefix_credit_enabled())
-    return pending
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +106,7 @@ async def open_local(
         return None
     ids = prompt_token_ids(body, worker.engine.tokenizer, worker.engine.config.vocab_size)
     cached = worker.engine.cached_tokens(ids)
-    queued = pending_prefixes(worker)
+    queued = worker.pending_prefixes
     hashes = queued.hashes(ids) if queued.enabled and not worker.prefills_every_prompt else []
     # Left to compute when the engine admits it: a queued local prefill's leading blocks count as cached.
     uncached = len(ids) - max(cached, queued.shared_tokens(hashes))
@@ -166,7 +152,7 @@ async def _lines(worker: DecodeWorker, request_id: str, ids: list[int], params: 
                 now = time.perf_counter()
                 if last_at is None:
                     worker.signals.prefill_finished(uncached, computed=True)
-                    pending_prefixes(worker).remove(request_id)  # its blocks are in the prefix cache now
+                    worker.pending_prefixes.remove(request_id)  # its blocks are in the prefix cache now
                     prefilling = False
                     # What the engine reused when it scheduled the prompt (`cached` was at receipt).
                     metrics.prefilled_reused_tokens.inc(out.num_cached_tokens)
@@ -200,7 +186,7 @@ async def _lines(worker: DecodeWorker, request_id: str, ids: list[int], params: 
     finally:
         if prefilling:
             worker.signals.prefill_finished(uncached, computed=False)
-            pending_prefixes(worker).remove(request_id)
+            worker.pending_prefixes.remove(request_id)
         metrics.outcome(outcome)
         if not finished:
             await asyncio.shield(worker.in_background(worker.abort(request_id)))

@@ -12,7 +12,7 @@ import pytest
 
 from inference.server.args import parse_args
 from inference.server.decode import DecodeWorker
-from inference.server.local_prefill import open_local, pending_prefixes
+from inference.server.local_prefill import open_local
 from inference.server.pending_prefix import PendingPrefixes
 from inference.server.worker import create_worker
 from tests.support.worker_flags import worker_argv
@@ -66,7 +66,7 @@ async def _drain(lines: AsyncIterator[bytes]) -> list[bytes]:
 @pytest.mark.parametrize("credit", [True, False])
 def test_a_prompt_sharing_a_queued_local_prefills_prefix_is_prefilled_locally(
         decode_worker: DecodeWorker, credit: bool) -> None:
-    pending_prefixes(decode_worker).enabled = credit
+    decode_worker.pending_prefixes.enabled = credit
     rng = random.Random(2)
     prefix = [rng.randrange(3, 200) for _ in range(PREFIX)]
     first, second = ([*prefix, *(rng.randrange(3, 200) for _ in range(16))] for _ in range(2))
@@ -83,7 +83,7 @@ def test_a_prompt_sharing_a_queued_local_prefills_prefix_is_prefilled_locally(
     local, lines_a, lines_b = asyncio.run(burst())
     assert b'"done"' in lines_a[-1]
     metrics = decode_worker.metrics
-    assert len(pending_prefixes(decode_worker)) == 0  # every local prefill left the pending set
+    assert len(decode_worker.pending_prefixes) == 0  # every local prefill left the pending set
     if credit:
         # 80 tokens of which 64 the queued first prompt computes: 16 to compute, under 48, so local; and the
         # engine reused those 64 indeed.
