@@ -82,7 +82,7 @@ class TenantRequest:
         # Set by the consumer as the request ends: how (ok, client_error, rejected, failed, aborted) and
         # the done event's usage.
         self.outcome = "client_error"
-        self.usage: dict[str, int] | None = None
+        self.usage: dict[str, Any] | None = None
 
     @classmethod
     def for_service(cls, tenant: Tenant, service: RouterService, arrived: float | None = None) -> TenantRequest:

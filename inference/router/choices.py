@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from inference.router.events import DoneEvent, ErrorEvent, Event, GenerateRequest, TokenEvent
 from inference.router.pin import Pin
@@ -142,7 +142,10 @@ def _combined(choices: list[DoneEvent]) -> DoneEvent:
     head = choices[0]
     prompt = head.usage.get("prompt_tokens", 0)
     completion = sum(c.usage.get("completion_tokens", 0) for c in choices)
-    return replace(head, usage={"prompt_tokens": prompt, "completion_tokens": completion,
-                                "total_tokens": prompt + completion},
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                             "total_tokens": prompt + completion}
+    if "prompt_tokens_details" in head.usage:
+        usage["prompt_tokens_details"] = head.usage["prompt_tokens_details"]
+    return replace(head, usage=usage,
                    retries=sum(c.retries for c in choices), migrations=sum(c.migrations for c in choices),
                    choices=sorted(choices, key=lambda c: c.index))

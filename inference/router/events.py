@@ -80,7 +80,9 @@ class DoneEvent:
 
     request_id: str
     finish_reason: str
-    usage: dict[str, int]
+    # prompt_tokens, completion_tokens, total_tokens and, where the workers reported it,
+    # prompt_tokens_details.cached_tokens (OpenAI's shape).
+    usage: dict[str, Any]
     timings: dict[str, float | None]
     prefill: str
     decode: str

@@ -63,7 +63,7 @@ class LoopHistogram:
         yield HistogramMetricFamily(self.name, self.documentation)
 
 
-def _nth(counts: Callable[[str], tuple[int, int]], role: str, n: int) -> float:
+def _nth(counts: Callable[[str], tuple[int, ...]], role: str, n: int) -> float:
     return float(counts(role)[n])
 
 
@@ -112,6 +112,11 @@ class RouterMetrics:
             "chosen worker, per role (since start; what the workers' engines then reused is their "
             "worker_prefilled_reused_tokens_total)",
             ["role"], registry=r)
+        self.kv_reported_cached_tokens = Gauge(
+            "router_kv_reported_cached_tokens", "Prompt tokens the chosen workers reported they held (decode: "
+            "KV not sent, or not computed by a local prefill) or reused (prefill), per role, from the requests "
+            "that finished (since start; under every policy)",
+            ["role"], registry=r)
         # process_resident_memory_bytes, process_cpu_seconds_total, ... of this router process (Linux).
         ProcessCollector(registry=r)
 
@@ -122,12 +127,13 @@ class RouterMetrics:
         self.queued.set_function(queued)
         self.capacity.set_function(capacity)
 
-    def bind_kv(self, counts: Callable[[str], tuple[int, int]], roles: Sequence[str]) -> None:
-        """Read the kv-aware policy's counts at scrape time: `counts(role)` is (prompt tokens routed,
-        predicted cached tokens)."""
+    def bind_kv(self, counts: Callable[[str], tuple[int, int, int]], roles: Sequence[str]) -> None:
+        """Read the KV counts at scrape time: `counts(role)` is (prompt tokens the kv-aware policy routed,
+        cached tokens it predicted, cached tokens the workers reported)."""
         for role in roles:
             self.kv_prompt_tokens.labels(role).set_function(functools.partial(_nth, counts, role, 0))
             self.kv_predicted_cached_tokens.labels(role).set_function(functools.partial(_nth, counts, role, 1))
+            self.kv_reported_cached_tokens.labels(role).set_function(functools.partial(_nth, counts, role, 2))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every series."""

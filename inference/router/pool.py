@@ -95,6 +95,9 @@ class WorkerPool:
         self.connect_timeout_s = connect_timeout_s
         self.headers: dict[str, str] = dict(headers or {})
         self._policies: dict[str, Policy] = self._make_policies(self.policy_name)
+        # The prompt tokens the chosen workers then reported they held (decode) or reused (prefill), per role,
+        # from the requests that finished: beside the kv-aware prediction in /router/status and /metrics.
+        self.reported_cached_tokens: dict[str, int] = {"prefill": 0, "decode": 0}
         self._endpoints: dict[str, list[Endpoint]] = {role: [] for role in ROLES}
         # Every endpoint by URL, for the KV feed's load reports (rebuilt by set_endpoints, one assignment).
         self._by_url: dict[str, Endpoint] = {}
@@ -434,13 +437,18 @@ class WorkerPool:
             **({"kv": self.kv_status()} if self.policy_name == KVAware.name else {}),
         }
 
-    def kv_counts(self, role: str) -> tuple[int, int]:
-        """The `kv-aware` policy of `role`'s (prompt tokens routed, predicted cached tokens); zeros under
-        another policy."""
+    def kv_counts(self, role: str) -> tuple[int, int, int]:
+        """`role`'s (prompt tokens the `kv-aware` policy routed, the cached tokens it predicted, the cached
+        tokens the workers reported); the first two are zeros under another policy."""
         policy = self._policies[role]
+        reported = self.reported_cached_tokens[role]
         if isinstance(policy, KVAware):
-            return policy.prompt_tokens, policy.predicted_cached_tokens
-        return 0, 0
+            return policy.prompt_tokens, policy.predicted_cached_tokens, reported
+        return 0, 0, reported
+
+    def report_cached_tokens(self, role: str, tokens: int) -> None:
+        """A finished request's worker of `role` reported it held (or reused) `tokens` of the prompt."""
+        self.reported_cached_tokens[role] += max(0, tokens)
 
     def kv_status(self) -> dict[str, Any]:
         """The KV index and what the `kv-aware` choices predicted, per role."""
@@ -448,7 +456,8 @@ class WorkerPool:
         for role, policy in self._policies.items():
             if isinstance(policy, KVAware):
                 predicted[role] = {"prompt_tokens": policy.prompt_tokens,
-                                   "predicted_cached_tokens": policy.predicted_cached_tokens}
+                                   "predicted_cached_tokens": policy.predicted_cached_tokens,
+                                   "reported_cached_tokens": self.reported_cached_tokens[role]}
         feed = self._kv_feed
         return {"index": self.kv_index.status(), "predicted": predicted,
                 "weights": {"token": self.kv_token_weight, "load": self.kv_load_weight},

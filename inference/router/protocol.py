@@ -521,7 +521,7 @@ def _head(parsed: ParsedRequest, model: str) -> dict[str, Any]:
     }
 
 
-def _usage_chunk(parsed: ParsedRequest, model: str, usage: dict[str, int]) -> dict[str, Any]:
+def _usage_chunk(parsed: ParsedRequest, model: str, usage: dict[str, Any]) -> dict[str, Any]:
     return {
         "id": _openai_id(parsed),
         "object": "chat.completion.chunk" if parsed.kind == "chat" else "text_completion",

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from inference.router.attempt import Attempt
 from inference.router.endpoint import Endpoint
@@ -244,13 +244,17 @@ class RequestRun:
             # The last worker saw prompt + earlier tokens as its prompt: report the client's view.
             prompt_tokens, completion = len(self.prompt_ids), len(self.emitted)
         timings = line.timings
+        usage_out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                                     "total_tokens": prompt_tokens + completion}
+        cached = self._cached_tokens(attempt, usage)
+        if cached is not None:
+            usage_out["prompt_tokens_details"] = {"cached_tokens": min(cached, prompt_tokens)}
         # The decode worker counts the KV it received too (when the prefill answer is not in).
         kv_bytes = answer.kv_bytes if answer.kv_bytes is not None else timings.get("kv_bytes")
         return DoneEvent(
             request_id=self.req.request_id,
             finish_reason=line.finish_reason,
-            usage={"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                   "total_tokens": prompt_tokens + completion},
+            usage=usage_out,
             timings={
                 "ttft_s": round(self.first_at - self.arrived, 6),
                 "e2e_s": round(now - self.arrived, 6),
@@ -266,6 +270,23 @@ class RequestRun:
             retries=self.retries,
             migrations=self.migrations,
         )
+
+
+    def _cached_tokens(self, attempt: Attempt, usage: dict[str, Any]) -> int | None:
+        """The prompt tokens that were not computed for this request (OpenAI's `cached_tokens`): the
+        prefill worker's reuse when it prefilled remotely, else the decode worker's own; each worker's
+        report is counted for its role. None when no worker reported one (an older worker)."""
+        pool = self.client.pool
+        held = usage.get("cached_tokens")
+        held = held if isinstance(held, int) and not isinstance(held, bool) and held >= 0 else None
+        if held is not None:
+            pool.report_cached_tokens("decode", held)
+        if attempt.prefill is None:
+            return held
+        reused = attempt.prefill_answer.cached_tokens
+        if reused is not None:
+            pool.report_cached_tokens("prefill", reused)
+        return reused
 
 
 # Stands for "no line" beside a failure (the loop reads the failure first).

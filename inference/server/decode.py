@@ -113,7 +113,8 @@ class DecodeWorker(WorkerCore):
             request_id, block_ids[hits:], len(ids), self.args.kv_lease_timeout, host, first_block=hits
         )
         self.metrics.prompt_tokens.inc(len(ids))
-        stream = DecodeStream(self, request_id, ids, descriptor, waiter, received_at, params.to_dict(), credit)
+        stream = DecodeStream(self, request_id, ids, descriptor, waiter, received_at, params.to_dict(), credit,
+                              cached_tokens=hits * self.engine.engine.block_size)
         return stream.events()
 
     async def _reserve(

@@ -56,6 +56,8 @@ class DecodeStream:
     received_at: float
     sampling: dict[str, Any]
     credit: StreamCredit | None = None
+    # The prompt tokens whose KV this worker held already (the prefill side sent only the blocks after).
+    cached_tokens: int = 0
     outcome: str = "aborted"
     finished: bool = False
     completion_tokens: int = 0
@@ -158,7 +160,8 @@ class DecodeStream:
         stats = self.waiter.stats
         return done_line(
             str(out.finish_reason),
-            {"prompt_tokens": len(self.prompt_token_ids), "completion_tokens": self.completion_tokens},
+            {"prompt_tokens": len(self.prompt_token_ids), "completion_tokens": self.completion_tokens,
+             "cached_tokens": self.cached_tokens},
             {
                 "kv_wait_s": round(self.kv_wait_s, 6),
                 "decode_s": round(time.perf_counter() - self.decode_started, 6),

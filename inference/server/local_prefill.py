@@ -139,7 +139,7 @@ async def _lines(worker: DecodeWorker, request_id: str, ids: list[int], params: 
     outcome is counted and an unfinished request aborted. The prefill's `uncached` tokens leave the
     worker's queue (`signals`) at the first token, or when the stream ends before it."""
     metrics = worker.metrics
-    outcome, finished, sent, last_at = "aborted", False, 0, None
+    outcome, finished, sent, last_at, reused = "aborted", False, 0, None, 0
     prefilling = True
     try:
         yield descriptor_line(LOCAL_DESCRIPTOR, ids, params.to_dict())
@@ -155,7 +155,8 @@ async def _lines(worker: DecodeWorker, request_id: str, ids: list[int], params: 
                     worker.pending_prefixes.remove(request_id)  # its blocks are in the prefix cache now
                     prefilling = False
                     # What the engine reused when it scheduled the prompt (`cached` was at receipt).
-                    metrics.prefilled_reused_tokens.inc(out.num_cached_tokens)
+                    reused = out.num_cached_tokens
+                    metrics.prefilled_reused_tokens.inc(reused)
                     metrics.ttft.observe(now - received_at)
                     worker.signals.observe("ttft", now - received_at)
                 else:
@@ -175,7 +176,8 @@ async def _lines(worker: DecodeWorker, request_id: str, ids: list[int], params: 
                     return
                 outcome = "ok"
                 metrics.e2e.observe(time.perf_counter() - received_at)
-                yield done_line(str(out.finish_reason), {"prompt_tokens": len(ids), "completion_tokens": sent},
+                usage = {"prompt_tokens": len(ids), "completion_tokens": sent, "cached_tokens": reused}
+                yield done_line(str(out.finish_reason), usage,
                                 {"local_prefill": True, "decode_s": round(time.perf_counter() - received_at, 6)})
                 return
         outcome = "error"

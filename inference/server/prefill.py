@@ -65,6 +65,8 @@ class PrefillRun:
     # When the request asked: the first token's log-probabilities and the prompt's (echo).
     first_logprobs: Logprob | None = None
     prompt_logprobs: list[Logprob | None] | None = None
+    # The prompt tokens the engine reused from its prefix cache when it scheduled the prompt.
+    cached_tokens: int = 0
 
 
 class PrefillWorker(WorkerCore):
@@ -170,7 +172,7 @@ class PrefillWorker(WorkerCore):
         self.metrics.e2e.observe(time.perf_counter() - run.started)
         self.metrics.outcome("ok")
         answer = PrefillAnswer(run.first_token, stats.nbytes, round(run.prefill_s, 6), round(stats.seconds, 6),
-                               run.first_logprobs, run.prompt_logprobs)
+                               run.first_logprobs, run.prompt_logprobs, run.cached_tokens)
         return answer.to_json()
 
     def _stage(self, run: PrefillRun) -> str:
@@ -235,6 +237,7 @@ class PrefillWorker(WorkerCore):
                     block_ids = list(out.block_ids or [])
                     # What the engine reused when it scheduled the prompt (`cached` above is at receipt).
                     self.metrics.prefilled_reused_tokens.inc(out.num_cached_tokens)
+                    run.cached_tokens = out.num_cached_tokens
             if first_token is None or not block_ids:
                 raise WorkerError(500, "prefill produced no first token", "engine_error")
             computed = True

@@ -44,6 +44,8 @@ class PrefillAnswer:
     transfer_s: float | None = None
     first_logprobs: Logprob | None = None
     prompt_logprobs: list[Logprob | None] | None = None
+    # The prompt tokens the prefill worker's engine reused from its prefix cache (did not compute).
+    cached_tokens: int | None = None
 
     @classmethod
     def decode(cls, raw: bytes) -> PrefillAnswer:
@@ -54,7 +56,7 @@ class PrefillAnswer:
             obj = None
         if not isinstance(obj, dict):
             raise ValueError("prefill answer is not a JSON object")
-        first, kv_bytes = obj.get("first_token"), obj.get("kv_bytes")
+        first, kv_bytes, cached = obj.get("first_token"), obj.get("kv_bytes"), obj.get("cached_tokens")
         try:
             first_lp = decode_positions(obj["first_logprobs"]) if obj.get("first_logprobs") else None
             prompt_lp = decode_prompt(obj["prompt_logprobs"]) if obj.get("prompt_logprobs") is not None else None
@@ -67,12 +69,15 @@ class PrefillAnswer:
             transfer_s=_number(obj.get("transfer_s")),
             first_logprobs=first_lp[0] if first_lp else None,
             prompt_logprobs=prompt_lp,
+            cached_tokens=cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None,
         )
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object a prefill worker answers with."""
         out: dict[str, Any] = {"first_token": self.first_token, "kv_bytes": self.kv_bytes,
                                "prefill_s": self.prefill_s, "transfer_s": self.transfer_s}
+        if self.cached_tokens is not None:
+            out["cached_tokens"] = self.cached_tokens
         if self.first_logprobs is not None:
             out["first_logprobs"] = [self.first_logprobs.to_json()]
         if self.prompt_logprobs is not None:

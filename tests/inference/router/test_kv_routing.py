@@ -98,12 +98,22 @@ def test_second_turn_goes_to_the_worker_holding_the_prefix(cluster: dict[str, An
         _wait("the first turn's blocks", functools.partial(_holds, router, holder, 12), cluster)
         second = _generate(router, prompt + first["tokens"] + [rng.randrange(3, 200) for _ in range(5)])
         assert second["prefill"] == holder, (first, second, _kv(router))
-    predicted = _kv(router)["predicted"]["prefill"]
-    assert predicted["predicted_cached_tokens"] >= CONVERSATIONS * 96, predicted
+        # The client sees what the prefill worker did not compute (OpenAI's usage field): none of the
+        # first turn's own system prompt, at least its 12 blocks on the second.
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}, first["usage"]
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96, second["usage"]
+    predicted = _kv(router)["predicted"]
+    assert predicted["prefill"]["predicted_cached_tokens"] >= CONVERSATIONS * 96, predicted
+    # Beside the prediction, what the workers then reported: the prefill workers reused the first turns'
+    # blocks, the decode worker held them (it received them for the first turn) and took only the rest.
+    assert predicted["prefill"]["reported_cached_tokens"] >= CONVERSATIONS * 96, predicted
+    assert predicted["decode"]["reported_cached_tokens"] >= CONVERSATIONS * 96, predicted
     assert max(_hit_ratio(urls["p0"]), _hit_ratio(urls["p1"])) > 0.3
     metrics = httpx.get(router + "/metrics", timeout=HTTP_TIMEOUT).text
-    cached = float(predicted["predicted_cached_tokens"])
+    cached = float(predicted["prefill"]["predicted_cached_tokens"])
     assert f'router_kv_predicted_cached_tokens{{role="prefill"}} {cached}' in metrics
+    reported = float(_kv(router)["predicted"]["prefill"]["reported_cached_tokens"])
+    assert f'router_kv_reported_cached_tokens{{role="prefill"}} {reported}' in metrics
 
 
 def test_a_new_router_is_exact_from_the_snapshots(cluster: dict[str, Any]) -> None:

@@ -44,21 +44,23 @@ def test_a_burst_on_a_prefill_worker_counts_the_shared_prefix_reused_by_all_but_
         prefill_worker: PrefillWorker) -> None:
     prompts = _burst(random.Random(3), 16)
 
-    async def prefill(request_id: str, ids: list[int]) -> None:
+    async def prefill(request_id: str, ids: list[int]) -> int:
         run = PrefillRun(request_id, ids, SamplingParams(max_tokens=1, temperature=0.0), None,  # type: ignore[arg-type]
                          time.perf_counter())
         await prefill_worker._compute_prompt(run)
+        return run.cached_tokens  # what the worker's answer reports to the router
 
-    async def burst() -> None:
-        await asyncio.gather(*(prefill(f"b{i}", ids) for i, ids in enumerate(prompts)))
+    async def burst() -> list[int]:
+        return await asyncio.gather(*(prefill(f"b{i}", ids) for i, ids in enumerate(prompts)))
 
-    asyncio.run(burst())
+    answered = asyncio.run(burst())
     for i in range(BURST):
         prefill_worker.engine.release(f"b{i}")
     metrics = prefill_worker.metrics
     assert metrics.prefilled_prompt_tokens._value.get() == BURST * (PREFIX + 16)
     # The first prompt computed the shared prefix; every other one reused it, whenever it arrived.
     assert metrics.prefilled_reused_tokens._value.get() == (BURST - 1) * PREFIX
+    assert sorted(answered) == [0] + [PREFIX] * (BURST - 1)
     # At receipt the burst's prompts found at most that (nothing, when all came before the first step).
     assert metrics.prefilled_cached_tokens._value.get() <= (BURST - 1) * PREFIX
 
@@ -89,6 +91,12 @@ def test_a_burst_prefilled_locally_counts_the_shared_prefix_reused_in_the_worker
         assert _metric(worker_url, "worker_prefilled_prompt_tokens_total") == BURST * (PREFIX + 8)
         reused = _metric(worker_url, "worker_prefilled_reused_tokens_total")
         assert reused == (BURST - 1) * PREFIX
+        # Each answer tells its client what was not computed for it (OpenAI's usage field).
+        cached = sorted(a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers)
+        assert cached == [0] + [PREFIX] * (BURST - 1), answers
+        status = httpx.get(router_url + "/router/status", timeout=HTTP_TIMEOUT).text
+        metrics = httpx.get(router_url + "/metrics", timeout=HTTP_TIMEOUT).text
+        assert f'router_kv_reported_cached_tokens{{role="decode"}} {float(reused)}' in metrics, status
         assert _metric(worker_url, "worker_prefilled_cached_tokens_total") <= reused
     finally:
         for proc in reversed(procs):

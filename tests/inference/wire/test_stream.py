@@ -1,6 +1,7 @@
 """The decode stream's lines and the prefill call, as workers encode and the router decodes them."""
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from inference.wire import DescriptorLine, DoneLine, ErrorLine, OtherLine, PrefillAnswer, PrefillRequest, TokenLine
@@ -49,5 +50,9 @@ def test_prefill_request_and_answer() -> None:
     answer = PrefillAnswer.decode(b'{"first_token": 9, "kv_bytes": 100, "prefill_s": 0.1, "transfer_s": 1}')
     assert answer == PrefillAnswer(first_token=9, kv_bytes=100, prefill_s=0.1, transfer_s=1.0)
     assert PrefillAnswer.decode(b"{}") == PrefillAnswer()
+    answer = PrefillAnswer(first_token=9, cached_tokens=32)
+    assert PrefillAnswer.decode(orjson.dumps(answer.to_json())) == answer
+    assert PrefillAnswer.decode(b'{"cached_tokens": -1}').cached_tokens is None
+    assert PrefillAnswer.decode(b'{"cached_tokens": true}').cached_tokens is None
     with pytest.raises(ValueError, match="not a JSON object"):
         PrefillAnswer.decode(b"[]")
