@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         worker.start()
     except StartupError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_code
     log.info(
         "%s worker for %s on %s:%d (device %s, CPUs %s, %d KV blocks)",
         args.service_type, worker.model_name, args.host, args.port, worker.device, worker.cpus,

@@ -28,19 +28,21 @@ from inference.agent.processes import (
 )
 from inference.agent.state import Goal, Managed, Phase, SupervisorState
 from inference.models import ACTIVE_WORKER_STATUSES, FailureCause, WorkerRole
+from inference.server.errors import EXIT_KV_POOL_TOO_SMALL
 from nodes.resources import forget_process
 
 logger = logging.getLogger(__name__)
 
-# How a worker reports, on its log, that its KV pool does not fit the node (launch_server prints "error: "
-# and the StartupError; inference.engine.memory.POOL_TOO_SMALL_PREFIX begins the message; a test keeps
-# them equal: the agent does not import the engine, which would load torch).
+# A worker whose KV pool does not fit the node exits with EXIT_KV_POOL_TOO_SMALL, after printing why on its
+# log (launch_server prints "error: " and the StartupError; inference.engine.memory.POOL_TOO_SMALL_PREFIX
+# begins the message; a test keeps them equal: the agent does not import the engine, which would load torch).
 POOL_TOO_SMALL_LINE = "error: KV pool too small: "
 LAUNCH_HEADER = "\n=== "  # what _launch writes to the log before each launch
 
 
 def memory_refusal(log_text: str) -> str | None:
-    """The KV-pool refusal line of the last launch in a worker's log, None when it did not refuse so."""
+    """The KV-pool refusal line of the last launch in a worker's log (what the event says), None when it
+    printed none."""
     last_launch = log_text.rsplit(LAUNCH_HEADER, 1)[-1]
     for line in last_launch.splitlines():
         if line.startswith(POOL_TOO_SMALL_LINE):
@@ -75,7 +77,7 @@ class Lifecycle(SupervisorState):
             return
         code = self._exit_code(m)
         if code is not None:
-            refusal = memory_refusal(log_tail(m.log_path)) if m.phase == Phase.STARTING else None
+            refusal = self._memory_refusal(m, code) if m.phase == Phase.STARTING else None
             if refusal is not None:
                 self._refused(m, code, refusal)
             else:
@@ -266,6 +268,14 @@ class Lifecycle(SupervisorState):
 
     def _alive(self, m: Managed) -> bool:
         return m.pid is not None and self._exit_code(m) is None
+
+    def _memory_refusal(self, m: Managed, code: int | str) -> str | None:
+        """Why a starting worker that exited refused to start for lack of memory; None for another exit.
+        Its exit code says so; an adopted process's code is unknown, and then its log line does."""
+        line = memory_refusal(log_tail(m.log_path))
+        if code == EXIT_KV_POOL_TOO_SMALL:
+            return line or f"KV pool too small for this node's memory (exit code {code})"
+        return line if isinstance(code, str) else None
 
     def _exit_code(self, m: Managed) -> int | str | None:
         """None while the process runs; its exit code (or a note for an adopted process) once it is gone."""

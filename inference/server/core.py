@@ -24,7 +24,7 @@ from inference.engine.step_cost import parse_step_target
 from inference.kv_transfer import KVLayout
 from inference.kv_transfer.verbs import VerbsDevice
 from inference.server.args import DEFAULT_SPECULATIVE_TOKENS, ServerArgs
-from inference.server.errors import StartupError, WorkerError, bad_request
+from inference.server.errors import EXIT_KV_POOL_TOO_SMALL, StartupError, WorkerError, bad_request
 from inference.server.kv_events import KVEventSource
 from inference.server.load import LoadSignals
 from inference.server.metrics import WorkerMetrics
@@ -64,7 +64,9 @@ def load_engine(args: ServerArgs, device: torch.device) -> LLMEngine:
                 num_speculative_tokens=args.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS,
             ) if args.speculative else None,
         )
-    except (KVPoolTooSmall, CompileUnavailable) as exc:  # their messages name the flag to change
+    except KVPoolTooSmall as exc:  # its message names the flag to change
+        raise StartupError(str(exc), EXIT_KV_POOL_TOO_SMALL) from exc
+    except CompileUnavailable as exc:  # its message names the flag to change
         raise StartupError(str(exc)) from exc
     except (OSError, ValueError) as exc:
         raise StartupError(f"cannot load the model from --model-path {args.model_path}: {exc}") from exc

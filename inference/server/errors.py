@@ -28,5 +28,16 @@ def overloaded(message: str) -> WorkerError:
     return WorkerError(429, message, "overloaded")
 
 
+# The exit status of a worker whose KV pool does not fit its host's memory (sysexits' EX_TEMPFAIL): the
+# agent fails it at once and the controller places it on another node, where a restart here would fail
+# the same way (every other startup error exits 1 and is restarted with backoff).
+EXIT_KV_POOL_TOO_SMALL = 75
+
+
 class StartupError(Exception):
-    """The worker cannot start (bad model, missing RDMA device, port in use); printed without traceback."""
+    """The worker cannot start (bad model, missing RDMA device, port in use); printed without traceback,
+    the process exiting with `exit_code`."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -9,11 +9,13 @@ import pytest
 from django.utils import timezone
 
 from inference.actions import workers as worker_actions
-from inference.agent.lifecycle import LAUNCH_HEADER, POOL_TOO_SMALL_LINE, memory_refusal
+from inference.agent.lifecycle import LAUNCH_HEADER, POOL_TOO_SMALL_LINE, Lifecycle, memory_refusal
+from inference.agent.state import Managed
 from inference.agent.supervisor import Supervisor
 from inference.engine.host_memory import CLAIMS_DIR_ENV, HOST_MEMORY_ENV
 from inference.engine.memory import POOL_TOO_SMALL_PREFIX
 from inference.models import ScaleEvent, Worker, WorkerStatus
+from inference.server.errors import EXIT_KV_POOL_TOO_SMALL
 from tests.support.control_plane import make_deployment, make_model, make_node, make_worker
 from tests.support.processes import build_kernels_once, free_port
 
@@ -31,6 +33,22 @@ def test_refusal_line_matches_the_engine_and_only_the_last_launch_counts() -> No
     assert memory_refusal(refused + f"{LAUNCH_HEADER}2026 launching: x\nTraceback: boom\n") is None
     assert memory_refusal("error: cannot load the model from --model-path x\n") is None
     assert memory_refusal("") is None
+
+
+def test_the_exit_code_decides_and_the_log_line_explains(tmp_path: Path) -> None:
+    """Exit code EXIT_KV_POOL_TOO_SMALL is a refusal, its message from the log (or a plain one when the log
+    lost it); exit 1 is a crash even with a refusal line in the log (a retry may fit); an adopted process,
+    whose code is unknown, is judged by its log line."""
+    log = tmp_path / "w.log"
+    log.write_text(f"{LAUNCH_HEADER}2026 launching: x\n{POOL_TOO_SMALL_LINE}--kv-cache-memory leaves 0 B\n")
+    m = Managed(spec=None, log_path=log)  # type: ignore[arg-type]
+    refuse = Lifecycle._memory_refusal
+    assert refuse(None, m, EXIT_KV_POOL_TOO_SMALL) == POOL_TOO_SMALL_PREFIX + "--kv-cache-memory leaves 0 B"  # type: ignore[arg-type]
+    assert refuse(None, m, 1) is None  # type: ignore[arg-type]
+    assert refuse(None, m, "unknown (adopted process)") == POOL_TOO_SMALL_PREFIX + "--kv-cache-memory leaves 0 B"  # type: ignore[arg-type]
+    log.write_text("")
+    assert "exit code 75" in str(refuse(None, m, EXIT_KV_POOL_TOO_SMALL))  # type: ignore[arg-type]
+    assert refuse(None, m, "unknown (adopted process)") is None  # type: ignore[arg-type]
 
 
 def test_worker_that_does_not_fit_fails_at_once(
@@ -60,7 +78,7 @@ def test_worker_that_does_not_fit_fails_at_once(
     failed = Worker.objects.get(pk=worker.pk)
     assert ok, failed.last_error
     first_line = failed.last_error.splitlines()[0]
-    assert first_line.startswith("not restarted (exit code 1): KV pool too small: ")
+    assert first_line.startswith(f"not restarted (exit code {EXIT_KV_POOL_TOO_SMALL}): KV pool too small: ")
     assert "--kv-cache-memory (default: 40% of the memory available and not claimed" in first_line
     assert failed.restarts == 0 and failed.pid is None and not crashes and not sup.managed()
     event = ScaleEvent.objects.filter(deployment=dep, source="recovery").latest("pk")
