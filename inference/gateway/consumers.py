@@ -27,10 +27,11 @@ from inference.gateway.http_protocol import health_body
 from inference.gateway.service import RouterService, get_router
 from inference.gateway.tenancy import Tenant, TenantRequest
 from inference.router import RouterError
+from inference.router.answers import SSE_DONE, SseFormatter, collect, final_body
 from inference.router.choices import generate_choices
 from inference.router.events import ErrorEvent, Event
 from inference.router.metrics import CONTENT_TYPE
-from inference.router.protocol import PARSERS, SSE_DONE, Kind, SseFormatter, collect, final_body
+from inference.router.protocol import PARSERS, Kind
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,8 @@ from inference.gateway.api_keys import Tenant
 from inference.gateway.service import get_router
 from inference.gateway.tenancy import TenantRequest
 from inference.router import DoneEvent, ErrorEvent, RouterError, TokenEvent
-from inference.router.protocol import ParsedRequest, done_fields, parse_generate
+from inference.router.answers import done_fields
+from inference.router.protocol import ParsedRequest, parse_generate
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ completion's prompt echoed in front of its text).
 `parse_choice_fields` reads the fields (400 naming the bad one) and sets the wire's `logprobs` /
 `prompt_logprobs` on the request's sampling; `ChoicesStream` formats a stream's events and
 `choices_body` a whole answer, for the requests that use any of these (`ChoiceFields.rich`); the
-plain path (protocol.py's `SseFormatter`) stays as fast as it is for the others.
+plain path (answers.py's `SseFormatter`) stays as fast as it is for the others.
 """
 from __future__ import annotations
 

@@ -9,13 +9,8 @@ from typing import Any
 import pytest
 
 from inference.router import DoneEvent, ErrorEvent, Event, RouterError, TokenEvent
-from inference.router.protocol import (
-    SseFormatter,
-    parse_chat,
-    parse_completion,
-    parse_generate,
-    sse_event,
-)
+from inference.router.answers import SseFormatter, sse_event
+from inference.router.protocol import parse_chat, parse_completion, parse_generate
 
 
 def bad(parser: Any, body: Any) -> str:

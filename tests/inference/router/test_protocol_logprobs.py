@@ -13,8 +13,9 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion_choice import Logprobs
 
 from inference.router import RouterError
+from inference.router.answers import SseFormatter, collect, final_body
 from inference.router.events import DoneEvent, Event, TokenEvent
-from inference.router.protocol import SseFormatter, collect, final_body, parse_chat, parse_completion
+from inference.router.protocol import parse_chat, parse_completion
 from inference.wire.logprobs import Logprob, decode_positions, encode_positions
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}

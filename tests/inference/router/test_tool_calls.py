@@ -9,9 +9,10 @@ import jsonschema
 import llguidance
 import pytest
 
+from inference.router.answers import Collected, SseFormatter, final_body
 from inference.router.errors import RouterError
 from inference.router.events import DoneEvent, TokenEvent
-from inference.router.protocol import Collected, ParsedRequest, SseFormatter, final_body, parse_chat
+from inference.router.protocol import ParsedRequest, parse_chat
 from inference.router.tool_calls import (
     ToolCallStream,
     parse_hermes,
