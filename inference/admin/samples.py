@@ -181,6 +181,11 @@ FORMATS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "inflight": ("in flight", number),
     "queued": ("queued", number),
     "decode_slots": ("decode slots", number),
+    "prompt_tokens_per_s": ("prompt tokens", per_s("tok")),
+    "cached_prompt_tokens_per_s": ("prompt tokens cached", per_s("tok")),
+    "prompt_cached_ratio": ("prompt cached", pct),
+    "local_prefills_per_s": ("prefilled locally", per_s("req")),
+    "remote_prefills_per_s": ("prefilled remotely", per_s("req")),
 }
 
 

@@ -87,6 +87,7 @@ def parse_router_metrics(text: str) -> dict[str, Any]:
     """The router's cumulative series from its Prometheus text (JSON-safe, stored between scrapes)::
 
         {"requests": {outcome: n}, "rejected": n, "tokens": n,
+         "prompt_tokens": n, "cached_prompt_tokens": n, "prefill_where": {"local": n, "remote": n},
          "selections": {role: {url: n}}, "failures": {role: {url: n}},
          "histograms": {key: {"buckets": {le: cumulative n}, "sum": s, "count": n}},
          "gauges": {"inflight": n, "queued": n, "decode_slots": n}, "started": epoch s}
@@ -95,8 +96,8 @@ def parse_router_metrics(text: str) -> dict[str, Any]:
     histograms were created (their `_created` samples), so a restarted router is told apart.
     """
     state: dict[str, Any] = {
-        "requests": {}, "rejected": 0.0, "tokens": 0.0, "selections": {}, "failures": {}, "histograms": {},
-        "gauges": {},
+        "requests": {}, "rejected": 0.0, "tokens": 0.0, "prompt_tokens": 0.0, "cached_prompt_tokens": 0.0,
+        "prefill_where": {}, "selections": {}, "failures": {}, "histograms": {}, "gauges": {},
     }  # fmt: skip
     for family in text_string_to_metric_families(text):
         histogram = ROUTER_HISTOGRAMS.get(family.name)
@@ -120,6 +121,13 @@ def parse_router_metrics(text: str) -> dict[str, Any]:
                 state["rejected"] += value
             elif name == "router_generation_tokens_total":
                 state["tokens"] += value
+            elif name == "router_prompt_tokens_total":
+                state["prompt_tokens"] += value
+            elif name == "router_cached_prompt_tokens_total":
+                state["cached_prompt_tokens"] += value
+            elif name == "router_prefill_where_total":
+                where = labels.get("where", "")
+                state["prefill_where"][where] = state["prefill_where"].get(where, 0.0) + value
             elif name in ("router_worker_selections_total", "router_worker_failures_total"):
                 key = "selections" if name == "router_worker_selections_total" else "failures"
                 per_url = state[key].setdefault(labels.get("role", ""), {})
@@ -184,6 +192,16 @@ def router_changes(previous: Mapping[str, Any] | None, current: Mapping[str, Any
         "rejected_per_s": counter_delta(current["rejected"], previous.get("rejected"), reset) / dt,
         "tokens_per_s": counter_delta(current["tokens"], previous.get("tokens"), reset) / dt,
     }
+    # Scrapes stored before these series existed lack them: read as absent (0), never a KeyError.
+    prompt = counter_delta(current.get("prompt_tokens", 0.0), previous.get("prompt_tokens"), reset)
+    cached = counter_delta(current.get("cached_prompt_tokens", 0.0), previous.get("cached_prompt_tokens"), reset)
+    out["prompt_tokens_per_s"] = prompt / dt
+    out["cached_prompt_tokens_per_s"] = cached / dt
+    out["prompt_cached_ratio"] = cached / prompt if prompt > 0 else None
+    where_before = previous.get("prefill_where") or {}
+    for where in ("local", "remote"):
+        n = counter_delta((current.get("prefill_where") or {}).get(where, 0.0), where_before.get(where), reset)
+        out[f"{where}_prefills_per_s"] = n / dt
     for key in ROUTER_HISTOGRAMS.values():
         now_h = current["histograms"].get(key) or {"buckets": {}, "count": 0.0}
         before_h = (previous.get("histograms") or {}).get(key) or {}

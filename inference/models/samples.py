@@ -42,7 +42,9 @@ class RouterSample(models.Model):
 
     Rates are per second over the interval; quantiles come from the histograms' bucket deltas (None:
     no observation in the interval). `worker_share` is {role: {worker url: share of the role's
-    requests the router sent to it}}.
+    requests the router sent to it}}. Where prompts were prefilled (on the decode worker itself or by a
+    prefill worker) and the share of prompt tokens no worker computed are the router's per-request
+    decisions and the workers' reports on them (issue 19's KV-aware routing).
     """
 
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="router_samples")
@@ -66,6 +68,13 @@ class RouterSample(models.Model):
     inflight = models.FloatField(null=True, blank=True)
     queued = models.FloatField(null=True, blank=True)
     decode_slots = models.FloatField(null=True, blank=True)
+    prompt_tokens_per_s = models.FloatField(null=True, blank=True, help_text="prompt tokens of finished requests")
+    cached_prompt_tokens_per_s = models.FloatField(
+        null=True, blank=True, help_text="of which no worker computed (the workers' reported cached tokens)")
+    prompt_cached_ratio = models.FloatField(
+        null=True, blank=True, help_text="cached / all prompt tokens of the requests finished (None: none)")
+    local_prefills_per_s = models.FloatField(null=True, blank=True, help_text="prompts prefilled on the decode worker")
+    remote_prefills_per_s = models.FloatField(null=True, blank=True, help_text="prompts prefilled by a prefill worker")
     worker_share = models.JSONField(default=dict, blank=True)
 
     class Meta:

@@ -99,6 +99,11 @@ class RouterMetrics:
         self.prefill_where = Counter(
             "router_prefill_where", "Prompts prefilled on the decode worker itself (local) or by a prefill "
             "worker (remote)", ["where"], registry=r)
+        self.prompt_tokens = Counter(
+            "router_prompt_tokens", "Prompt tokens of the generations that finished", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "router_cached_prompt_tokens", "Prompt tokens of the generations that finished that no worker "
+            "computed (the workers' reports: usage.prompt_tokens_details.cached_tokens)", registry=r)
         self.migrations = Counter(
             "router_migrations", "Streams moved to another decode worker after their first token", registry=r)
         self.inflight = Gauge("router_inflight", "Generations in flight in this router", registry=r)

@@ -247,8 +247,10 @@ class RequestRun:
         usage_out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                                      "total_tokens": prompt_tokens + completion}
         cached = self._cached_tokens(attempt, usage)
+        self.client.metrics.prompt_tokens.inc(prompt_tokens)
         if cached is not None:
             usage_out["prompt_tokens_details"] = {"cached_tokens": min(cached, prompt_tokens)}
+            self.client.metrics.cached_prompt_tokens.inc(min(cached, prompt_tokens))
         # The decode worker counts the KV it received too (when the prefill answer is not in).
         kv_bytes = answer.kv_bytes if answer.kv_bytes is not None else timings.get("kv_bytes")
         return DoneEvent(

@@ -53,6 +53,11 @@ ROUTER_FIELDS: dict[str, dict[str, str]] = {
     "inflight": {"label": "In flight", "unit": "requests"},
     "queued": {"label": "Queued in the router", "unit": "requests"},
     "decode_slots": {"label": "Decode slots", "unit": "requests"},
+    "prompt_tokens_per_s": {"label": "Prompt tokens", "unit": "tokens/s"},
+    "cached_prompt_tokens_per_s": {"label": "Prompt tokens cached", "unit": "tokens/s"},
+    "prompt_cached_ratio": {"label": "Prompt tokens cached (share)", "unit": "ratio"},
+    "local_prefills_per_s": {"label": "Prefilled on the decode worker", "unit": "requests/s"},
+    "remote_prefills_per_s": {"label": "Prefilled by a prefill worker", "unit": "requests/s"},
 }
 
 
@@ -67,6 +72,16 @@ CPU_NOTE = (
     "CPU time): an idle worker reads high when its cores are shared"
 )
 
+# What the router's per-request decisions and the workers' reports on them mean (README, router section).
+PREFILL_WHERE_NOTE = (
+    "a decode worker prefills a prompt itself when few of its tokens are left to compute or the prefill "
+    "workers' queue would be slower (the deployment's local prefill tokens); remote otherwise"
+)
+PROMPT_CACHED_NOTE = (
+    "share of the finished requests' prompt tokens that came from a worker's prefix cache, as the workers "
+    "reported them (what clients get as usage.prompt_tokens_details.cached_tokens)"
+)
+
 # The charts of the metrics page, in order. `source`: "router" (one line per field of the router's
 # series), "role" (one line per role, or per worker when the page's toggle says so and the chart has
 # `per_worker`), "worker" (one line per worker, always). `needs_gpu`: a chart that only GPU workers fill, which
@@ -79,6 +94,10 @@ CHARTS: list[dict[str, Any]] = [
     _chart("error_rate", "Error rate (failed / all requests)", "ratio", "router", ["error_rate"]),
     _chart("rejected", "Requests and 429s per second", "requests/s", "router", ["requests_per_s", "rejected_per_s"]),
     _chart("router_queue", "Router queue and in flight", "requests", "router", ["queued", "inflight", "decode_slots"]),
+    _chart("prefill_where", "Where prompts are prefilled", "requests/s", "router",
+           ["local_prefills_per_s", "remote_prefills_per_s"], note=PREFILL_WHERE_NOTE),
+    _chart("prompt_cached", "Prompt tokens no worker computed", "ratio", "router", ["prompt_cached_ratio"],
+           note=PROMPT_CACHED_NOTE),
     _chart("request_share", "Share of requests per worker", "ratio", "worker", ["request_share"]),
     _chart("load", "Load", "ratio", "role", ["load"], per_worker=True),
     _chart("ttft", "Time to first token (workers)", "s", "role", ["ttft_s"], per_worker=True),

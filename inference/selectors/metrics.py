@@ -24,7 +24,12 @@ from inference.selectors import worker_series
 from inference.selectors.charts import CHARTS, ROUTER_FIELDS, SERIES_FIELDS, WORKER_FIELDS
 
 # Router fields that add up over several routers of a deployment (the others: the worst router's).
-_ROUTER_SUMS = {"requests_per_s", "rejected_per_s", "tokens_per_s", "inflight", "queued", "decode_slots"}
+_ROUTER_SUMS = {
+    "requests_per_s", "rejected_per_s", "tokens_per_s", "inflight", "queued", "decode_slots",
+    "prompt_tokens_per_s", "cached_prompt_tokens_per_s", "local_prefills_per_s", "remote_prefills_per_s",
+}
+# Ratios of several routers: weighted by the rate they are a share of (a field of the same row).
+_ROUTER_WEIGHTED = {"prompt_cached_ratio": "prompt_tokens_per_s"}
 
 
 class InvalidQuery(ValueError):
@@ -68,7 +73,8 @@ def _columns(rows: list[tuple[Any, ...]], fields: Sequence[str], since: datetime
 
 def _merge_routers(rows: Iterable[tuple[Any, ...]], fields: Sequence[str]) -> list[tuple[Any, ...]]:
     """One row per timestamp from the samples of several routers (rows (at, requests_per_s, *fields)):
-    rates and gauges add up, the error rate is weighted by requests, latencies are the worst router's."""
+    rates and gauges add up, the error rate is weighted by requests and the cached share of prompt tokens
+    by prompt tokens, latencies are the worst router's."""
     by_time: dict[datetime, list[tuple[Any, ...]]] = {}
     for row in rows:
         by_time.setdefault(row[0], []).append(row)
@@ -85,8 +91,9 @@ def _merge_routers(rows: Iterable[tuple[Any, ...]], fields: Sequence[str]) -> li
                 point.append(None)
             elif field in _ROUTER_SUMS:
                 point.append(sum(values))
-            elif field == "error_rate":
-                weighted = [(r[column], r[1] or 0.0) for r in group if r[column] is not None]
+            elif field == "error_rate" or field in _ROUTER_WEIGHTED:
+                by = 1 if field == "error_rate" else 2 + list(fields).index(_ROUTER_WEIGHTED[field])
+                weighted = [(r[column], r[by] or 0.0) for r in group if r[column] is not None]
                 total = sum(w for _, w in weighted)
                 point.append(sum(v * w for v, w in weighted) / total if total else max(values))
             else:

@@ -207,6 +207,10 @@ def _assert_charts(browser: BrowserSession, payload: dict[str, Any], workers: li
     errors = _values(charts["error_rate"], "Error rate (failed / all)")
     assert errors == pytest.approx([1 / (OK_REQUESTS + 1)]), errors
     assert _values(charts["rejected"], "Rejected (429)") == [0.0]
+    # Where prompts were prefilled: each by a prefill worker (the deployment has no local prefill).
+    remote = _values(charts["prefill_where"], "Prefilled by a prefill worker")
+    assert remote and remote[0] > 0, remote
+    assert _values(charts["prefill_where"], "Prefilled on the decode worker") == [0.0]
     # Per worker: each stand-in took half of its role's requests (round robin; the failed request
     # tried both decode workers), and reported its load.
     share = charts["request_share"]

@@ -68,6 +68,11 @@ def test_router_changes_from_a_real_router_registry() -> None:
     for url, n in (("http://d1:1", 6), ("http://d2:2", 2)):
         metrics.selections.labels("decode", url).inc(n)
     metrics.selections.labels("prefill", "http://p1:1").inc(8)
+    # 1,000 prompt tokens finished, 600 of them cached; 6 prompts prefilled remotely, 2 on decode workers.
+    metrics.prompt_tokens.inc(1000)
+    metrics.cached_prompt_tokens.inc(600)
+    metrics.prefill_where.labels("remote").inc(6)
+    metrics.prefill_where.labels("local").inc(2)
     after = _state(metrics, 1010.0)
     json.dumps(after)  # stored as JSON between scrapes
 
@@ -88,12 +93,21 @@ def test_router_changes_from_a_real_router_registry() -> None:
         "decode": {"http://d1:1": 0.75, "http://d2:2": 0.25}, "prefill": {"http://p1:1": 1.0},
     }
     assert after["gauges"] == {"inflight": 3.0, "queued": 1.0, "decode_slots": 8.0}
+    assert changes["prompt_tokens_per_s"] == pytest.approx(100.0)
+    assert changes["cached_prompt_tokens_per_s"] == pytest.approx(60.0)
+    assert changes["prompt_cached_ratio"] == pytest.approx(0.6)
+    assert (changes["remote_prefills_per_s"], changes["local_prefills_per_s"]) == pytest.approx((0.6, 0.2))
 
     # Nothing since: rates 0, no error rate and no quantiles (nothing finished or observed).
     idle = exposition.router_changes(after, {**after, "at": 1015.0})
     assert idle is not None
     assert (idle["requests_per_s"], idle["rejected_per_s"], idle["error_rate"]) == (0.0, 0.0, None)
     assert idle["dispatch_p50_s"] is None
+    assert idle["prompt_cached_ratio"] is None and idle["local_prefills_per_s"] == 0.0
+    # A scrape stored before the prompt-token and prefill-where series existed reads them as absent.
+    legacy = {k: v for k, v in after.items() if k not in ("prompt_tokens", "cached_prompt_tokens", "prefill_where")}
+    from_legacy = exposition.router_changes(legacy, {**after, "at": 1020.0})
+    assert from_legacy is not None and from_legacy["prompt_tokens_per_s"] == pytest.approx(100.0)
 
     # No previous scrape, or no time between them: no deltas.
     assert exposition.router_changes(None, after) is None
@@ -304,6 +318,15 @@ def test_collect_after_a_burst_on_real_workers(real_cluster: dict[str, Any]) -> 
     assert sample.dispatch_p50_s is not None and sample.queue_wait_p90_s is not None
     assert sample.ttft_p90_s is not None and sample.itl_p50_s is not None and sample.itl_p90_s is not None
     assert sample.worker_share == {"prefill": {real_cluster["prefill"]: 1.0}, "decode": {real_cluster["decode"]: 1.0}}
+    # Every answered request was prefilled by the prefill worker (no local prefill configured), and its
+    # prompt tokens counted with the cached share the workers reported.
+    answered = codes.count(200)
+    assert sample.remote_prefills_per_s is not None  # a retried prompt is counted again
+    assert sample.remote_prefills_per_s * sample.interval_s == pytest.approx(answered) or \
+        sample.remote_prefills_per_s * sample.interval_s > answered
+    assert sample.local_prefills_per_s == 0.0
+    assert sample.prompt_tokens_per_s and sample.prompt_tokens_per_s > 0
+    assert sample.prompt_cached_ratio is not None and 0.0 <= sample.prompt_cached_ratio < 1.0
 
     for worker in (prefill, decode):
         latest = WorkerSample.objects.filter(worker_id=worker.pk).order_by("-at").first()

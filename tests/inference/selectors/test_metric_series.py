@@ -119,9 +119,13 @@ def test_router_series_and_several_routers_merged() -> None:
     # Two routers scraped at the same moment: rates add up, the error rate is weighted by requests,
     # latencies are the worse router's.
     RouterSample.objects.create(deployment=deployment, router=first, at=now, requests_per_s=3.0, error_rate=0.0,
-                                rejected_per_s=1.0, dispatch_p50_s=0.001, dispatch_p90_s=0.002, ttft_p90_s=0.8)
+                                rejected_per_s=1.0, dispatch_p50_s=0.001, dispatch_p90_s=0.002, ttft_p90_s=0.8,
+                                prompt_tokens_per_s=300.0, prompt_cached_ratio=0.9, local_prefills_per_s=2.0,
+                                remote_prefills_per_s=1.0)
     RouterSample.objects.create(deployment=deployment, router=second, at=now, requests_per_s=1.0, error_rate=1.0,
-                                rejected_per_s=0.0, dispatch_p50_s=0.003, dispatch_p90_s=0.009, ttft_p90_s=None)
+                                rejected_per_s=0.0, dispatch_p50_s=0.003, dispatch_p90_s=0.009, ttft_p90_s=None,
+                                prompt_tokens_per_s=100.0, prompt_cached_ratio=0.1, local_prefills_per_s=0.0,
+                                remote_prefills_per_s=1.0)
     data = metric_selectors.deployment_metric_series(deployment, timedelta(minutes=5))
     router = data["router"]
     assert router["t"] == [int(earlier.timestamp() * 1000), int(now.timestamp() * 1000)]
@@ -131,6 +135,10 @@ def test_router_series_and_several_routers_merged() -> None:
     assert router["dispatch_p90_s"] == [0.004, 0.009]
     assert router["ttft_p90_s"] == [None, 0.8]
     assert router["queued"] == [2, None]
+    # The cached share of prompt tokens is weighted by each router's prompt tokens: (300 × 0.9 + 100 × 0.1) / 400.
+    assert router["prompt_cached_ratio"][0] is None and router["prompt_cached_ratio"][1] == pytest.approx(0.7)
+    assert router["prompt_tokens_per_s"] == [None, 400.0]
+    assert router["local_prefills_per_s"] == [None, 2.0] and router["remote_prefills_per_s"] == [None, 2.0]
     assert set(charts.ROUTER_FIELDS) <= set(router)
 
 
