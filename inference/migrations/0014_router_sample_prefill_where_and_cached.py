@@ -13,7 +13,9 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='routersample',
             name='cached_prompt_tokens_per_s',
-            field=models.FloatField(blank=True, help_text="of which no worker computed (the workers' reported cached tokens)", null=True),
+            field=models.FloatField(
+                blank=True, help_text="of which no worker computed (the workers' reported cached tokens)", null=True
+            ),
         ),
         migrations.AddField(
             model_name='routersample',
@@ -23,7 +25,9 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='routersample',
             name='prompt_cached_ratio',
-            field=models.FloatField(blank=True, help_text='cached / all prompt tokens of the requests finished (None: none)', null=True),
+            field=models.FloatField(
+                blank=True, help_text='cached / all prompt tokens of the requests finished (None: none)', null=True
+            ),
         ),
         migrations.AddField(
             model_name='routersample',
