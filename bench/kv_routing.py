@@ -60,6 +60,11 @@ Variant = tuple[str, str, dict[str, str], dict[str, str], list[str]]
 # A prefill step budget of 256 prompt tokens (`-b256`): a burst of prompts is admitted a few at a time,
 # decode steps between, so their first tokens come in turn instead of all after one long step.
 B256 = ["--max-num-batched-tokens", "256"]
+# Mixed prefill with the learned step-cost budget (`-mixed`: the README's flags for workers that prefill and
+# decode, tuned on the serving tails): prompt tokens run inside decode steps, as many as keep a step within
+# 2x a decode step, so a burst's first tokens come in turn and streams keep their pace. Only a decode worker
+# that prefills locally has both; on prefill workers and decode-only workers it changes nothing.
+MIXED = ["--mixed-prefill", "--mixed-step-target", "auto"]
 VARIANTS: tuple[Variant, ...] = (
     ("round-robin", "round-robin", {}, {}, []),
     ("round-robin-b256", "round-robin", {}, {}, B256),
@@ -69,6 +74,7 @@ VARIANTS: tuple[Variant, ...] = (
     ("kv-aware-sticky", "kv-aware", {"ROUTER_KV_REMOTE_DECODE_SHARE": "1"}, {}, []),
     ("kv-aware+local", "kv-aware", {"ROUTER_LOCAL_PREFILL_TOKENS": "128"}, {}, []),
     ("kv-aware+local-b256", "kv-aware", {"ROUTER_LOCAL_PREFILL_TOKENS": "128"}, {}, B256),
+    ("kv-aware+local-mixed", "kv-aware", {"ROUTER_LOCAL_PREFILL_TOKENS": "128"}, {}, MIXED),
     # The decode workers counting a prompt's tokens to compute at receipt only (before pending_prefix.py):
     # a burst's cold first turns all look whole.
     ("kv-aware+local-receipt", "kv-aware", {"ROUTER_LOCAL_PREFILL_TOKENS": "128"},
@@ -461,6 +467,12 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_p50_rr_b256_over_local_b256": ratio(rr_b.get("ttft_p50_s"), local_b.get("ttft_p50_s")),
         "ttft_p90_rr_b256_over_local_b256": ratio(rr_b.get("ttft_p90_s"), local_b.get("ttft_p90_s")),
         "tok_s_local_b256_over_rr_b256": ratio(local_b.get("output_tok_s"), rr_b.get("output_tok_s")),
+    })
+    mixed = rows.get("kv-aware+local-mixed", empty)
+    comparison.update({  # mixed prefill with the step-cost budget on every worker, against round-robin as it is
+        "ttft_p50_rr_over_local_mixed": ratio(rr.get("ttft_p50_s"), mixed.get("ttft_p50_s")),
+        "ttft_p90_rr_over_local_mixed": ratio(rr.get("ttft_p90_s"), mixed.get("ttft_p90_s")),
+        "tok_s_local_mixed_over_rr": ratio(mixed.get("output_tok_s"), rr.get("output_tok_s")),
     })
     print_header("KV-aware routing vs round-robin: multi-turn chat, 2 prefill + 2 decode")
     headers = ["variant", "prefill hit ratio", "decode hit ratio",
