@@ -7,13 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
+from types import FrameType
 
 import uvicorn
 
 from inference.server.args import parse_args
 from inference.server.errors import StartupError
 from inference.server.flow import bounded_http_protocol
+
+
+def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
+    """Exit as a process killed by `signum` is reported (128 + signum), running the exit handlers."""
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         timeout_graceful_shutdown=5, http=http,
     )
     server = uvicorn.Server(config)
+    # uvicorn re-raises the SIGTERM it shut down on, with the handler it found: the default one would kill
+    # the process without running its exit handlers, and the KV pool's claim in the host's registry
+    # (host_memory.py) would outlive the worker until another worker pruned it.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         server.run()
     except OSError as exc:
