@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import deque
 from collections.abc import Set
 from dataclasses import dataclass, field
@@ -28,8 +29,8 @@ class SchedulerOutput:
 class StepPlan(tuple[int, int, int]):
     """A step's plan in numbers: (prompt tokens, prefill sequences, decode sequences), a plain 3-tuple
     to compare, plus what the step log needs to say where a tail came from: `rule`, the rule that set a
-    mixed step's prompt budget ("fixed", "queue", "burst", "cost", "cost-fallback"; "" outside mixed
-    steps), and `waiting`, the prompts waiting when the step was planned."""
+    mixed step's prompt budget ("fixed", "queue", "burst", "cost", "cost-fallback", "cost-wait"; ""
+    outside mixed steps), and `waiting`, the prompts waiting when the step was planned."""
 
     rule: str
     waiting: int
@@ -152,6 +153,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence for prefill."""
         seq.status = SequenceStatus.WAITING
+        seq.queued_at = time.monotonic()
         self.waiting.append(seq)
 
     def add_ready(self, seq: Sequence) -> None:
@@ -227,17 +229,19 @@ class Scheduler:
         prompt tokens per row when that is more (up to `mixed_queue_scale` budgets), or all of them (up
         to `mixed_burst_tokens`) when more prompts wait than rows run; the waiting tokens counted
         after their cached prefixes. With `step_budget`, once it knows the step cost, what keeps a
-        step beside `rows` rows within its time target replaces the first two (a burst still goes
-        whole)."""
+        step beside `rows` rows within its time target, or within the oldest waiting prompt's wait
+        where that is longer (step_cost.py), replaces the first two (a burst still goes whole)."""
         budget = self.max_num_batched_tokens
         if not self.waiting:
             return budget  # no prompt to take: a decode-only step (no rule in the step log)
         burst = self.mixed_burst_tokens > 0 and len(self.waiting) > rows
         if self.step_budget is not None and rows and not burst:
             # The measured cost decides (no queue scaling: a deep queue's larger steps were the tails).
-            measured = self.step_budget.tokens(rows)
+            waited = time.monotonic() - min(seq.queued_at for seq in self.waiting)
+            measured = self.step_budget.tokens(rows, waited)
             if measured is not None:
-                self._rule = "cost-fallback" if self.step_budget.fell_back else "cost"
+                sb = self.step_budget
+                self._rule = "cost-wait" if sb.waited else "cost-fallback" if sb.fell_back else "cost"
                 return measured
         self._rule = "fixed"
         if not burst and self.mixed_queue_scale <= 1:
@@ -439,5 +443,6 @@ class Scheduler:
         seq.block_ids = []
         seq.num_cached = 0
         seq.status = SequenceStatus.WAITING
+        seq.queued_at = time.monotonic()
         self.waiting.appendleft(seq)
         out.preempted.append(seq)

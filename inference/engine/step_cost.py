@@ -32,6 +32,17 @@ against vllm serve's ITL p99 of 132 ms, while the fit waited for its fourth deco
 fit of three predicted those steps within 5 %: fifteenth session). Steps with more prompt tokens than
 `cap` (bursts, taken whole by the scheduler's burst rule) are not fitted: a large GEMM's cost per
 token is lower than a small chunk's, and the fit is for the steps it decides.
+
+A prompt's wait. The target protects the running streams' next token; a prompt that waits meanwhile
+pays for it in its first token, and TTFT p99 is the slowest of a few dozen first tokens where ITL p99
+is the 99th percentile of thousands of gaps. So the step may also take `WAIT_SHARE` of the time the
+oldest waiting prompt has already waited for its first token where that is longer than the target (up
+to `cap`): no stream is held longer than half that prompt's wait. A prompt that arrived during the last
+step changes nothing; one fed a few dozen tokens a step gets steps that grow with its wait, and the
+prompts left behind a burst step (seconds) get the cap. On the AMX Xeon at 512 in / 128 out the
+target gave 47-71 tokens a step beside 5-7 streams, 9 steps (1 s) a 512-token prompt, and the third
+prompt left behind the opening burst had its first token 4.7 s after the wave began, against vllm
+serve's TTFT p99 of 2.5 s (docs/benchmarks.md, "Tails against vllm serve, seventeenth session").
 """
 from __future__ import annotations
 
@@ -52,6 +63,11 @@ MIN_PROMPT_SAMPLES = 1  # steps with prompt tokens before the budget is used
 # mixed steps fell back to the fixed 64 tokens (145-184 ms; ITL p99 148 ms) where 2x took 22-29 tokens
 # a step (88 ms mean; ITL p99 103 ms): docs/benchmarks.md, "Tails against vllm serve, fifteenth session".
 AUTO_FACTOR = 2.0
+# A mixed step may take this share of the oldest waiting prompt's wait where that is longer than the
+# target (module docstring, "A prompt's wait"). Half: behind a burst the oldest prompt has waited
+# seconds, and half of that already reaches the cap; a prompt arriving beside running streams has to
+# wait two targets' worth before its steps grow, so they rarely do in steady state.
+WAIT_SHARE = 0.5
 # The workers' --mixed-step-target unless told otherwise.
 DEFAULT_MIXED_STEP_TARGET = "off"
 TARGET_FORMS = "off, auto, <k>x (k > 1: k decode-only steps of the running rows) or <ms>ms"
@@ -167,16 +183,16 @@ class StepCostModel:
         pro = self._prompt.coefficients()
         return None if pro is None else base + max(0.0, pro[0] + pro[1] * tokens)
 
-    def tokens_within(self, rows: int, target: StepTarget) -> float | None:
-        """Prompt tokens a step of `rows` rows may carry to stay within `target` (may be < 0: the rows
-        alone take longer); None until both fits have enough samples or while a prompt token looks
-        free (the fit cannot price it yet)."""
+    def tokens_within(self, rows: int, target: StepTarget, at_least_s: float = 0.0) -> float | None:
+        """Prompt tokens a step of `rows` rows may carry to stay within `target`, or within `at_least_s`
+        seconds where that is longer (may be < 0: the rows alone take longer); None until both fits
+        have enough samples or while a prompt token looks free (the fit cannot price it yet)."""
         if self._decode.n < MIN_DECODE_SAMPLES or self._prompt.n < MIN_PROMPT_SAMPLES:
             return None
         base, pro = self.predict(rows, 0), self._prompt.coefficients()
         if base is None or pro is None or pro[1] <= 0:
             return None
-        return (target.seconds(base) - base - max(0.0, pro[0])) / pro[1]
+        return (max(target.seconds(base), at_least_s) - base - max(0.0, pro[0])) / pro[1]
 
 
 class MixedStepBudget:
@@ -194,6 +210,7 @@ class MixedStepBudget:
         self.fallback = max(floor, min(cap, fallback or floor))
         self.model = model or StepCostModel()
         self.fell_back = False  # the last `tokens` gave the fallback (no step could meet the target)
+        self.waited = False  # the last `tokens` gave more than the target for a prompt's wait (WAIT_SHARE)
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
         """A step ran (`rows` decode rows, `tokens` prompt tokens, `seconds`): fit it unless it was a
@@ -201,12 +218,20 @@ class MixedStepBudget:
         if (rows or tokens) and tokens <= self.cap:
             self.model.observe(rows, tokens, seconds)
 
-    def tokens(self, rows: int) -> int | None:
-        """The budget of a mixed step beside `rows` decode rows; None while the cost is unknown (the
-        scheduler keeps its fixed budget)."""
+    def tokens(self, rows: int, waited_s: float = 0.0) -> int | None:
+        """The budget of a mixed step beside `rows` decode rows when the oldest waiting prompt has waited
+        `waited_s` seconds for its first token (module docstring: the step may take `WAIT_SHARE` of
+        that wait where it is longer than the target); None while the cost is unknown (the scheduler
+        keeps its fixed budget)."""
         room = self.model.tokens_within(rows, self.target)
         if room is None:
             return None
         tokens = round(room)  # the fit is coarser than half a token
         self.fell_back = tokens < self.floor
-        return self.fallback if self.fell_back else min(self.cap, tokens)
+        budget = self.fallback if self.fell_back else min(self.cap, tokens)
+        aged = self.model.tokens_within(rows, self.target, WAIT_SHARE * waited_s) if waited_s > 0 else None
+        self.waited = aged is not None and min(self.cap, round(aged)) > budget
+        if self.waited and aged is not None:
+            self.fell_back = False
+            return min(self.cap, round(aged))
+        return budget
