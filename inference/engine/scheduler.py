@@ -229,19 +229,23 @@ class Scheduler:
         prompt tokens per row when that is more (up to `mixed_queue_scale` budgets), or all of them (up
         to `mixed_burst_tokens`) when more prompts wait than rows run; the waiting tokens counted
         after their cached prefixes. With `step_budget`, once it knows the step cost, what keeps a
-        step beside `rows` rows within its time target, or within the oldest waiting prompt's wait
-        where that is longer (step_cost.py), replaces the first two (a burst still goes whole)."""
+        step beside `rows` rows within its time target replaces the first two (a burst still goes
+        whole, and so do the waiting prompts once the oldest is overdue: step_cost.py)."""
         budget = self.max_num_batched_tokens
         if not self.waiting:
             return budget  # no prompt to take: a decode-only step (no rule in the step log)
         burst = self.mixed_burst_tokens > 0 and len(self.waiting) > rows
         if self.step_budget is not None and rows and not burst:
             # The measured cost decides (no queue scaling: a deep queue's larger steps were the tails).
-            waited = time.monotonic() - min(seq.queued_at for seq in self.waiting)
-            measured = self.step_budget.tokens(rows, waited)
+            measured = self.step_budget.tokens(rows)
             if measured is not None:
-                sb = self.step_budget
-                self._rule = "cost-wait" if sb.waited else "cost-fallback" if sb.fell_back else "cost"
+                waited = time.monotonic() - min(seq.queued_at for seq in self.waiting)
+                if self.step_budget.overdue(rows, waited):
+                    # The waiting prompts whole, in one step beside the rows (step_cost.py, "A prompt's wait").
+                    self._rule = "cost-wait"
+                    queued = sum(self._uncached_tokens(seq) for seq in self.waiting)
+                    return max(measured, min(queued, max(self.mixed_burst_tokens, self.step_budget.cap)))
+                self._rule = "cost-fallback" if self.step_budget.fell_back else "cost"
                 return measured
         self._rule = "fixed"
         if not burst and self.mixed_queue_scale <= 1:
@@ -265,6 +269,7 @@ class Scheduler:
     def requeue_partial(self, seq: Sequence) -> None:
         """A chunk of `seq`'s prefill ran: it continues first at the next prefill step (keeping its blocks)."""
         seq.status = SequenceStatus.WAITING
+        seq.queued_at = time.monotonic()  # it progressed: its wait (for the overdue rule) starts again
         self.waiting.appendleft(seq)
 
     def _admit(self, out: SchedulerOutput, limit: int | None = None) -> None:

@@ -78,8 +78,8 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     # Chunked prefill: tokens to compute in this step when fewer than all the uncached ones (0: all).
     chunk: int = 0
-    # `time.monotonic()` when it joined the waiting queue (added, or preempted to be recomputed); its
-    # chunks keep it: how long it has waited for its next token (the mixed step budget's wait rule).
+    # `time.monotonic()` when it last joined the waiting queue (added, preempted, or after a chunk of its
+    # prompt ran): how long it has waited without progress (the mixed step budget's overdue rule).
     queued_at: float = 0.0
     # Outputs not yet reported (tokens and text since the last RequestOutput).
     pending_token_ids: list[int] = field(default_factory=list)

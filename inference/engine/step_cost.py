@@ -34,15 +34,19 @@ fit of three predicted those steps within 5 %: fifteenth session). Steps with mo
 token is lower than a small chunk's, and the fit is for the steps it decides.
 
 A prompt's wait. The target protects the running streams' next token; a prompt that waits meanwhile
-pays for it in its first token, and TTFT p99 is the slowest of a few dozen first tokens where ITL p99
-is the 99th percentile of thousands of gaps. So the step may also take `WAIT_SHARE` of the time the
-oldest waiting prompt has already waited for its first token where that is longer than the target (up
-to `cap`): no stream is held longer than half that prompt's wait. A prompt that arrived during the last
-step changes nothing; one fed a few dozen tokens a step gets steps that grow with its wait, and the
-prompts left behind a burst step (seconds) get the cap. On the AMX Xeon at 512 in / 128 out the
-target gave 47-71 tokens a step beside 5-7 streams, 9 steps (1 s) a 512-token prompt, and the third
-prompt left behind the opening burst had its first token 4.7 s after the wave began, against vllm
-serve's TTFT p99 of 2.5 s (docs/benchmarks.md, "Tails against vllm serve, seventeenth session").
+pays for it in its first token, and TTFT p99 is the slowest of a few dozen first tokens. Once a waiting
+prompt has gone more than `OVERDUE_TARGETS` target steps without progress (since it was queued, or
+since its last chunk ran), the scheduler takes the waiting prompts whole in the next step (up to its
+burst cap), as it does a burst. Why whole rather than larger
+steps: ITL p99 counts gaps, and a step beside `r` streams gives `r` of them; the same prompt tokens
+in one step cost each stream one long gap, spread over several steps each stream several gaps, and
+the first version of this rule, steps growing with the wait up to 8 budgets, put 512-token steps of
+0.3-0.5 s beside 4-7 streams, the top 1 % of the gaps (ITL p99 1.33x and 1.66x vllm serve's on a busy
+AMX Xeon at 512 in / 128 out). A prompt that the target feeds a chunk every step is never overdue, nor
+is one that arrives during a step and goes in the next; the prompts left behind a burst step, which
+waited seconds, are: on that Xeon at 512 in / 128 out the target fed them 47-71 tokens a step beside
+5-7 streams, and the last had its first token about 5 s after the wave began against vllm serve's
+TTFT p99 of 2.5 s (docs/benchmarks.md, "Tails against vllm serve, seventeenth session").
 """
 from __future__ import annotations
 
@@ -63,11 +67,9 @@ MIN_PROMPT_SAMPLES = 1  # steps with prompt tokens before the budget is used
 # mixed steps fell back to the fixed 64 tokens (145-184 ms; ITL p99 148 ms) where 2x took 22-29 tokens
 # a step (88 ms mean; ITL p99 103 ms): docs/benchmarks.md, "Tails against vllm serve, fifteenth session".
 AUTO_FACTOR = 2.0
-# A mixed step may take this share of the oldest waiting prompt's wait where that is longer than the
-# target (module docstring, "A prompt's wait"). Half: behind a burst the oldest prompt has waited
-# seconds, and half of that already reaches the cap; a prompt arriving beside running streams has to
-# wait two targets' worth before its steps grow, so they rarely do in steady state.
-WAIT_SHARE = 0.5
+# A waiting prompt is overdue after this many target steps without progress (module docstring, "A
+# prompt's wait"): one fed a chunk every step never is; one left behind a burst step is.
+OVERDUE_TARGETS = 2.0
 # The workers' --mixed-step-target unless told otherwise.
 DEFAULT_MIXED_STEP_TARGET = "off"
 TARGET_FORMS = "off, auto, <k>x (k > 1: k decode-only steps of the running rows) or <ms>ms"
@@ -183,16 +185,16 @@ class StepCostModel:
         pro = self._prompt.coefficients()
         return None if pro is None else base + max(0.0, pro[0] + pro[1] * tokens)
 
-    def tokens_within(self, rows: int, target: StepTarget, at_least_s: float = 0.0) -> float | None:
-        """Prompt tokens a step of `rows` rows may carry to stay within `target`, or within `at_least_s`
-        seconds where that is longer (may be < 0: the rows alone take longer); None until both fits
-        have enough samples or while a prompt token looks free (the fit cannot price it yet)."""
+    def tokens_within(self, rows: int, target: StepTarget) -> float | None:
+        """Prompt tokens a step of `rows` rows may carry to stay within `target` (may be < 0: the rows
+        alone take longer); None until both fits have enough samples or while a prompt token looks
+        free (the fit cannot price it yet)."""
         if self._decode.n < MIN_DECODE_SAMPLES or self._prompt.n < MIN_PROMPT_SAMPLES:
             return None
         base, pro = self.predict(rows, 0), self._prompt.coefficients()
         if base is None or pro is None or pro[1] <= 0:
             return None
-        return (max(target.seconds(base), at_least_s) - base - max(0.0, pro[0])) / pro[1]
+        return (target.seconds(base) - base - max(0.0, pro[0])) / pro[1]
 
 
 class MixedStepBudget:
@@ -210,7 +212,6 @@ class MixedStepBudget:
         self.fallback = max(floor, min(cap, fallback or floor))
         self.model = model or StepCostModel()
         self.fell_back = False  # the last `tokens` gave the fallback (no step could meet the target)
-        self.waited = False  # the last `tokens` gave more than the target for a prompt's wait (WAIT_SHARE)
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
         """A step ran (`rows` decode rows, `tokens` prompt tokens, `seconds`): fit it unless it was a
@@ -218,20 +219,19 @@ class MixedStepBudget:
         if (rows or tokens) and tokens <= self.cap:
             self.model.observe(rows, tokens, seconds)
 
-    def tokens(self, rows: int, waited_s: float = 0.0) -> int | None:
-        """The budget of a mixed step beside `rows` decode rows when the oldest waiting prompt has waited
-        `waited_s` seconds for its first token (module docstring: the step may take `WAIT_SHARE` of
-        that wait where it is longer than the target); None while the cost is unknown (the scheduler
-        keeps its fixed budget)."""
+    def tokens(self, rows: int) -> int | None:
+        """The budget of a mixed step beside `rows` decode rows; None while the cost is unknown (the
+        scheduler keeps its fixed budget)."""
         room = self.model.tokens_within(rows, self.target)
         if room is None:
             return None
         tokens = round(room)  # the fit is coarser than half a token
         self.fell_back = tokens < self.floor
-        budget = self.fallback if self.fell_back else min(self.cap, tokens)
-        aged = self.model.tokens_within(rows, self.target, WAIT_SHARE * waited_s) if waited_s > 0 else None
-        self.waited = aged is not None and min(self.cap, round(aged)) > budget
-        if self.waited and aged is not None:
-            self.fell_back = False
-            return min(self.cap, round(aged))
-        return budget
+        return self.fallback if self.fell_back else min(self.cap, tokens)
+
+    def overdue(self, rows: int, waited_s: float) -> bool:
+        """Whether a prompt that has waited `waited_s` seconds without progress beside `rows` decode rows
+        has waited more than `OVERDUE_TARGETS` target steps (module docstring: the scheduler then takes
+        the waiting prompts whole); False while the decode cost is unknown."""
+        base = self.model.predict(rows, 0)
+        return base is not None and waited_s > OVERDUE_TARGETS * self.target.seconds(base)
