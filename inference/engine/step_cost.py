@@ -41,7 +41,7 @@ burst cap), as it does a burst. Why whole rather than larger
 steps: ITL p99 counts gaps, and a step beside `r` streams gives `r` of them; the same prompt tokens
 in one step cost each stream one long gap, spread over several steps each stream several gaps, and
 the first version of this rule, steps growing with the wait up to 8 budgets, put 512-token steps of
-0.3-0.5 s beside 4-7 streams, the top 1 % of the gaps (ITL p99 1.33x and 1.66x vllm serve's on a busy
+0.3-0.5 s beside 4-7 streams, the top 1 % of the gaps (ITL p99 1.16-1.66x vllm serve's on a busy
 AMX Xeon at 512 in / 128 out). A prompt that the target feeds a chunk every step is never overdue, nor
 is one that arrives during a step and goes in the next; the prompts left behind a burst step, which
 waited seconds, are: on that Xeon at 512 in / 128 out the target fed them 47-71 tokens a step beside
