@@ -85,6 +85,10 @@ void configure() {
     cfg.colsb[t] = 64;
     cfg.rows[t] = 16;
   }
+  // GCC does not model ldtilecfg as reading the struct: inlined into a caller that reuses the stack slot,
+  // it dropped the colsb / rows stores as dead (a development variant: every tile had 0 rows, SIGILL at
+  // the first tile instruction). The barrier makes the stores happen before the load.
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
