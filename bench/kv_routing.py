@@ -75,6 +75,10 @@ VARIANTS: tuple[Variant, ...] = (
     ("kv-aware+local", "kv-aware", {"ROUTER_LOCAL_PREFILL_TOKENS": "128"}, {}, []),
     ("kv-aware+local-b256", "kv-aware", {"ROUTER_LOCAL_PREFILL_TOKENS": "128"}, {}, B256),
     ("kv-aware+local-mixed", "kv-aware", {"ROUTER_LOCAL_PREFILL_TOKENS": "128"}, {}, MIXED),
+    # Every worker prefilling a wave of prompts in one step, as before scheduler.PREFILL_WAVE_STEPS (A/B).
+    ("round-robin-wave1", "round-robin", {}, {"ENGINE_PREFILL_WAVE_STEPS": "1"}, []),
+    ("kv-aware+local-wave1", "kv-aware", {"ROUTER_LOCAL_PREFILL_TOKENS": "128"}, {"ENGINE_PREFILL_WAVE_STEPS": "1"},
+     []),
     # The decode workers counting a prompt's tokens to compute at receipt only (before pending_prefix.py):
     # a burst's cold first turns all look whole.
     ("kv-aware+local-receipt", "kv-aware", {"ROUTER_LOCAL_PREFILL_TOKENS": "128"},
@@ -467,6 +471,12 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_p50_rr_b256_over_local_b256": ratio(rr_b.get("ttft_p50_s"), local_b.get("ttft_p50_s")),
         "ttft_p90_rr_b256_over_local_b256": ratio(rr_b.get("ttft_p90_s"), local_b.get("ttft_p90_s")),
         "tok_s_local_b256_over_rr_b256": ratio(local_b.get("output_tok_s"), rr_b.get("output_tok_s")),
+    })
+    rr_1, local_1 = rows.get("round-robin-wave1", empty), rows.get("kv-aware+local-wave1", empty)
+    comparison.update({  # a wave of prompts in one prefill step on every worker (before the wave rule)
+        "ttft_p50_rr_wave1_over_local_wave1": ratio(rr_1.get("ttft_p50_s"), local_1.get("ttft_p50_s")),
+        "ttft_p90_rr_wave1_over_local_wave1": ratio(rr_1.get("ttft_p90_s"), local_1.get("ttft_p90_s")),
+        "tok_s_local_wave1_over_rr_wave1": ratio(local_1.get("output_tok_s"), rr_1.get("output_tok_s")),
     })
     mixed = rows.get("kv-aware+local-mixed", empty)
     comparison.update({  # mixed prefill with the step-cost budget on every worker, against round-robin as it is

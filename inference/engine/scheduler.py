@@ -1,6 +1,7 @@
 """Continuous-batching scheduler: which sequences run in the next forward pass."""
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -69,6 +70,31 @@ MIXED_BURST_TOKENS = 2048
 MIXED_BURST_ENV = "ENGINE_MIXED_BURST_TOKENS"
 
 
+# A prefill step (without mixed prefill) takes a wave of waiting prompts in about this many steps, of at
+# least `PREFILL_WAVE_MIN_TOKENS` prompt tokens each (never more than `max_num_batched_tokens`), instead of
+# all of it in one step: their first tokens then come in turn, with decode steps between (chunked
+# prefill). A decode worker whose conversations finished together (a wave of next turns, 14-16 prompts of
+# ~80 new tokens) otherwise gave every one of them the whole wave's step as its TTFT, and the next wave
+# arrived as one again (multi-turn on the AMX Xeon: TTFT p50 / p90 2.61-4.63x / 1.94-2.28x round-robin's
+# with 256-token steps against 1.63-2.27x / 1.20-1.90x in one step; docs/benchmarks.md, "Seventeenth
+# session: multi-turn"). A lone prompt keeps the whole budget. 1: off (the env switch below overrides it).
+PREFILL_WAVE_STEPS = 4
+PREFILL_WAVE_MIN_TOKENS = 256
+PREFILL_WAVE_ENV = "ENGINE_PREFILL_WAVE_STEPS"
+
+
+def prefill_wave_steps() -> int:
+    """The steps a wave of waiting prompts is spread over: `ENGINE_PREFILL_WAVE_STEPS` when set (1: one
+    step, as before, for A/B runs), else `PREFILL_WAVE_STEPS`."""
+    value = os.environ.get(PREFILL_WAVE_ENV, "").strip()
+    if not value:
+        return PREFILL_WAVE_STEPS
+    try:
+        return max(1, int(value))
+    except ValueError:
+        raise ValueError(f"{PREFILL_WAVE_ENV} must be a whole number of steps (1: off), got {value!r}") from None
+
+
 def mixed_burst_tokens() -> int:
     """The burst cap of mixed steps: `ENGINE_MIXED_BURST_TOKENS` when set (0 turns bursts off, for A/B
     runs of the serving benchmark), else `MIXED_BURST_TOKENS`."""
@@ -135,6 +161,7 @@ class Scheduler:
         self.shared_prefix_wait_tokens: int | None = SHARED_PREFIX_WAIT_TOKENS
         self.mixed_queue_scale = MIXED_QUEUE_SCALE  # 1: a mixed step's prompt tokens never pass the budget
         self.mixed_burst_tokens = mixed_burst_tokens()  # 0: a burst takes the queue-scaled budget too
+        self.prefill_wave_steps = prefill_wave_steps()  # 1: a prefill step takes the whole budget
         # A budget from the measured step cost (step_cost.py) instead of the fixed / queue-scaled one
         # once it has samples; None: off. The engine sets it and feeds it every step's time.
         self.step_budget: MixedStepBudget | None = None
@@ -215,7 +242,7 @@ class Scheduler:
             if out.decode:
                 return out
             # Every running sequence is paused: the next prefill may run right away.
-        self._admit(out)
+        self._admit(out, self._wave_budget())
         if out.prefill:
             # Chunked prefill bounds a prefill step by the token budget; a decode step follows each one
             # (also after whole prompts: a wave of admissions would otherwise run budget after budget).
@@ -257,6 +284,17 @@ class Scheduler:
         scaled = min(self.mixed_queue_scale * budget, max(budget, queued // max(rows, 1)))
         self._rule = "queue" if scaled > budget else "fixed"
         return scaled
+
+    def _wave_budget(self) -> int:
+        """Prompt tokens a prefill step may take: the budget, or while several prompts wait, their uncached
+        tokens (those that could join the batch) spread over `prefill_wave_steps` steps, at least
+        `PREFILL_WAVE_MIN_TOKENS` a step."""
+        budget = self.max_num_batched_tokens
+        slots = self.max_num_seqs - len(self.running)
+        if self.prefill_wave_steps <= 1 or len(self.waiting) < 2 or slots < 2:
+            return budget
+        queued = sum(self._uncached_tokens(seq) for seq in itertools.islice(self.waiting, slots))
+        return min(budget, max(PREFILL_WAVE_MIN_TOKENS, -(-queued // self.prefill_wave_steps)))
 
     def _uncached_tokens(self, seq: Sequence) -> int:
         """Prompt tokens `seq` still has to compute: after its chunks so far, or after its cached prefix
