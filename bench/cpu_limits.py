@@ -164,10 +164,10 @@ def engine_decode_tps(model_dir: Path, dtype: str, batch: int, max_tokens: int, 
     return result
 
 
-def engine_steady_step_ms(model_dir: Path, dtype: str, batch: int, steps: int) -> float:
-    """Median ms of one decode step with exactly `batch` sequences decoding (32-token prompts, already
-    prefilled and a few steps in): the step the limits bound, without `generate`'s prefills, ramp-up
-    and drain."""
+def steady_engine(model_dir: Path, dtype: str, batch: int, steps: int) -> Any:
+    """An engine with exactly `batch` sequences decoding (32-token prompts, already prefilled and a few
+    steps in, room for `steps` more): the steady decode step, without `generate`'s prefills, ramp-up and
+    drain."""
     from bench.engine_throughput import _engine
     from inference.engine import SamplingParams
 
@@ -180,6 +180,12 @@ def engine_steady_step_ms(model_dir: Path, dtype: str, batch: int, steps: int) -
         engine.step()
     for _ in range(4):  # warm-up: the decode fast path's caches
         engine.step()
+    return engine
+
+
+def engine_steady_step_ms(model_dir: Path, dtype: str, batch: int, steps: int) -> float:
+    """Median ms of one steady decode step at `batch` sequences (`steady_engine`): the step the limits bound."""
+    engine = steady_engine(model_dir, dtype, batch, steps)
     times = []
     for _ in range(steps):
         started = time.perf_counter()

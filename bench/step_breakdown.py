@@ -13,7 +13,6 @@ linears (rows above the own kernels' limit) fall in it. The decode step is measu
 
 from __future__ import annotations
 
-import json
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -25,11 +24,11 @@ from bench.common import (
     parse_args,
     print_header,
     smollm2_dir,
-    synthetic_prompts,
     tiny_llama_hd64_dir,
     torch_threads,
     write_result,
 )
+from bench.cpu_limits import steady_engine
 
 MODULE = "bench.step_breakdown"
 # Kernel entry points whose calls are linears: named by (kernel, out, in) from their packed operand.
@@ -72,8 +71,7 @@ class TimedOps:
 
 def breakdown(model_dir: Path, dtype: str, batch: int, steps: int) -> dict[str, Any]:
     """Mean ms per label over `steps` steady decode steps at `batch` sequences, and the mean step."""
-    from bench.engine_throughput import _engine
-    from inference.engine import SamplingParams, cpu_kernels
+    from inference.engine import cpu_kernels
 
     real = cpu_kernels.load_kernels()
     if real is None:
@@ -81,15 +79,7 @@ def breakdown(model_dir: Path, dtype: str, batch: int, steps: int) -> dict[str, 
     timed = TimedOps(real)
     cpu_kernels._module = timed  # the engine built below loads this wrapper
     try:
-        engine = _engine(model_dir, max_num_seqs=max(batch, 1), max_len=64 + steps + 16, dtype=dtype)
-        vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
-        params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
-        for i, prompt in enumerate(synthetic_prompts(batch, 32, vocab, seed=batch)):
-            engine.add_request(f"breakdown-{i}", prompt, params)
-        while engine.num_running < batch:
-            engine.step()
-        for _ in range(4):
-            engine.step()
+        engine = steady_engine(model_dir, dtype, batch, steps)
         timed.reset()
         started = time.perf_counter()
         for _ in range(steps):

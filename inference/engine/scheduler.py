@@ -83,28 +83,28 @@ PREFILL_WAVE_MIN_TOKENS = 256
 PREFILL_WAVE_ENV = "ENGINE_PREFILL_WAVE_STEPS"
 
 
+def _env_count(name: str, default: int, minimum: int, unit: str) -> int:
+    """Whole number `name` from the environment (at least `minimum`), `default` when unset; ValueError
+    naming the variable otherwise."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return max(minimum, int(value))
+    except ValueError:
+        raise ValueError(f"{name} must be a whole number of {unit}, got {value!r}") from None
+
+
 def prefill_wave_steps() -> int:
     """The steps a wave of waiting prompts is spread over: `ENGINE_PREFILL_WAVE_STEPS` when set (1: one
     step, as before, for A/B runs), else `PREFILL_WAVE_STEPS`."""
-    value = os.environ.get(PREFILL_WAVE_ENV, "").strip()
-    if not value:
-        return PREFILL_WAVE_STEPS
-    try:
-        return max(1, int(value))
-    except ValueError:
-        raise ValueError(f"{PREFILL_WAVE_ENV} must be a whole number of steps (1: off), got {value!r}") from None
+    return _env_count(PREFILL_WAVE_ENV, PREFILL_WAVE_STEPS, 1, "steps (1: off)")
 
 
 def mixed_burst_tokens() -> int:
     """The burst cap of mixed steps: `ENGINE_MIXED_BURST_TOKENS` when set (0 turns bursts off, for A/B
     runs of the serving benchmark), else `MIXED_BURST_TOKENS`."""
-    value = os.environ.get(MIXED_BURST_ENV, "").strip()
-    if not value:
-        return MIXED_BURST_TOKENS
-    try:
-        return max(0, int(value))
-    except ValueError:
-        raise ValueError(f"{MIXED_BURST_ENV} must be a whole number of prompt tokens (0: off), got {value!r}") from None
+    return _env_count(MIXED_BURST_ENV, MIXED_BURST_TOKENS, 0, "prompt tokens (0: off)")
 
 
 class Scheduler:
