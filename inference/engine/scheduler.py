@@ -83,16 +83,20 @@ PREFILL_WAVE_MIN_TOKENS = 256
 PREFILL_WAVE_ENV = "ENGINE_PREFILL_WAVE_STEPS"
 
 
+class SchedulerSettingError(ValueError):
+    """An environment switch of the scheduler (`ENGINE_...`) holds no valid value; the message names it."""
+
+
 def _env_count(name: str, default: int, minimum: int, unit: str) -> int:
-    """Whole number `name` from the environment (at least `minimum`), `default` when unset; ValueError
-    naming the variable otherwise."""
+    """Whole number `name` from the environment (at least `minimum`), `default` when unset;
+    SchedulerSettingError naming the variable otherwise."""
     value = os.environ.get(name, "").strip()
     if not value:
         return default
     try:
         return max(minimum, int(value))
     except ValueError:
-        raise ValueError(f"{name} must be a whole number of {unit}, got {value!r}") from None
+        raise SchedulerSettingError(f"{name} must be a whole number of {unit}, got {value!r}") from None
 
 
 def prefill_wave_steps() -> int:

@@ -273,7 +273,6 @@ class RequestRun:
             migrations=self.migrations,
         )
 
-
     def _cached_tokens(self, attempt: Attempt, usage: dict[str, Any]) -> int | None:
         """The prompt tokens that were not computed for this request (OpenAI's `cached_tokens`): the
         prefill worker's reuse when it prefilled remotely, else the decode worker's own; each worker's

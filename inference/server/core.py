@@ -20,6 +20,7 @@ from inference.engine.compile import CompileUnavailable
 from inference.engine.kv_events import KVEventLog
 from inference.engine.memory import KVPoolTooSmall
 from inference.engine.sampling_params import load_sampling_defaults
+from inference.engine.scheduler import SchedulerSettingError
 from inference.engine.step_cost import parse_step_target
 from inference.kv_transfer import KVLayout
 from inference.kv_transfer.verbs import VerbsDevice
@@ -66,7 +67,7 @@ def load_engine(args: ServerArgs, device: torch.device) -> LLMEngine:
         )
     except KVPoolTooSmall as exc:  # its message names the flag to change
         raise StartupError(str(exc), EXIT_KV_POOL_TOO_SMALL) from exc
-    except CompileUnavailable as exc:  # its message names the flag to change
+    except (CompileUnavailable, SchedulerSettingError) as exc:  # their messages name the flag or variable
         raise StartupError(str(exc)) from exc
     except (OSError, ValueError) as exc:
         raise StartupError(f"cannot load the model from --model-path {args.model_path}: {exc}") from exc
