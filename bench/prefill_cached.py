@@ -13,7 +13,8 @@ attention its extra keys need, priced at the fresh chunk's own attention cost pe
 more). `over_bound` > 1 means the cached path pays more than the extra FLOPs.
 
 In bf16 each case runs twice in the same process: with torch's SDPA (`sdpa`, the path before
-prefill_attention.py) and with the GEMM attention (`gemm`, the engine's path now).
+prefill_attention.py, and the engine's path on a CPU with AMX tiles) and with the GEMM attention (`gemm`,
+the engine's path on other CPUs; forced on here whatever the CPU).
 
     .venv/bin/python -m bench.prefill_cached                 # SmolLM2 if prepared (bf16 and fp32)
     .venv/bin/python -m bench.prefill_cached --quick         # tiny model, one repeat
@@ -145,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     from inference.engine import prefill_attention
 
     gemm_bytes = prefill_attention.MAX_SCORE_BYTES
+    wanted = prefill_attention.gemm_attention_wanted
+    # The GEMM variant is forced on even where the engine would not choose it (a CPU with AMX tiles).
+    prefill_attention.gemm_attention_wanted = lambda: True  # type: ignore[assignment]
     for dtype in args.dtypes.split(","):
         engine = LLMEngine(str(model), block_size=16, max_num_seqs=4, max_model_len=2048, dtype=dtype,
                            num_blocks=256)
@@ -158,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"{dtype} {variant} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
         prefill_attention.MAX_SCORE_BYTES = gemm_bytes
         del engine
+    prefill_attention.gemm_attention_wanted = wanted  # type: ignore[assignment]
     result["load_at_end"] = list(os.getloadavg())
     print_header("prefill over a cached prefix vs fresh (one forward, best of repeats)")
     for key, rows in result.items():

@@ -14,20 +14,49 @@ layout is folded into the GEMMs: the queries of the heads sharing a KV head are 
 no key or value is repeated.
 The score matrix is materialised (`[batch, heads, q_len, k_len]`), so a step whose scores would
 exceed `MAX_SCORE_BYTES` keeps the flash kernel (which tiles).
+
+Not on a CPU with AMX tiles (eighteenth session, Intel Xeon family 6 model 207, torch 2.13): there
+torch's flash kernel runs its bf16 blocks on AMX and beat these GEMMs at every prefill shape measured,
+one thread: 512 causal queries 1.86 against 6.55 ms a layer, 4 x 512 7.8 against 31.6 (the masked
+fill and the softmax over the full score matrix were two thirds of it), 256 after 1,024 cached 2.6
+against 6.5, 2 x 128 after 384 cached 0.99 against 1.68, 64 queries 0.07 against 0.15. So there
+the flash kernel serves every bf16 prefill (`gemm_attention_wanted`); `INFERENCE_GEMM_ATTENTION=1` /
+`0` forces the GEMMs on / off on any CPU (A/B runs).
 """
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
+
+from .cpu_linear import cpu_kind
+
+SWITCH = "INFERENCE_GEMM_ATTENTION"
 
 # Above this many bytes of fp32 scores per call the flash kernel's tiling wins on memory (64 MiB: a
 # 256-token chunk after ~7,000 cached tokens with SmolLM2's 9 heads).
 MAX_SCORE_BYTES = 64 << 20
 
 
+@functools.lru_cache(maxsize=1)
+def gemm_attention_wanted() -> bool:
+    """Whether bf16 prefill attention on this CPU runs as GEMMs at all: not where the CPU has AMX tiles
+    (torch's flash kernel is faster there, see the module), unless `INFERENCE_GEMM_ATTENTION` says
+    "1" (on) or "0" (off). Read once per process."""
+    switch = os.environ.get(SWITCH, "").strip().lower()
+    if switch in ("0", "false", "no", "off"):
+        return False
+    if switch in ("1", "true", "yes", "on"):
+        return True
+    return cpu_kind() != "avx512-amx"
+
+
 def use_matmul_attention(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether `matmul_attention` should run for q `[batch, q_len, heads, head_dim]` over k
-    `[batch, k_len, kv_heads, head_dim]`: bf16 on a CPU, more than one query, scores within bounds."""
-    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or q.shape[1] < 2:
+    `[batch, k_len, kv_heads, head_dim]`: bf16 on a CPU that wants it (`gemm_attention_wanted`), more
+    than one query, scores within bounds."""
+    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or q.shape[1] < 2 or not gemm_attention_wanted():
         return False
     return q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1] * 4 <= MAX_SCORE_BYTES
 

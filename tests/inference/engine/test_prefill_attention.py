@@ -6,8 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference.engine import LLMEngine, SamplingParams
-from inference.engine.prefill_attention import MAX_SCORE_BYTES, matmul_attention, use_matmul_attention
+from inference.engine import LLMEngine, SamplingParams, prefill_attention
+from inference.engine.prefill_attention import (
+    MAX_SCORE_BYTES,
+    SWITCH,
+    gemm_attention_wanted,
+    matmul_attention,
+    use_matmul_attention,
+)
 
 from .conftest import TinyModel
 from .test_logits_parity import engine_logits
@@ -54,9 +60,10 @@ def test_matches_sdpa_with_mask_and_causal(batch: int, cached: int, new: int, he
         assert torch.equal(causal, matmul_attention(q.to(dtype), k.to(dtype), v.to(dtype), 0.125, mask.to(dtype)))
 
 
-def test_used_for_bf16_cpu_prefill_only() -> None:
-    """bf16 prefill shapes on a CPU take the GEMM path; fp32, single queries (decode) and score
-    matrices over the memory bound do not."""
+def test_used_for_bf16_cpu_prefill_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 prefill shapes on a CPU that wants the GEMMs take the GEMM path; fp32, single queries
+    (decode) and score matrices over the memory bound do not."""
+    monkeypatch.setattr(prefill_attention, "gemm_attention_wanted", lambda: True)
     q = torch.zeros(1, 16, 9, 64, dtype=torch.bfloat16)
     k = torch.zeros(1, 32, 3, 64, dtype=torch.bfloat16)
     assert use_matmul_attention(q, k)
@@ -66,11 +73,33 @@ def test_used_for_bf16_cpu_prefill_only() -> None:
     assert not use_matmul_attention(q, long_k)
 
 
+@pytest.mark.parametrize(("kind", "switch", "wanted"),
+                         [("avx512-amx", None, False), ("avx512", None, True), ("avx512-zen5", None, True),
+                          ("avx512-amx", "1", True), ("avx512", "0", False)])
+def test_gemm_attention_not_on_amx_unless_switched(monkeypatch: pytest.MonkeyPatch, kind: str, switch: str | None,
+                                                   wanted: bool) -> None:
+    """A CPU with AMX tiles keeps torch's flash kernel (faster there); the others take the GEMMs; the
+    switch overrides either way. A bf16 prefill shape follows the choice."""
+    monkeypatch.setattr(prefill_attention, "cpu_kind", lambda: kind)
+    if switch is None:
+        monkeypatch.delenv(SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(SWITCH, switch)
+    gemm_attention_wanted.cache_clear()
+    try:
+        assert gemm_attention_wanted() is wanted
+        q = torch.zeros(1, 16, 9, 64, dtype=torch.bfloat16)
+        assert use_matmul_attention(q, torch.zeros(1, 16, 3, 64, dtype=torch.bfloat16)) is wanted
+    finally:
+        gemm_attention_wanted.cache_clear()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prompt_over_cached_prefix_matches_fresh_prefill(llama: TinyModel, dtype: str) -> None:
     """A prompt whose first 3 blocks are cached (its prefill attends to keys gathered from the cache
     under the offset causal mask) gives the logits and greedy tokens of the same prompt prefilled
-    fresh, in fp32 and in bf16 (where both prefills run the GEMM attention)."""
+    fresh, in fp32 and in bf16 (where both prefills run the GEMM attention, or on an AMX CPU both the
+    flash kernel)."""
     prompt = llama.prompts[3]  # 70 tokens
     fresh = LLMEngine(llama.path, block_size=16, num_blocks=64, dtype=dtype, enable_prefix_caching=False)
     want, want_tokens = engine_logits(fresh, [prompt], 4)
