@@ -92,8 +92,8 @@ print("RESULT " + json.dumps({"load_s": load_s, "rounds": rounds, "dtype": str(e
 MODELS = {"tiny": "tiny-llama-hd64", "smollm2": "SmolLM2-135M"}
 
 
-def _run_child(args: list[str], cfg: dict[str, Any], env: dict[str, str], cwd: Path, timeout: float,
-               cpus: set[int] | None = None) -> dict[str, Any]:
+def run_child(args: list[str], cfg: dict[str, Any], env: dict[str, str], cwd: Path, timeout: float,
+              cpus: set[int] | None = None) -> dict[str, Any]:
     """Run one measuring child with `cfg` in a temporary JSON file (pinned to `cpus`, with every process
     it starts, when given); its RESULT line, parsed."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -148,13 +148,13 @@ def measure_pair(model_dir: Path, dtype: str, vllm_dtype: str, concurrency: list
         if deadline.expired():
             log("time budget spent, stopping rounds")
             break
-        ours.append(_run_child([sys.executable, "-c", OURS_CHILD], cfg | {"dtype": dtype},
-                               base_env | {"PYTHONPATH": str(ROOT)}, ROOT, 900, cpus))
+        ours.append(run_child([sys.executable, "-c", OURS_CHILD], cfg | {"dtype": dtype},
+                              base_env | {"PYTHONPATH": str(ROOT)}, ROOT, 900, cpus))
         log(f"round {r + 1} ours ({ours[-1]['dtype']}): "
             + ", ".join(f"c={c} {v['tokens_per_s']:.0f}" for c, v in ours[-1]["rounds"][0].items()))
         # -P and cwd outside the repository: vLLM's venv must not import this repository's packages.
-        theirs.append(_run_child([str(venv / "bin" / "python"), "-P", str(VLLM_CHILD)], cfg | {"dtype": vllm_dtype},
-                                 vllm_env, Path(tempfile.gettempdir()), 1200, cpus))
+        theirs.append(run_child([str(venv / "bin" / "python"), "-P", str(VLLM_CHILD)], cfg | {"dtype": vllm_dtype},
+                                vllm_env, Path(tempfile.gettempdir()), 1200, cpus))
         log(f"round {r + 1} vLLM ({vllm_dtype}, loaded in {theirs[-1]['load_s']:.0f} s): "
             + ", ".join(f"c={c} {v['tokens_per_s']:.0f}" for c, v in theirs[-1]["rounds"][0].items()))
     rows = []

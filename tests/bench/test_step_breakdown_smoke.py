@@ -47,3 +47,22 @@ def test_linear_calls_are_labelled_by_shape() -> None:
     timed.rms_norm(torch.zeros(2))
     assert set(timed.totals) == {"panel_linear 5x8", "rms_norm"}
     assert timed.calls["panel_linear 5x8"] == 1
+
+
+def test_prefill_mode_parts_add_up_and_name_attention_and_linears(tmp_path: Path) -> None:
+    """The prefill mode's parts (linears by projection and kernel, attention, KV writes, kernels, glue)
+    sum to the step; the model's methods are its class's again afterwards."""
+    from inference.engine import cpu_kernels
+
+    if cpu_kernels.load_kernels() is None:
+        pytest.skip("CPU kernels unavailable here")
+    assert step_breakdown.main(["--quick", "--prefill", "1x32", "--out-dir", str(tmp_path), "--dtype", "float32"]) == 0
+    result = json.loads((tmp_path / "step_breakdown_prefill_quick.json").read_text())
+    assert [(r["prompts"], r["tokens"]) for r in result["prefill"]] == [(1, 32), (2, 16)]
+    for run in result["prefill"]:
+        parts = run["parts_ms"]
+        assert sum(parts.values()) == pytest.approx(run["step_ms"])
+        assert parts["attention (Attention._prefill)"] > 0 and parts["KV cache writes (index_copy_)"] > 0
+        assert any(name.startswith("linear gate_up_proj (") for name in parts)
+        assert any(name.startswith("linear lm_head (") for name in parts)
+        assert not any(name.startswith(("kernel amx_linear", "kernel panel_linear")) for name in parts)
