@@ -8,6 +8,7 @@ import pytest
 
 from inference.engine import LLMEngine, SamplingParams
 from inference.engine.scheduler import PREFILL_WAVE_ENV, PREFILL_WAVE_MIN_TOKENS, PREFILL_WAVE_STEPS
+from inference.engine.sequence import RequestOutput
 
 from .conftest import VOCAB, TinyModel
 from .helpers import Collected, absorb, drain
@@ -77,3 +78,24 @@ def test_a_bad_switch_names_itself(llama: TinyModel, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv(PREFILL_WAVE_ENV, "many")
     with pytest.raises(ValueError, match=PREFILL_WAVE_ENV):
         LLMEngine(llama.path, block_size=16, num_blocks=16)
+
+
+def test_offline_generate_prefills_a_wave_in_one_step(llama: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Offline, no first token is seen before the batch ends: the wave rule would only cost throughput.
+    monkeypatch.delenv(PREFILL_WAVE_ENV, raising=False)
+    prompts = _wave(VOCAB)
+    engine = LLMEngine(llama.path, block_size=16, num_blocks=256, max_num_batched_tokens=2048)
+    plans: list[int] = []
+    step = engine.step
+
+    def recording_step() -> list[RequestOutput]:
+        outs = step()
+        plans.append(engine.scheduler.last_plan[0])
+        return outs
+
+    monkeypatch.setattr(engine, "step", recording_step)
+    results = engine.generate(prompts, GREEDY)
+    assert [tokens for tokens in plans if tokens] == [WAVE * LENGTH]
+    assert engine.scheduler.prefill_wave_steps == PREFILL_WAVE_STEPS  # restored for serving
+    _, stepped, _ = _run(llama, prompts)  # the same prompts stepped as a worker does, over a few steps
+    assert [r.token_ids for r in results] == [stepped[f"w{i}"].token_ids for i in range(WAVE)]
