@@ -34,8 +34,9 @@ from bench.common import (
 MODULE = "bench.paged_attention"
 KERNEL = "inference/engine/csrc/paged_decode.cpp"
 BLOCK = 16
-# (name, heads, kv_heads, head_dim): SmolLM2-135M and the benchmarks' tiny hd64 Llama.
-SHAPES = {"smollm2": (9, 3, 64), "tiny": (8, 2, 64), "hd128": (16, 4, 128)}
+# (name, heads, kv_heads, head_dim): SmolLM2-135M, the tiny test Llama, bench.common's tiny hd64 Llama (the
+# engine_vs_vllm tiny model) and a head_dim-128 shape.
+SHAPES = {"smollm2": (9, 3, 64), "tiny": (8, 2, 64), "tiny-hd64": (4, 4, 64), "hd128": (16, 4, 128)}
 BINDING = """#include <torch/extension.h>
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, torch::Tensor rows,
                            torch::Tensor slots, torch::Tensor ctx_lens, int64_t layer_offset, int64_t v_offset,
