@@ -15,7 +15,11 @@ and ours ÷ vLLM.
 
 With `--baseline-env NAME=VALUE` (repeatable) each round also runs our engine with that environment (a
 switch back to the previous behaviour) before ours, and the table adds ours ÷ baseline per round: an
-A/B of the switch in the same run; `--no-vllm` leaves vLLM out.
+A/B of the switch in the same run; `--baseline-tree DIR` runs the baseline from another checkout (a git
+worktree of the previous commit: its engine and kernels), with or without an environment;
+`--no-vllm` leaves vLLM out.
+
+    .venv/bin/python -m bench.prefill_vs_vllm --no-vllm --baseline-tree ../wt-base   # this tree against another
 """
 from __future__ import annotations
 
@@ -139,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="environment of our side's process (repeatable), e.g. an engine switch")
     p.add_argument("--baseline-env", action="append", default=[], metavar="NAME=VALUE",
                    help="also run our engine with this environment each round (repeatable): the A/B baseline")
+    p.add_argument("--baseline-tree", type=Path, default=None,
+                   help="run the baseline from this checkout (e.g. a git worktree of the previous commit)")
     p.add_argument("--name", default="prefill_vs_vllm", help="result file name (without .json)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(p, argv)
@@ -165,9 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         if deadline.expired():
             log("time budget spent, stopping rounds")
             break
-        if args.baseline_env:
-            base.append(run_child([sys.executable, "-c", OURS_CHILD], cfg,
-                                  ours_env | dict(kv.split("=", 1) for kv in args.baseline_env), ROOT, 900))
+        if args.baseline_env or args.baseline_tree:
+            tree = (args.baseline_tree or ROOT).resolve()
+            env = ours_env | {"PYTHONPATH": str(tree)} | dict(kv.split("=", 1) for kv in args.baseline_env)
+            base.append(run_child([sys.executable, "-c", OURS_CHILD], cfg, env, tree, 900))
             log(f"round {r + 1} baseline: " + ", ".join(f"{k} {_ms(v):.0f} ms"
                                                          for k, v in base[-1]["cases"].items()))
         ours.append(run_child([sys.executable, "-c", OURS_CHILD], cfg, ours_env, ROOT, 900))
@@ -184,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ab_rows: list[dict[str, Any]] = []
     if base:
         ab_rows = summarise(cases, ours, base, "baseline")
-        print_header(f"{title}: ours against the baseline ({' '.join(args.baseline_env)})")
+        what = " ".join([*args.baseline_env, *([f"tree {args.baseline_tree}"] if args.baseline_tree else [])])
+        print_header(f"{title}: ours against the baseline ({what})")
         print(table(ab_rows, "baseline", "baseline"))
     if theirs:
         rows = summarise(cases, ours, theirs, "vllm")
@@ -195,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             print(name, "ours ms per round:", ", ".join(f"{_ms(r['cases'][name]):.0f}" for r in ours))
     path = write_result(args.out_dir, "prefill_vs_vllm_quick" if args.quick else args.name, MODULE, argv,
                         {"note": note_shared_machine(), "threads": args.threads, "model_dir": str(model),
-                         "ours_env": args.ours_env, "baseline_env": args.baseline_env, "rows": rows,
+                         "ours_env": args.ours_env, "baseline_env": args.baseline_env,
+                         "baseline_tree": str(args.baseline_tree) if args.baseline_tree else None, "rows": rows,
                          "ab_rows": ab_rows, "ours_runs": ours, "vllm_runs": theirs, "baseline_runs": base})
     print(f"\nresult: {path}")
     return 0

@@ -31,3 +31,15 @@ def test_baseline_env_ab_without_vllm(tmp_path: Path) -> None:
     assert [r["case"] for r in result["ab_rows"]] == ["1x64", "2x64"]
     for row in result["ab_rows"]:
         assert len(row["ratio"]) == 1 and row["ratio"][0] > 0
+
+
+def test_baseline_tree_runs_the_baseline_from_that_checkout(tmp_path: Path) -> None:
+    """--baseline-tree runs the baseline's process from the given checkout (here this one again) and
+    records it; the A/B rows come out as with an environment switch."""
+    from bench.common import ROOT
+
+    argv = ["--quick", "--no-vllm", "--baseline-tree", str(ROOT), "--out-dir", str(tmp_path)]
+    assert prefill_vs_vllm.main(argv) == 0
+    result = json.loads((tmp_path / "prefill_vs_vllm_quick.json").read_text())
+    assert result["baseline_tree"] == str(ROOT) and result["baseline_env"] == []
+    assert len(result["baseline_runs"]) == 1 and len(result["ab_rows"]) == 2
