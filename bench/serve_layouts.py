@@ -122,12 +122,16 @@ def layout_env(layout: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def serving(layout: str, model: Path, log_dir: Path, args: Any, step_dir: Path | None) -> Iterator[str]:
+def serving(layout: str, model: Path, log_dir: Path, args: Any, step_dir: Path | None,
+            trace_dir: Path | None = None) -> Iterator[str]:
     """Start `layout`'s workers (in parallel) and the router in front of them; yield the router's URL;
-    stop everything on exit. With `step_dir`, the workers log per-step timings there (ENGINE_STEP_LOG)."""
+    stop everything on exit. With `step_dir`, the workers log per-step timings there (ENGINE_STEP_LOG);
+    with `trace_dir`, the workers and the router their tokens' timestamps (DELIVERY_TRACE)."""
+    from inference.wire.delivery_trace import ENV as TRACE_ENV
     from tests.support.processes import Proc, start_router, start_worker
 
-    env = {**layout_env(layout), **({"ENGINE_STEP_LOG": str(step_dir)} if step_dir is not None else {})}
+    traced = {TRACE_ENV: str(trace_dir)} if trace_dir is not None else {}
+    env = {**layout_env(layout), **({"ENGINE_STEP_LOG": str(step_dir)} if step_dir is not None else {}), **traced}
     log_dir.mkdir(parents=True, exist_ok=True)  # a fresh clone has no var/bench/logs yet
     specs = worker_specs(layout, args)
     procs: list[Proc] = []
@@ -146,7 +150,7 @@ def serving(layout: str, model: Path, log_dir: Path, args: Any, step_dir: Path |
         prefill = [url for (role, _), url in zip(specs, urls, strict=True) if role == "prefill"]
         decode = [url for (role, _), url in zip(specs, urls, strict=True) if role != "prefill"]
         router, router_url = start_router(prefill, decode, log_dir,
-                                          policy=getattr(args, "router_policy", None) or ROUTER_POLICY)
+                                          policy=getattr(args, "router_policy", None) or ROUTER_POLICY, env=traced)
         procs.append(router)
         yield router_url
     finally:

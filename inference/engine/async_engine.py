@@ -9,6 +9,8 @@ from collections.abc import AsyncGenerator, Callable
 
 import torch
 
+from inference.wire import delivery_trace
+
 from .block_manager import block_hashes
 from .config import ModelConfig
 from .engine import LLMEngine
@@ -354,6 +356,11 @@ class AsyncEngine:
         """Route outputs to their channels (outputs nobody listens to are dropped)."""
         if not outputs:
             return
+        trace = delivery_trace.TRACE
+        if trace is not None:  # DELIVERY_TRACE: the step's end, per output (off by default)
+            now = time.time()
+            for out in outputs:
+                trace.mark("engine", out.request_id, len(out.new_token_ids), now)
         with self._streams_lock:
             targets = [(self._streams.get(out.request_id), out) for out in outputs]
         for stream, out in targets:

@@ -23,6 +23,7 @@ from inference.router.events import DoneEvent, ErrorEvent, Event, GenerateReques
 from inference.router.failures import TRANSPORT_ERRORS
 from inference.router.health import describe_exception
 from inference.router.migration import resumed_request
+from inference.wire import delivery_trace
 from inference.wire.logprobs import Logprob
 from inference.wire.stream import DecodeLine, DoneLine, ErrorLine, TokenLine
 
@@ -87,6 +88,7 @@ class RequestRun:
             client.inflight -= 1
             raise
         ack_every = client.ack_every
+        trace = delivery_trace.TRACE  # DELIVERY_TRACE: each token line as it is taken (off by default)
         finished = False
         try:
             while True:  # bounded: every read has a timeout, the request a deadline, migrations a cap
@@ -96,7 +98,11 @@ class RequestRun:
                 if type(line) is TokenLine:
                     ids, text = line.token_ids, line.text
                     positions = self.positions(attempt, line) if self.wants_logprobs else None
+                    if trace is not None:
+                        trace.mark("router_in", attempt.request_id, len(ids))
                     while (following := stream.ready()) is not None and type(following) is TokenLine:
+                        if trace is not None:
+                            trace.mark("router_in", attempt.request_id, len(following.token_ids))
                         ids = ids + following.token_ids
                         text += following.text
                         if positions is not None:
@@ -136,6 +142,8 @@ class RequestRun:
                 attempt, line = moved
         finally:
             metrics.tokens.inc(len(emitted))  # once per request, not per token
+            if trace is not None:  # gunicorn's router processes end by a signal, without atexit hooks
+                trace.flush()
             try:
                 await client.finish(attempt, abort=not finished)
             finally:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from inference.engine import RequestOutput
 from inference.kv_transfer import TransferDescriptor, TransferStats
 from inference.server.credit import StreamCredit
+from inference.wire import delivery_trace
 from inference.wire.logprobs import encode_positions
 from inference.wire.stream import descriptor_line, done_line, error_line, token_line
 
@@ -143,6 +144,8 @@ class DecodeStream:
         self.last_token_at = now
         self.completion_tokens += n
         metrics.generation_tokens.inc(n)
+        if delivery_trace.TRACE is not None:  # the HTTP server writes the line as soon as it is yielded
+            delivery_trace.TRACE.mark("worker", self.request_id, n)
         logprobs = None
         if out.logprobs:
             logprobs = encode_positions(self.worker.logprob_texts.positions(out.logprobs))  # type: ignore[arg-type]

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from inference.server.credit import StreamCredit
 from inference.server.errors import bad_request, overloaded
 from inference.server.requests import parse_sampling, prompt_token_ids
+from inference.wire import delivery_trace
 from inference.wire.stream import descriptor_line, done_line, error_line, token_line
 
 if TYPE_CHECKING:
@@ -165,6 +166,8 @@ async def _lines(worker: DecodeWorker, request_id: str, ids: list[int], params: 
                 last_at = now
                 sent += n
                 metrics.generation_tokens.inc(n)
+                if delivery_trace.TRACE is not None:  # the HTTP server writes the line as soon as it is yielded
+                    delivery_trace.TRACE.mark("worker", request_id, n)
                 yield token_line(out.new_token_ids, out.new_text)
             elif out.new_text:
                 yield token_line([], out.new_text)
