@@ -59,15 +59,17 @@ from bench.serve_layouts import (
 MODULE = "bench.serve_vs_vllm"
 
 
-async def _one(session: Any, url: str, model: str, prompt: list[int], output_len: int) -> dict[str, Any]:
-    """One streamed completion: TTFT, per-token gaps and the tokens received (from `usage`)."""
+async def _one(session: Any, url: str, model: str, prompt: list[int], output_len: int,
+               trace: list[tuple[float, str]] | None = None) -> dict[str, Any]:
+    """One streamed completion: TTFT, per-token gaps and the tokens received (from `usage`); with `trace`,
+    (time.time(), the event's id) of each event with text is appended to it (bench/delivery_trace.py)."""
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 1.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     import aiohttp
 
     start = time.perf_counter()
     try:
-        return await _stream(session, url, body, start)
+        return await _stream(session, url, body, start, trace)
     except aiohttp.ClientError as exc:
         # Counted as a failed request (errors, error_samples), not the end of the run: a server that closes an
         # idle keep-alive connection as the client reuses it fails that one request (ServerDisconnectedError),
@@ -75,11 +77,22 @@ async def _one(session: Any, url: str, model: str, prompt: list[int], output_len
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:200]}
 
 
-async def _stream(session: Any, url: str, body: dict[str, Any], start: float) -> dict[str, Any]:
-    """Stream one completion; client-side TTFT and inter-token gaps."""
+async def _stream(session: Any, url: str, body: dict[str, Any], start: float,
+                  trace: list[tuple[float, str]] | None = None) -> dict[str, Any]:
+    """Stream one completion; client-side TTFT and inter-token gaps.
+
+    Two kinds of gaps: between events with text (`gaps`: this benchmark's ITL since the fifth session),
+    and between every event with choices, text or not (`chunk_gaps`: how `vllm bench serve` counts ITL,
+    vllm/benchmarks/lib/endpoint_request_func.py). They differ at a token that completes no character (a
+    byte-level token, the first half of a two-byte character): both servers send its event with empty
+    text, which `gaps` skips, so the next text event's gap spans two steps (`blank` counts them)."""
     first: float | None = None
     last = start
     gaps: list[float] = []
+    chunk_first: float | None = None
+    chunk_last = start
+    chunk_gaps: list[float] = []
+    blank = 0
     tokens = 0
     async with session.post(url + "/v1/completions", json=body) as r:
         if r.status != 200:
@@ -91,8 +104,19 @@ async def _stream(session: Any, url: str, body: dict[str, Any], start: float) ->
             if event.get("usage"):
                 tokens = int(event["usage"]["completion_tokens"])
             choices = event.get("choices") or []
+            if choices:
+                now = time.perf_counter()
+                if chunk_first is None:
+                    chunk_first = now
+                else:
+                    chunk_gaps.append(now - chunk_last)
+                chunk_last = now
+                if not choices[0].get("text") and not choices[0].get("finish_reason"):
+                    blank += 1
             if choices and choices[0].get("text"):
                 now = time.perf_counter()
+                if trace is not None:
+                    trace.append((time.time(), str(event.get("id"))))
                 if first is None:
                     first = now
                 else:
@@ -100,13 +124,15 @@ async def _stream(session: Any, url: str, body: dict[str, Any], start: float) ->
                 last = now
     if first is None:
         return {"ok": False, "error": "no token"}
-    return {"ok": True, "ttft": first - start, "gaps": gaps, "tokens": tokens, "e2e": time.perf_counter() - start}
+    return {"ok": True, "ttft": first - start, "gaps": gaps, "chunk_gaps": chunk_gaps, "blank": blank, "tokens": tokens,
+            "e2e": time.perf_counter() - start}
 
 
 async def _load(url: str, model: str, prompts: list[list[int]], lengths: list[int], concurrency: int,
-                requests: int) -> dict[str, Any]:
+                requests: int, trace_dir: Path | None = None) -> dict[str, Any]:
     """`requests` streamed completions, `concurrency` at a time (closed loop), request `i` asking for
-    `lengths[i]` tokens; client-side numbers."""
+    `lengths[i]` tokens; client-side numbers. With `trace_dir`, the events' arrival times are written
+    there as the `client` point of a delivery trace (inference/wire/delivery_trace.py)."""
     import aiohttp
 
     # Idle connections are dropped after 3 s, before the servers' keep-alive timeouts (5 s for the router and
@@ -120,17 +146,22 @@ async def _load(url: str, model: str, prompts: list[list[int]], lengths: list[in
         measured_from = time.time()  # the workers' step logs from here on are the measured requests'
         queue = list(range(requests))
         results: list[dict[str, Any]] = []
+        trace: list[tuple[float, str]] | None = [] if trace_dir is not None else None
         started = time.perf_counter()
 
         async def worker() -> None:
             while queue:
                 i = queue.pop()
-                results.append(await _one(session, url, model, prompts[i % len(prompts)], lengths[i % len(lengths)]))
+                results.append(await _one(session, url, model, prompts[i % len(prompts)], lengths[i % len(lengths)],
+                                          trace))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
+    if trace_dir is not None and trace:
+        _write_client_trace(trace_dir, trace)
     ok = [r for r in results if r["ok"]]
     gaps = [g for r in ok for g in r["gaps"]]
+    chunk_gaps = [g for r in ok for g in r["chunk_gaps"]]
     ttft = [r["ttft"] for r in ok]
     tokens = sum(r["tokens"] for r in ok)
     return {
@@ -139,8 +170,19 @@ async def _load(url: str, model: str, prompts: list[list[int]], lengths: list[in
         "seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed,
         "ttft_p50_ms": _ms(median(ttft)), "ttft_p99_ms": _ms(percentile(ttft, 99)),
         "itl_p50_ms": _ms(median(gaps)), "itl_p99_ms": _ms(percentile(gaps, 99)),
+        # As `vllm bench serve` counts: every event with choices, text or not (see _stream).
+        "chunk_itl_p50_ms": _ms(median(chunk_gaps)), "chunk_itl_p99_ms": _ms(percentile(chunk_gaps, 99)),
+        "blank_events": sum(r["blank"] for r in ok), "text_gaps": len(gaps),
+        # Blank events cluster in the few streams that sampled their way into a two-byte script.
+        "blank_streams": sum(1 for r in ok if r["blank"]), "blank_max": max((r["blank"] for r in ok), default=0),
         "measured_from": measured_from,
     }
+
+
+def _write_client_trace(trace_dir: Path, trace: list[tuple[float, str]]) -> None:
+    """The client's events as rows of the delivery trace (the `client` point, one per event)."""
+    with open(trace_dir / f"trace-{os.getpid()}.tsv", "a") as out:
+        out.writelines(f"{t:.6f}\tclient\t{rid}\t1\n" for t, rid in trace)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -152,27 +194,46 @@ def _ours(model: Path, log_dir: Path, prompts: list[list[int]], args: Any, deadl
     """Router + workers of one thread each, --dtype auto, placed by `layout` (serve_layouts.LAYOUTS);
     with --step-log, each point also carries the workers' per-step timings."""
     step_dir = Path(args.step_log) / f"{layout}-{time.time():.0f}" if args.step_log else None
+    trace_dir = Path(args.delivery_trace) / f"{layout}-{time.time():.0f}" if args.delivery_trace else None
+    if trace_dir is not None:
+        trace_dir.mkdir(parents=True, exist_ok=True)
     rows = []
-    with serving(layout, model, log_dir, args, step_dir) as router_url:
+    spans = []  # (since, until) of each point's measured requests
+    with serving(layout, model, log_dir, args, step_dir, trace_dir) as router_url:
         import httpx
 
         served = httpx.get(router_url + "/v1/models", timeout=30).json()["data"][0]["id"]
         for c in args.concurrency:
             if deadline.expired():
                 break
-            rows.append(asyncio.run(_load(router_url, served, prompts, args.lengths, c, args.requests(c))))
+            rows.append(asyncio.run(_load(router_url, served, prompts, args.lengths, c, args.requests(c), trace_dir)))
             # The measured requests' steps only: the warm-up's (its own burst, 4-token streams) are not among
             # the client's gaps.
             since = rows[-1].pop("measured_from")
+            spans.append((since, time.time()))
             if step_dir is not None:
                 rows[-1]["steps"] = step_summary(step_dir, since)
             log(f"ours {layout} c={c}: {_line(rows[-1])}")
+    if trace_dir is not None:  # read once the processes stopped: their last rows are written at exit
+        from bench.delivery_trace import summary_of
+
+        for row, (since, until) in zip(rows, spans, strict=True):
+            row["delivery"] = summary_of(trace_dir, since, until)
+            log(f"ours {layout} c={row['concurrency']}: delivery {_delivery_line(row['delivery'])}")
     return rows
+
+
+def _delivery_line(summary: dict[str, Any]) -> str:
+    """Late gaps and the p99 gap at each point of the delivery trace."""
+    return ", ".join(f"{point} {entry['late']} late, p99 {fmt(entry['gap_ms_p99'])} ms"
+                     for point, entry in summary["points"].items())
 
 
 def _line(row: dict[str, Any]) -> str:
     return (f"{row['output_tok_s']:.0f} tok/s, TTFT p50/p99 {fmt(row['ttft_p50_ms'])}/{fmt(row['ttft_p99_ms'])} ms, "
-            f"ITL p50/p99 {fmt(row['itl_p50_ms'])}/{fmt(row['itl_p99_ms'])} ms, errors {row['errors']}")
+            f"ITL p50/p99 {fmt(row['itl_p50_ms'])}/{fmt(row['itl_p99_ms'])} ms (every chunk "
+            f"{fmt(row.get('chunk_itl_p50_ms'))}/{fmt(row.get('chunk_itl_p99_ms'))}, blank {row.get('blank_events')}), "
+            f"errors {row['errors']}")
 
 
 def _vllm(model: Path, log_dir: Path, prompts: list[list[int]], args: Any, deadline: Deadline) -> dict[str, Any]:
@@ -243,6 +304,9 @@ def _parser() -> Any:
     p.add_argument("--step-log", default=None,
                    help="folder for the workers' per-step timings (ENGINE_STEP_LOG); each point then reports "
                    "their summary (serve_layouts.step_summary)")
+    p.add_argument("--delivery-trace", default=None,
+                   help="folder for every token's timestamps at the engine, the worker, the router and the client "
+                   "(DELIVERY_TRACE); each point then reports which hop made tokens late (bench.delivery_trace)")
     return p
 
 
@@ -313,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     print_header("the serving path through the router vs vllm serve")
     print(markdown_table(["round", "layout", "in flight", "tok/s ours / vLLM", "ratio", "TTFT p50 ours / vLLM ms",
                           "TTFT p99 ours / vLLM ms", "TTFT p99 ÷", "ITL p50 ours / vLLM ms",
-                          "ITL p99 ours / vLLM ms", "ITL p99 ÷", "errors ours/vLLM"], _table(result)))
+                          "ITL p99 ours / vLLM ms", "ITL p99 ÷", "ITL p99 every chunk ours / vLLM ms", "÷",
+                          "blank events ours / vLLM", "errors ours/vLLM"], _table(result)))
     name = "serve_vs_vllm_quick" if args.quick else "serve_vs_vllm"
     path = write_result(args.out_dir, name, MODULE, argv, result)
     print(f"\nresult: {path}")
@@ -340,7 +405,7 @@ def _table(result: dict[str, Any]) -> list[list[Any]]:
                 theirs = theirs_by_c.get(ours["concurrency"], {})
 
                 def pair(key: str) -> str:
-                    return f"{fmt(ours[key])} / {fmt(theirs.get(key))}"  # noqa: B023 (used at once)
+                    return f"{fmt(ours.get(key))} / {fmt(theirs.get(key))}"  # noqa: B023 (used at once)
 
                 rows.append([r, layout, ours["concurrency"], pair("output_tok_s"),
                              fmt(ratio(ours["output_tok_s"], theirs.get("output_tok_s")), 2),
@@ -348,6 +413,9 @@ def _table(result: dict[str, Any]) -> list[list[Any]]:
                              fmt(ratio(ours["ttft_p99_ms"], theirs.get("ttft_p99_ms")), 2),
                              pair("itl_p50_ms"), pair("itl_p99_ms"),
                              fmt(ratio(ours["itl_p99_ms"], theirs.get("itl_p99_ms")), 2),
+                             pair("chunk_itl_p99_ms"),
+                             fmt(ratio(ours.get("chunk_itl_p99_ms"), theirs.get("chunk_itl_p99_ms")), 2),
+                             f"{ours.get('blank_events', '-')} / {theirs.get('blank_events', '-')}",
                              f"{ours['errors']}/{theirs.get('errors', '-')}"])
     return rows
 
