@@ -83,11 +83,6 @@ VARIANTS: tuple[Variant, ...] = (
     # a burst's cold first turns all look whole.
     ("kv-aware+local-receipt", "kv-aware", {"ROUTER_LOCAL_PREFILL_TOKENS": "128"},
      {"WORKER_PENDING_PREFIX_CREDIT": "0"}, []),
-    # A prompt under the local threshold always prefilled on its decode worker, however deep the queue there
-    # (before local_prefill.remote_is_sooner_by): a cold burst of short first turns never reaches the
-    # prefill workers.
-    ("kv-aware+local-stay", "kv-aware", {"ROUTER_LOCAL_PREFILL_TOKENS": "128"},
-     {"WORKER_LOCAL_REMOTE_MARGIN_MS": "off"}, []),
 )
 
 
@@ -482,12 +477,6 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_p50_rr_wave1_over_local_wave1": ratio(rr_1.get("ttft_p50_s"), local_1.get("ttft_p50_s")),
         "ttft_p90_rr_wave1_over_local_wave1": ratio(rr_1.get("ttft_p90_s"), local_1.get("ttft_p90_s")),
         "tok_s_local_wave1_over_rr_wave1": ratio(local_1.get("output_tok_s"), rr_1.get("output_tok_s")),
-    })
-    stay = rows.get("kv-aware+local-stay", empty)
-    comparison.update({  # prompts under the local threshold never sent to the prefill pool (before the margin rule)
-        "ttft_p50_rr_over_local_stay": ratio(rr.get("ttft_p50_s"), stay.get("ttft_p50_s")),
-        "ttft_p90_rr_over_local_stay": ratio(rr.get("ttft_p90_s"), stay.get("ttft_p90_s")),
-        "tok_s_local_stay_over_rr": ratio(stay.get("output_tok_s"), rr.get("output_tok_s")),
     })
     mixed = rows.get("kv-aware+local-mixed", empty)
     comparison.update({  # mixed prefill with the step-cost budget on every worker, against round-robin as it is

@@ -20,7 +20,6 @@ from inference.server.core import WorkerCore
 from inference.server.credit import StreamCredit
 from inference.server.decode_stream import DecodeStream, Event, KVWaiter
 from inference.server.errors import StartupError, bad_request, overloaded
-from inference.server.local_prefill import remote_margin_s
 from inference.server.logprobs import LogprobRenderer
 from inference.server.pending_prefix import PendingPrefixes, pending_prefix_credit_enabled
 from inference.server.requests import parse_sampling, prompt_token_ids
@@ -46,10 +45,6 @@ class DecodeWorker(WorkerCore):
         # The blocks of the local prefills taken here and not computed yet (local_prefill.py); the switch
         # (WORKER_PENDING_PREFIX_CREDIT) is read once, here.
         self.pending_prefixes = PendingPrefixes(self.engine.engine.block_size, pending_prefix_credit_enabled())
-        try:  # how much sooner the prefill pool must be to take a prompt under the threshold (read once)
-            self.remote_margin_s = remote_margin_s()
-        except ValueError as exc:
-            raise StartupError(str(exc)) from exc
 
     def start(self) -> None:
         """Open the KV port."""

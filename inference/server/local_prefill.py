@@ -11,9 +11,7 @@ takes this path for every prompt, offered or not. The lines are the wire's, as i
 The router may also say how deep the prefill pool's queue is (`remote_prefill`: the prompt tokens ahead
 on the cheapest prefill worker and that worker's measured tokens/s). A prompt over the threshold is then
 prefilled here too when that is sooner (`local_is_sooner`): when a burst of cold prompts would queue on
-the prefill workers while this one has room. The other way round, a prompt under the threshold goes to
-the prefill pool when its first token would come from there sooner by more than the hop costs
-(`remote_is_sooner_by`): when a burst of short prompts queues here while the prefill workers idle.
+the prefill workers while this one has room.
 
 The tokens a prompt leaves to compute are those its prefix cache does not hold at receipt, less the
 leading blocks a local prefill queued here will compute first (pending_prefix.py): the engine computes a
@@ -23,8 +21,6 @@ compute and, when those are few, are prefilled here as well.
 from __future__ import annotations
 
 import asyncio
-import math
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -44,15 +40,6 @@ if TYPE_CHECKING:
 LOCAL_DESCRIPTOR: dict[str, Any] = {"local": True}
 # How long a local stream waits for the next engine output (or router credit) before giving up.
 OUTPUT_TIMEOUT_S = 120.0
-
-# A prompt under the offered threshold still goes to the prefill pool when its first token would come
-# from there sooner by more than this: the hop's own cost (the prefill call, the KV transfer, the stream
-# picking it up), tens of ms on loopback, with room to spare, so that only a deep queue here moves a
-# prompt. What it is for: a cold burst of first turns whose shared system prompt is cached (or queued)
-# here has a few dozen tokens each to compute, all under the threshold, so the whole burst queued on the
-# decode workers while the prefill workers idled (docs/benchmarks.md, "Eighteenth session: multi-turn").
-REMOTE_MARGIN_S = 0.1
-REMOTE_MARGIN_ENV = "WORKER_LOCAL_REMOTE_MARGIN_MS"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,39 +85,6 @@ def local_is_sooner(uncached: int, local_pending: int, running: int, local_rate:
     return local_tokens / local_rate < remote_tokens / remote_rate
 
 
-def remote_margin_s() -> float:
-    """The margin of `remote_is_sooner_by`: `WORKER_LOCAL_REMOTE_MARGIN_MS` when set (`off`: a prompt under
-    the threshold always stays), else `REMOTE_MARGIN_S`. ValueError naming the variable when malformed."""
-    value = os.environ.get(REMOTE_MARGIN_ENV, "").strip().lower()
-    if not value:
-        return REMOTE_MARGIN_S
-    if value == "off":
-        return math.inf
-    try:
-        margin_ms = float(value)
-    except ValueError:
-        margin_ms = -1.0
-    if not margin_ms >= 0 or math.isinf(margin_ms):
-        raise ValueError(f"{REMOTE_MARGIN_ENV} must be a number of milliseconds >= 0 or 'off', got {value!r}")
-    return margin_ms / 1000
-
-
-def remote_is_sooner_by(margin_s: float, uncached: int, remote_uncached: int, local_pending: int, running: int,
-                        local_rate: float | None, remote: RemoteQueue) -> bool:
-    """Whether a prompt under the threshold gets its first token from the prefill pool sooner by more than
-    `margin_s`. Here: as in `local_is_sooner` (the local prefills queued, this prompt's `uncached` tokens,
-    a row per running decode). There: the queue ahead plus `remote_uncached`, the prompt's tokens this
-    worker's cache does not hold (a queued local prefill's blocks help only here). A rate not measured is
-    taken as the other side's; with neither measured the prompt stays."""
-    local_rate = local_rate or remote.tokens_per_s
-    remote_rate = remote.tokens_per_s or local_rate
-    if local_rate is None or remote_rate is None:
-        return False
-    local_s = (local_pending + uncached + running) / local_rate
-    remote_s = (remote.queue_tokens + remote_uncached) / remote_rate
-    return remote_s + margin_s < local_s
-
-
 def local_limit(body: dict[str, Any]) -> int | None:
     """The body's `local_prefill_max_tokens` (None: the router did not offer local prefill); 400 when bad."""
     value = body.get("local_prefill_max_tokens")
@@ -157,17 +111,12 @@ async def open_local(
     hashes = queued.hashes(ids) if queued.enabled and not worker.prefills_every_prompt else []
     # Left to compute when the engine admits it: a queued local prefill's leading blocks count as cached.
     uncached = len(ids) - max(cached, queued.shared_tokens(hashes))
-    if not worker.prefills_every_prompt and remote is not None:
-        pending, rate = worker.signals.prefill_queue()
-        running = worker.engine.status().running
-        if uncached > (limit or 0):
-            if not local_is_sooner(uncached, pending, running, rate, remote):
-                return None
-        elif remote_is_sooner_by(worker.remote_margin_s, uncached, len(ids) - cached, pending, running, rate,
-                                 remote):
+    if not worker.prefills_every_prompt and uncached > (limit or 0):
+        if remote is None:
             return None
-    elif not worker.prefills_every_prompt and uncached > (limit or 0):
-        return None
+        pending, rate = worker.signals.prefill_queue()
+        if not local_is_sooner(uncached, pending, worker.engine.status().running, rate, remote):
+            return None
     request_id = str(body.get("request_id") or uuid.uuid4().hex)
     worker.refuse_if_aborted(request_id)
     params = parse_sampling(body.get("sampling"), worker.args.max_tokens_limit, worker.sampling_defaults)

@@ -13,15 +13,7 @@ from inference.router.policies import KVAware
 from inference.router.pool import WorkerPool
 from inference.server.errors import WorkerError
 from inference.server.load import LoadSignals
-from inference.server.local_prefill import (
-    REMOTE_MARGIN_ENV,
-    REMOTE_MARGIN_S,
-    RemoteQueue,
-    local_is_sooner,
-    remote_is_sooner_by,
-    remote_margin_s,
-    remote_queue,
-)
+from inference.server.local_prefill import RemoteQueue, local_is_sooner, remote_queue
 from inference.wire.kv_events import WorkerLoad, decode_line
 
 
@@ -109,34 +101,6 @@ def test_local_prefill_when_it_is_sooner_than_the_prefill_pools_queue() -> None:
     # One side measured: the other taken as fast.
     assert local_is_sooner(100, 0, 0, None, RemoteQueue(50, 1000.0))
     assert not local_is_sooner(100, 60, 0, 1000.0, RemoteQueue(50, None))
-
-
-def test_a_short_prompt_leaves_only_a_deep_local_queue() -> None:
-    # A cold burst's short first turn: 64 tokens here (the system prompt queued here), 320 there, 1,200
-    # prompt tokens queued here, an idle prefill worker; both at 1,000 tokens/s: 1.26 s against 0.32 s.
-    assert remote_is_sooner_by(0.1, 64, 320, 1200, 0, 1000.0, RemoteQueue(0, 1000.0))
-    # Nothing queued here: it stays (0.07 s against 0.32 s), and within the margin it stays too.
-    assert not remote_is_sooner_by(0.1, 64, 320, 0, 0, 1000.0, RemoteQueue(0, 1000.0))
-    assert not remote_is_sooner_by(0.1, 64, 64, 60, 0, 1000.0, RemoteQueue(0, 1000.0))
-    # Running decode rows count here, the queue ahead counts there.
-    assert remote_is_sooner_by(0.1, 64, 64, 0, 200, 1000.0, RemoteQueue(0, 1000.0))
-    assert not remote_is_sooner_by(0.1, 64, 320, 1200, 0, 1000.0, RemoteQueue(1000, 1000.0))
-    # One rate measured: the other taken as fast; neither: it stays, however deep the queue here.
-    assert remote_is_sooner_by(0.1, 64, 320, 1200, 0, None, RemoteQueue(0, 1000.0))
-    assert not remote_is_sooner_by(0.1, 64, 320, 100_000, 0, None, RemoteQueue(0, None))
-
-
-def test_remote_margin_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(REMOTE_MARGIN_ENV, raising=False)
-    assert remote_margin_s() == REMOTE_MARGIN_S
-    monkeypatch.setenv(REMOTE_MARGIN_ENV, "250")
-    assert remote_margin_s() == 0.25
-    monkeypatch.setenv(REMOTE_MARGIN_ENV, "off")
-    assert remote_margin_s() == float("inf")
-    for bad in ("-1", "soon", "nan", "inf"):
-        monkeypatch.setenv(REMOTE_MARGIN_ENV, bad)
-        with pytest.raises(ValueError, match=REMOTE_MARGIN_ENV):
-            remote_margin_s()
 
 
 def test_remote_prefill_field_is_checked() -> None:

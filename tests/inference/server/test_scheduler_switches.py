@@ -1,5 +1,5 @@
-"""A scheduler or decode-worker switch with a bad value stops the worker at startup with one line naming
-the variable (not a traceback, not "cannot load the model")."""
+"""A scheduler switch with a bad value stops the worker at startup with one line naming the variable
+(not a traceback, not "cannot load the model")."""
 from __future__ import annotations
 
 import os
@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 
 from inference.engine.scheduler import MIXED_BURST_ENV, PREFILL_WAVE_ENV
-from inference.server.local_prefill import REMOTE_MARGIN_ENV
 from tests.support.processes import build_kernels_once, free_port
 
 
-@pytest.mark.parametrize("name", [PREFILL_WAVE_ENV, MIXED_BURST_ENV, REMOTE_MARGIN_ENV])
+@pytest.mark.parametrize("name", [PREFILL_WAVE_ENV, MIXED_BURST_ENV])
 def test_a_bad_switch_names_itself_and_the_worker_exits_1(tiny_model_dir: Path, name: str) -> None:
     build_kernels_once()
     env = {**os.environ, name: "many", "CUDA_VISIBLE_DEVICES": ""}
@@ -26,5 +25,5 @@ def test_a_bad_switch_names_itself_and_the_worker_exits_1(tiny_model_dir: Path, 
     )
     assert done.returncode == 1, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: {name} must be a "), done.stderr[-2000:]
+    assert last.startswith(f"error: {name} must be a whole number of "), done.stderr[-2000:]
     assert "Traceback" not in done.stderr
