@@ -92,6 +92,16 @@ print("RESULT " + json.dumps({"load_s": load_s, "rounds": rounds, "dtype": str(e
 MODELS = {"tiny": "tiny-llama-hd64", "smollm2": "SmolLM2-135M"}
 
 
+def child_envs(threads: int) -> tuple[dict[str, str], dict[str, str]]:
+    """The environments of a measuring child with `threads` compute threads: the base both sides share
+    (offline, quiet), and vLLM's (its CPU backend, no usage report, a 2 GiB KV space)."""
+    base = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PATH": "/usr/bin:/bin",
+            "OMP_NUM_THREADS": str(threads)}
+    vllm = base | {"VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                   "CUDA_VISIBLE_DEVICES": "", "VLLM_CPU_KVCACHE_SPACE": "2", "HOME": str(Path.home())}
+    return base, vllm
+
+
 def run_child(args: list[str], cfg: dict[str, Any], env: dict[str, str], cwd: Path, timeout: float,
               cpus: set[int] | None = None) -> dict[str, Any]:
     """Run one measuring child with `cfg` in a temporary JSON file (pinned to `cpus`, with every process
@@ -136,10 +146,7 @@ def measure_pair(model_dir: Path, dtype: str, vllm_dtype: str, concurrency: list
            "max_tokens": max_tokens, "concurrency": concurrency, "waves_min_requests": min_requests,
            "rounds": 1, "max_model_len": prompt_len + max_tokens + 16, "max_num_seqs": max(concurrency),
            "threads": threads}
-    base_env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PATH": "/usr/bin:/bin",
-                "OMP_NUM_THREADS": str(threads)}
-    vllm_env = base_env | {"VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-                           "CUDA_VISIBLE_DEVICES": "", "VLLM_CPU_KVCACHE_SPACE": "2", "HOME": str(Path.home())}
+    base_env, vllm_env = child_envs(threads)
     if cpus:  # vLLM's own "auto" binding would pick its cores (and reserve one) by itself
         vllm_env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in sorted(cpus))
     ours: list[dict[str, Any]] = []

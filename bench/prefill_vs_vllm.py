@@ -2,8 +2,8 @@
 
 Cases (default): 1 x 512, 4 x 512 and 1 x 2048 prompt tokens, random token ids (no prefix-cache hit on
 either side: every set is new to the engine), greedy, one sampled token. Both engines get a token budget
-of 2,048 a step (`max_num_batched_tokens`), so each case is one prefill step on both; ours also runs with
-`ENGINE_PREFILL_WAVE_STEPS=1` (its wave rule would spread 4 x 512 over four steps). Each round runs our
+of 2,048 a step (`max_num_batched_tokens`), so each case is one prefill step on both (`generate` turns
+the engine's wave rule off, which would spread 4 x 512 over four steps). Each round runs our
 engine and vLLM's offline `LLM` (bench/vllm_offline_child.py, from bench/.venv-vllm) in fresh processes,
 alternating, one torch / OpenMP thread each; per case a warm-up call on prompts of its own, then
 `--repeats` timed sets. Reported per case and round: the median call (ms, ms a prompt token) of each
@@ -45,7 +45,7 @@ from bench.common import (
     tiny_llama_hd64_dir,
     write_result,
 )
-from bench.engine_vs_vllm import VLLM_CHILD, VLLM_VENV, run_child
+from bench.engine_vs_vllm import VLLM_CHILD, VLLM_VENV, child_envs, run_child
 
 MODULE = "bench.prefill_vs_vllm"
 STEP_TOKENS = 2048
@@ -158,12 +158,8 @@ def main(argv: list[str] | None = None) -> int:
            "cases": case_configs(cases, repeats, vocab), "max_num_batched_tokens": max(STEP_TOKENS, most),
            "max_model_len": max(length for _, _, length in cases) + 16,
            "max_num_seqs": max(n for _, n, _ in cases)}
-    base_env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PATH": "/usr/bin:/bin",
-                "OMP_NUM_THREADS": str(args.threads)}
-    ours_env = base_env | {"PYTHONPATH": str(ROOT), "ENGINE_PREFILL_WAVE_STEPS": "1"}
-    ours_env |= dict(kv.split("=", 1) for kv in args.ours_env)
-    vllm_env = base_env | {"VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-                           "CUDA_VISIBLE_DEVICES": "", "VLLM_CPU_KVCACHE_SPACE": "2", "HOME": str(Path.home())}
+    base_env, vllm_env = child_envs(args.threads)
+    ours_env = base_env | {"PYTHONPATH": str(ROOT)} | dict(kv.split("=", 1) for kv in args.ours_env)
     ours: list[dict[str, Any]] = []
     theirs: list[dict[str, Any]] = []
     base: list[dict[str, Any]] = []

@@ -127,7 +127,6 @@ def _wrap(obj: Any, attr: str, label: Callable[..., str], totals: dict[str, floa
 def prefill_breakdown(model_dir: Path, dtype: str, prompts: int, length: int, repeats: int) -> dict[str, Any]:
     """Mean ms per part over `repeats` prefill steps of `prompts` fresh prompts of `length` tokens."""
     import json
-    import os
 
     from bench.common import synthetic_prompts
     from inference.engine import LLMEngine, SamplingParams, cpu_kernels
@@ -135,7 +134,6 @@ def prefill_breakdown(model_dir: Path, dtype: str, prompts: int, length: int, re
 
     real = cpu_kernels.load_kernels()
     timed = TimedOps(real) if real is not None else None
-    os.environ["ENGINE_PREFILL_WAVE_STEPS"] = "1"  # the whole set in one step
     if timed is not None:
         cpu_kernels._module = timed
     try:
@@ -144,6 +142,7 @@ def prefill_breakdown(model_dir: Path, dtype: str, prompts: int, length: int, re
     finally:
         if timed is not None:
             cpu_kernels._module = real
+    engine.scheduler.prefill_wave_steps = 1  # the whole set in one step, as `generate` takes it
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     sets = synthetic_prompts(prompts * (repeats + 1), length, vocab, seed=prompts * length)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
